@@ -1,0 +1,1 @@
+"""kvtransport drivers over the Mooncake transfer engine (mooncake-gdr, mooncake-staged)."""

@@ -1,0 +1,1 @@
+"""kvtransport driver over NIXL with the UCX backend (nixl-ucx)."""

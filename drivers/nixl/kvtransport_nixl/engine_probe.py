@@ -1,0 +1,128 @@
+"""Probe NIXL and its UCX backend on this host, once per process.
+
+The probe imports the NIXL binding, creates a throw-away agent and instantiates the backend:
+that is the only reliable test that the UCX plugin exists in this wheel and that the user's
+``UCX_TLS`` leaves UCX a usable transport (an unusable one fails with a bare
+``NIXL_ERR_BACKEND``; we name the setting instead).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from importlib import metadata
+from types import ModuleType
+from typing import Any
+
+from kvtransport.diagnose import import_failure
+from kvtransport.driver import DriverStatus
+
+ENV_BACKEND = "KVTRANSPORT_NIXL_BACKEND"
+ENV_BACKEND_PARAMS = "KVTRANSPORT_NIXL_BACKEND_PARAMS"
+ENV_VARS = (ENV_BACKEND, ENV_BACKEND_PARAMS)
+
+#: Python modules of the NIXL wheels, in the order tried.
+NIXL_MODULES = ("nixl_cu12", "nixl_cu13", "nixl")
+
+
+@dataclass(frozen=True)
+class NixlFacts:
+    status: DriverStatus
+    module: str = ""
+    backend: str = ""
+    backend_params: tuple[tuple[str, str], ...] = ()
+    mem_types: tuple[str, ...] = ()
+
+
+def backend_config(env: dict[str, str] | None = None) -> tuple[str, dict[str, str], str]:
+    """(backend name, init params, error) from the environment."""
+    env = dict(os.environ) if env is None else env
+    backend = env.get(ENV_BACKEND, "").strip() or "UCX"
+    raw = env.get(ENV_BACKEND_PARAMS, "").strip()
+    if not raw:
+        return backend, {}, ""
+    try:
+        params = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        return backend, {}, f"{ENV_BACKEND_PARAMS} is not a JSON object: {exc}"
+    if not isinstance(params, dict):
+        return backend, {}, f"{ENV_BACKEND_PARAMS} must be a JSON object of strings"
+    return backend, {str(k): str(v) for k, v in params.items()}, ""
+
+
+def import_nixl() -> tuple[ModuleType | None, BaseException | None]:
+    first_error: BaseException | None = None
+    for name in NIXL_MODULES:
+        try:
+            return importlib.import_module(name), None
+        except Exception as exc:  # noqa: BLE001
+            if first_error is None or not isinstance(exc, ModuleNotFoundError):
+                first_error = exc
+    return None, first_error
+
+
+def quiet_nixl_logging() -> None:
+    """NIXL logs every agent creation at INFO; keep the library quiet by default."""
+    for name in NIXL_MODULES:
+        logging.getLogger(name).setLevel(logging.WARNING)
+        logging.getLogger(f"{name}._api").setLevel(logging.WARNING)
+
+
+def version() -> str:
+    for dist in ("nixl-cu12", "nixl-cu13", "nixl"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return ""
+
+
+@functools.lru_cache(maxsize=1)
+def probe_nixl() -> NixlFacts:
+    module, error = import_nixl()
+    if module is None:
+        assert error is not None
+        return NixlFacts(import_failure(error, module="nixl_cu12", install="pip install kvtransport-nixl"))
+    quiet_nixl_logging()
+    backend, params, config_error = backend_config()
+    ver = version()
+    if config_error:
+        return NixlFacts(DriverStatus(False, config_error, fix=f"fix or unset {ENV_BACKEND_PARAMS}", version=ver))
+    ucx_tls = os.environ.get("UCX_TLS", "")
+    try:
+        agent: Any = module.nixl_agent(f"kvtransport-probe-{os.getpid()}", module.nixl_agent_config(backends=[]))
+        plugins = list(agent.get_plugin_list())
+        if backend not in plugins:
+            return NixlFacts(
+                DriverStatus(
+                    False,
+                    f"NIXL {ver} has no {backend} backend plugin (plugins: {', '.join(plugins) or 'none'})",
+                    fix="reinstall nixl-cu12, or set KVTRANSPORT_NIXL_BACKEND to an available backend",
+                    version=ver,
+                )
+            )
+        agent.create_backend(backend, params)
+        mem_types = tuple(agent.get_backend_mem_types(backend))
+    except Exception as exc:  # noqa: BLE001 - reported with the setting that likely caused it
+        hint = f" with UCX_TLS={ucx_tls!r}" if ucx_tls else ""
+        return NixlFacts(
+            DriverStatus(
+                False,
+                f"NIXL could not create the {backend} backend{hint}: {type(exc).__name__}: {exc}",
+                fix="unset UCX_TLS or include a transport this host has (e.g. UCX_TLS=tcp,self or shm,self)"
+                if ucx_tls
+                else "check UCX_* environment variables and the NIXL installation",
+                version=ver,
+            )
+        )
+    return NixlFacts(
+        DriverStatus(True, f"NIXL {ver} ({module.__name__}) with the {backend} backend", version=ver),
+        module=module.__name__,
+        backend=backend,
+        backend_params=tuple(sorted(params.items())),
+        mem_types=mem_types,
+    )

@@ -1,0 +1,122 @@
+"""``nixl-ucx``: a NIXL agent per endpoint with the UCX backend.
+
+UCX picks its own transport (shared memory between processes of one host, RDMA across hosts
+when the NICs are there, TCP otherwise); the offer reports which one it expects, honouring
+``UCX_TLS``, so the user sees the slow path before it is taken.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from typing import ClassVar
+
+from kvtransport.driver import (
+    DRIVER_API_VERSION,
+    Capabilities,
+    DriverStatus,
+    Offer,
+    PeerView,
+    Rejection,
+    TransferPath,
+)
+from kvtransport.probe import probe_host
+
+from .data_path import NixlDataPath
+from .engine_probe import ENV_VARS, probe_nixl
+
+#: Nominal estimates. Shared memory and TCP as measured between processes here (host memory:
+#: shm 2.6-5.2 GB/s, tcp 0.8-2.4 GB/s); RDMA for a 200 Gb/s NIC. Device memory without GDR goes
+#: through UCX's own host bounce buffers, which costs it about half.
+SHM_GBPS = 4.0
+TCP_GBPS = 1.5
+RDMA_GBPS = 20.0
+CUDA_IPC_GBPS = 15.0
+NO_GDR_FACTOR = 0.5
+
+_SHM_TLS = {"sm", "shm", "posix", "sysv", "cma", "xpmem", "knem"}
+_RDMA_TLS = {"ib", "rc", "rc_x", "rc_v", "ud", "ud_x", "ud_v", "dc", "dc_x", "rc_mlx5", "ud_mlx5", "dc_mlx5"}
+_CUDA_IPC_TLS = {"cuda", "cuda_ipc"}
+
+
+def allows(ucx_tls: str, family: set[str]) -> bool:
+    """Whether a ``UCX_TLS`` value lets UCX use any transport of ``family``.
+
+    Unset or ``all`` allows everything; ``^a,b`` excludes a and b; otherwise it is a list.
+    """
+    raw = ucx_tls.strip()
+    if not raw:
+        return True
+    negate = raw.startswith("^")
+    names = {t.strip() for t in raw.lstrip("^").split(",") if t.strip()}
+    if negate:
+        return not family <= names
+    return "all" in names or bool(names & family)
+
+
+def _pair_allows(local: PeerView, remote: PeerView, family: set[str]) -> bool:
+    return all(allows(view.status.info.get("ucx_tls", "") if view.status else "", family) for view in (local, remote))
+
+
+class NixlUCX(NixlDataPath):
+    name: ClassVar[str] = "nixl-ucx"
+    api_version: ClassVar[int] = DRIVER_API_VERSION
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        reads=frozenset({"host", "cuda"}), writes=frozenset({"host", "cuda"})
+    )
+    env_vars: ClassVar[tuple[str, ...]] = ENV_VARS
+
+    @classmethod
+    def probe(cls) -> DriverStatus:
+        facts = probe_nixl()
+        if not facts.status.available:
+            return facts.status
+        host = probe_host()
+        memory = ["host"] if "DRAM_SEG" in facts.mem_types else []
+        notes = {} if memory else {"host": f"{facts.backend} backend cannot register host memory"}
+        if "VRAM_SEG" not in facts.mem_types:
+            notes["cuda"] = f"{facts.backend} backend cannot register device memory"
+        elif not host.cuda_devices:
+            notes["cuda"] = f"no CUDA device on this host ({host.cuda_note or 'none visible'})"
+        else:
+            memory.append("cuda")
+        return replace(
+            facts.status,
+            memory=tuple(memory),
+            memory_notes=notes,
+            info={
+                "module": facts.module,
+                "backend": facts.backend,
+                "ucx_tls": os.environ.get("UCX_TLS", ""),
+            },
+        )
+
+    @classmethod
+    def offer(cls, local: PeerView, remote: PeerView) -> Offer | Rejection:
+        if local.status is None or remote.status is None:
+            return Rejection("not installed on both sides")
+        backends = {local.status.info.get("backend", "UCX"), remote.status.info.get("backend", "UCX")}
+        if len(backends) > 1:
+            return Rejection(f"NIXL backends differ between the peers: {', '.join(sorted(backends))}")
+        same_host = local.host.host_id == remote.host.host_id
+        device = local.kv_memory.is_cuda or remote.kv_memory.is_cuda
+        if (
+            same_host
+            and device
+            and local.kv_memory.is_cuda
+            and remote.kv_memory.is_cuda
+            and _pair_allows(local, remote, _CUDA_IPC_TLS)
+        ):
+            return Offer(TransferPath.NVLINK, CUDA_IPC_GBPS, "UCX cuda_ipc between processes of one host")
+        if same_host and not device and _pair_allows(local, remote, _SHM_TLS):
+            return Offer(TransferPath.SHM, SHM_GBPS, "UCX shared memory between processes of one host")
+        gdr = all(
+            view.host.gdr_for(view.kv_memory.device)[0] for view in (local, remote) if view.kv_memory.device is not None
+        )
+        factor = 1.0 if gdr else NO_GDR_FACTOR
+        why = "" if gdr else "; device memory bounced through host by UCX (no GPUDirect RDMA)"
+        if local.host.rdma_devices and remote.host.rdma_devices and _pair_allows(local, remote, _RDMA_TLS):
+            return Offer(TransferPath.RDMA, RDMA_GBPS * factor, "UCX over RDMA" + why)
+        if _pair_allows(local, remote, {"tcp"}):
+            return Offer(TransferPath.TCP, TCP_GBPS * factor, "UCX over TCP (no shared memory or RDMA path)" + why)
+        return Rejection("UCX_TLS on one side leaves no transport UCX could use for this pair")

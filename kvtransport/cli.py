@@ -1,0 +1,232 @@
+"""The ``kvtransport`` command: ``doctor``, ``negotiate`` (and ``bench``).
+
+``doctor`` prints this host's hello (capabilities, every installed driver, why each is or is
+not usable, what to install); ``negotiate`` prints the decision between two hellos, honouring
+the env-var policy. Both exit non-zero, with the typed error's message, when nothing can be
+used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from . import __version__
+from .errors import KVTransportError
+from .hello import Hello, LoadedDrivers, build_hello, load_drivers
+from .memory import KVLayout, MemoryKind
+from .negotiate import Decision, negotiate
+from .registry import DriverEntry, Policy, duplicates, list_drivers, warn_unknown_env_vars
+
+EXIT_ERROR = 2
+
+
+def _setup_logging() -> None:
+    level = os.environ.get("KVTRANSPORT_LOG_LEVEL", "WARNING").upper()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kvtransport").setLevel(level)
+
+
+@contextlib.contextmanager
+def native_stdout_to_stderr() -> Iterator[None]:
+    """Send what native engines print to file descriptor 1 (UCX, Mooncake) to stderr, so
+    ``--json`` output on stdout stays parseable."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no stdout at all
+        yield
+        return
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _load(entries: list[DriverEntry]) -> LoadedDrivers:
+    with native_stdout_to_stderr():
+        return load_drivers(entries=entries)
+
+
+def _driver_env_vars(loaded: LoadedDrivers) -> list[str]:
+    return [var for cls in loaded.classes.values() for var in cls.env_vars]
+
+
+def _memory_layout(memory: str | None) -> KVLayout | None:
+    return KVLayout.llama3_8b(MemoryKind.parse(memory)) if memory else None
+
+
+# --- doctor ---------------------------------------------------------------------------------
+
+
+def doctor(args: argparse.Namespace) -> int:
+    entries = list_drivers()
+    loaded = _load(entries)
+    problems: list[str] = []
+    try:
+        policy = Policy.from_env(known=[e.name for e in entries])
+    except KVTransportError as exc:
+        policy = Policy()
+        problems.append(str(exc))
+    unknown = warn_unknown_env_vars(driver_vars=_driver_env_vars(loaded))
+    problems += [f"unknown environment variable {var} is ignored" for var in unknown]
+    for name, group in duplicates(entries).items():
+        problems.append(f"driver {name!r} is registered by " + " and ".join(e.distribution for e in group))
+    hello = build_hello(loaded.hellos, policy=policy, layout=_memory_layout(args.memory))
+    usable = [n for n, d in hello.drivers.items() if d.usable]
+    if not usable:
+        problems.append("no driver is usable on this host")
+    if args.json:
+        doc = hello.to_dict()
+        doc["diagnostics"] = {
+            "entries": [e.to_dict() for e in entries],
+            "problems": problems,
+            "kvtransport": __version__,
+        }
+        print(json.dumps(doc, indent=2, sort_keys=True))
+    else:
+        print(render_doctor(hello, problems))
+    return 1 if (not usable or any("No such driver" in p for p in problems)) else 0
+
+
+def render_doctor(hello: Hello, problems: Sequence[str]) -> str:
+    host = hello.host
+    lines = [f"kvtransport {__version__} on {host.hostname} (host id {host.host_id})", ""]
+    if host.cuda_devices:
+        for dev in host.cuda_devices:
+            gdr = {True: "yes", False: "no", None: "unknown"}[dev.gdr]
+            lines.append(f"  cuda:{dev.index}  {dev.name} {dev.pci_bus_id} {dev.uuid}  GDR: {gdr} ({dev.gdr_reason})")
+    else:
+        lines.append(f"  CUDA:    none ({host.cuda_note})")
+    lines.append(f"  RDMA:    {', '.join(host.rdma_devices) if host.rdma_devices else 'none (' + host.rdma_note + ')'}")
+    lines.append(f"  peermem: {'loaded' if host.peermem else 'not loaded'}")
+    versions = ", ".join(f"{k} {v}" for k, v in sorted(host.versions.items()))
+    lines.append(f"  engines: {versions or 'none installed'}")
+    lines += ["", f"  {'DRIVER':<18}{'STATUS':<13}{'MEMORY':<12}DETAIL"]
+    for name in sorted(hello.drivers):
+        entry = hello.drivers[name]
+        if entry.status is None:
+            lines.append(f"  {name:<18}{'broken':<13}{'-':<12}{entry.load_error}")
+            continue
+        status = entry.status
+        state = "available" if status.available else "unavailable"
+        memory = ",".join(status.memory) if status.available and status.memory else "-"
+        detail = status.reason
+        if status.fix:
+            detail += f"\n  {'':<43}fix: {status.fix}"
+        for family, note in sorted(status.memory_notes.items()):
+            if status.available:
+                detail += f"\n  {'':<43}{family}: {note}"
+        lines.append(f"  {name:<18}{state:<13}{memory:<12}{detail}")
+    policy = hello.policy
+    if policy.force or policy.allow or policy.exclude:
+        lines += [
+            "",
+            f"  policy: force={policy.force or '-'} allow={','.join(policy.allow) or '*'} "
+            f"exclude={','.join(policy.exclude) or '-'}",
+        ]
+    if problems:
+        lines += ["", "Problems:"] + [f"  - {p}" for p in problems]
+    return "\n".join(lines)
+
+
+# --- negotiate ------------------------------------------------------------------------------
+
+
+def _read_hello(path: str) -> Hello:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise KVTransportError(f"cannot read hello document {path}: {exc}") from exc
+    return Hello.from_dict(data)
+
+
+def negotiate_cmd(args: argparse.Namespace) -> int:
+    entries = list_drivers()
+    loaded = _load(entries)
+    warn_unknown_env_vars(driver_vars=_driver_env_vars(loaded))
+    policy = Policy.from_env(known=[e.name for e in entries])
+    layout = _memory_layout(args.memory)
+    this_host = build_hello(loaded.hellos, policy=policy, layout=layout, endpoint="local")
+    local = _read_hello(args.local).with_policy(policy) if args.local else this_host
+    if args.remote:
+        remote = _read_hello(args.remote)
+    else:
+        remote = build_hello(
+            loaded.hellos,
+            policy=policy,
+            layout=_memory_layout(args.remote_memory) or layout,
+            endpoint="remote",
+        )
+    decision = negotiate(local, remote, loaded.classes)
+    if args.json:
+        print(json.dumps(decision.to_dict(), indent=2, sort_keys=True))
+    else:
+        print(render_decision(decision))
+    return 0
+
+
+def render_decision(decision: Decision) -> str:
+    lines = [
+        f"{decision.initiator} -> {decision.acceptor}: {decision.driver} "
+        f"({decision.path.value}, ~{decision.gbps:g} GB/s)",
+        f"  why: {decision.reason}",
+        "",
+        f"  {'DRIVER':<18}{'OUTCOME':<10}REASON",
+    ]
+    for c in decision.candidates:
+        lines.append(f"  {c.driver:<18}{c.outcome:<10}{c.reason}")
+    return "\n".join(lines)
+
+
+# --- entry point ----------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvtransport", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"kvtransport {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("doctor", help="this host's capabilities and every driver's status")
+    p.add_argument("--json", action="store_true", help="print the hello document as JSON")
+    p.add_argument("--memory", help="describe KV in this memory (host, cuda:N)")
+    p.set_defaults(func=doctor)
+
+    p = sub.add_parser("negotiate", help="the driver two hellos would agree on, and why")
+    p.add_argument("--local", help="hello JSON of the initiator (default: this host)")
+    p.add_argument("--remote", help="hello JSON of the acceptor (default: this host)")
+    p.add_argument("--memory", help="KV memory of the default hellos (host, cuda:N)")
+    p.add_argument("--remote-memory", help="KV memory of the default remote hello")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=negotiate_cmd)
+
+    _add_bench(sub)
+    return parser
+
+
+def _add_bench(sub: Any) -> None:
+    """``bench`` lands with the data path; until then the parser has no such command."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    _setup_logging()
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except KVTransportError as exc:
+        print(f"kvtransport: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,249 @@
+"""Negotiation: from the two hellos, pick the driver for a pair of peers and say why.
+
+:func:`negotiate` is a pure, deterministic function of (initiator hello, acceptor hello, the
+driver classes known here). Both policies travel inside the hellos, so the initiator and the
+acceptor compute the same :class:`Decision`; the acceptor recomputes and compares, and a
+difference is a handshake error, never a silent pick.
+
+Ranking among the drivers both sides can use: the users' ``KVTRANSPORT_DRIVERS`` preference
+order first (initiator's list, then acceptor's), then the highest estimated bandwidth, then
+the fixed :data:`BUILTIN_PREFERENCE` list, then the name.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .driver import KVTransport, Offer, PeerView, Rejection, TransferPath
+from .errors import ConfigError, DriverUnavailable, LayoutMismatch, NoUsableDriver
+from .hello import Hello
+from .memory import HOST, MemoryKind
+from .registry import ENV_DRIVER
+
+log = logging.getLogger(__name__)
+
+#: Tie-break order when two drivers offer the same bandwidth; unknown names come after.
+BUILTIN_PREFERENCE = ("cuda-local", "mooncake-gdr", "nixl-ucx", "mooncake-staged")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One driver's fate in a decision."""
+
+    driver: str
+    outcome: str  # "chosen", "lost" or "rejected"
+    reason: str
+    path: str = ""
+    gbps: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "driver": self.driver,
+            "outcome": self.outcome,
+            "reason": self.reason,
+            "path": self.path,
+            "gbps": self.gbps,
+        }
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The chosen driver, its path and estimated bandwidth, and every other driver's reason."""
+
+    driver: str
+    path: TransferPath
+    gbps: float
+    reason: str
+    candidates: tuple[Candidate, ...]
+    initiator: str = ""
+    acceptor: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "driver": self.driver,
+            "path": self.path.value,
+            "gbps": self.gbps,
+            "reason": self.reason,
+            "initiator": self.initiator,
+            "acceptor": self.acceptor,
+            "candidates": [c.to_dict() for c in self.candidates],
+        }
+
+    def summary(self) -> str:
+        others = "; ".join(f"{c.driver}: {c.reason}" for c in self.candidates if c.outcome != "chosen")
+        return f"chose {self.driver} ({self.path.value}, ~{self.gbps:g} GB/s): {self.reason}" + (
+            f" | others: {others}" if others else ""
+        )
+
+
+def _kv_memory(hello: Hello) -> MemoryKind:
+    return hello.layout.memory if hello.layout else HOST
+
+
+def _preference_index(name: str) -> int:
+    return BUILTIN_PREFERENCE.index(name) if name in BUILTIN_PREFERENCE else len(BUILTIN_PREFERENCE)
+
+
+def _side(role: str, hello: Hello) -> str:
+    return f"{role} {hello.label()}"
+
+
+def check_layouts(initiator: Hello, acceptor: Hello) -> None:
+    """Raise :class:`LayoutMismatch`, with both layouts, when pages cannot move between them."""
+    if initiator.layout is None or acceptor.layout is None:
+        return
+    problems = initiator.layout.incompatibilities(acceptor.layout)
+    if problems:
+        raise LayoutMismatch(
+            "KV layouts cannot be bridged: "
+            + "; ".join(problems)
+            + f". {_side('initiator', initiator)} layout: {initiator.layout.to_dict()}; "
+            + f"{_side('acceptor', acceptor)} layout: {acceptor.layout.to_dict()}"
+        )
+
+
+def _screen(
+    name: str,
+    initiator: Hello,
+    acceptor: Hello,
+    classes: Mapping[str, type[KVTransport]],
+) -> Offer | Rejection:
+    """Everything the core checks before asking a driver's own ``offer``."""
+    for role, hello in (("initiator", initiator), ("acceptor", acceptor)):
+        allowed, why = hello.policy.permits(name)
+        if not allowed:
+            return Rejection(f"{why} on {_side(role, hello)}")
+    for role, hello in (("initiator", initiator), ("acceptor", acceptor)):
+        entry = hello.drivers.get(name)
+        if entry is None:
+            return Rejection(f"not installed on {_side(role, hello)}")
+        if entry.status is None:
+            return Rejection(f"failed to load on {_side(role, hello)}: {entry.load_error}")
+        why_not = entry.status.why_not(_kv_memory(hello))
+        if why_not:
+            return Rejection(f"unusable on {_side(role, hello)}: {why_not}")
+    cls = classes.get(name)
+    if cls is None:
+        return Rejection("driver class not loaded on the side computing the decision")
+    caps = initiator.drivers[name].capabilities
+    if caps and caps.same_host_only and initiator.host.host_id != acceptor.host.host_id:
+        return Rejection(
+            f"needs both peers on one host; {initiator.label()} is on host "
+            f"{initiator.host.hostname or initiator.host.host_id} and {acceptor.label()} on "
+            f"{acceptor.host.hostname or acceptor.host.host_id}"
+        )
+    local = PeerView(initiator.host, initiator.drivers[name].status, _kv_memory(initiator))
+    remote = PeerView(acceptor.host, acceptor.drivers[name].status, _kv_memory(acceptor))
+    try:
+        result = cls.offer(local, remote)
+    except Exception as exc:  # noqa: BLE001 - a buggy offer() rejects, it does not crash
+        return Rejection(f"offer() raised {type(exc).__name__}: {exc} (driver bug)")
+    if not isinstance(result, (Offer, Rejection)):
+        return Rejection(f"offer() returned {result!r}, not an Offer or Rejection (driver bug)")
+    return result
+
+
+def negotiate(
+    initiator: Hello,
+    acceptor: Hello,
+    classes: Mapping[str, type[KVTransport]],
+) -> Decision:
+    """Pick the driver for this pair. Raises a :class:`NegotiationError` when none can serve,
+    and :class:`DriverUnavailable` when a forced driver cannot (with its reason)."""
+    check_layouts(initiator, acceptor)
+    forced = {h.policy.force for h in (initiator, acceptor) if h.policy.force}
+    if len(forced) > 1:
+        raise ConfigError(
+            f"{ENV_DRIVER} differs between the peers: {initiator.policy.force} on "
+            f"{initiator.label()}, {acceptor.policy.force} on {acceptor.label()}"
+        )
+    names = sorted(set(initiator.drivers) | set(acceptor.drivers) | set(classes))
+    offers: dict[str, Offer] = {}
+    rejected: dict[str, str] = {}
+    for name in names:
+        result = _screen(name, initiator, acceptor, classes)
+        if isinstance(result, Offer):
+            offers[name] = result
+        else:
+            rejected[name] = result.reason
+
+    if forced:
+        (force,) = forced
+        if force not in offers:
+            reason = rejected.get(force, "not installed on either side")
+            raise DriverUnavailable(
+                f"{ENV_DRIVER}={force} cannot be used between {initiator.label()} and {acceptor.label()}: {reason}"
+            )
+
+    def key(name: str) -> tuple[int, int, float, int, str]:
+        return (
+            initiator.policy.rank(name),
+            acceptor.policy.rank(name),
+            -offers[name].gbps,
+            _preference_index(name),
+            name,
+        )
+
+    ranked = sorted(offers, key=key)
+    if not ranked:
+        detail = "; ".join(f"{n}: {r}" for n, r in sorted(rejected.items())) or "no driver installed"
+        raise NoUsableDriver(f"no driver can move KV between {initiator.label()} and {acceptor.label()}: {detail}")
+    best = ranked[0]
+    chosen = offers[best]
+    candidates = [
+        Candidate(
+            best,
+            "chosen",
+            _why_chosen(best, chosen, ranked, offers, initiator, acceptor),
+            chosen.path.value,
+            chosen.gbps,
+        )
+    ]
+    for name in ranked[1:]:
+        offer = offers[name]
+        candidates.append(
+            Candidate(
+                name,
+                "lost",
+                f"offers {offer.path.value} at ~{offer.gbps:g} GB/s; {best} ranks higher",
+                offer.path.value,
+                offer.gbps,
+            )
+        )
+    candidates += [Candidate(n, "rejected", r) for n, r in sorted(rejected.items())]
+    return Decision(
+        driver=best,
+        path=chosen.path,
+        gbps=chosen.gbps,
+        reason=candidates[0].reason,
+        candidates=tuple(candidates),
+        initiator=initiator.label(),
+        acceptor=acceptor.label(),
+    )
+
+
+def _why_chosen(
+    best: str,
+    offer: Offer,
+    ranked: list[str],
+    offers: Mapping[str, Offer],
+    initiator: Hello,
+    acceptor: Hello,
+) -> str:
+    parts = [f"{offer.path.value} at ~{offer.gbps:g} GB/s"]
+    if offer.note:
+        parts.append(offer.note)
+    if initiator.policy.force or acceptor.policy.force:
+        parts.append(f"forced by {ENV_DRIVER}")
+    elif initiator.policy.allow or acceptor.policy.allow:
+        parts.append("first allowed driver in KVTRANSPORT_DRIVERS order")
+    elif len(ranked) > 1 and offers[ranked[1]].gbps == offer.gbps:
+        parts.append(f"ties with {ranked[1]} on bandwidth; preferred by the built-in order")
+    elif len(ranked) > 1:
+        parts.append("highest estimated bandwidth")
+    else:
+        parts.append("the only driver both sides can use")
+    return "; ".join(parts)

@@ -1,0 +1,157 @@
+"""Page indices -> coalesced, bounds-checked runs of bytes.
+
+The planner turns "these source pages go to those destination pages" into ``(src_addr,
+dst_addr, length)`` runs, one set per region pair, vectorised with numpy: pages that are
+consecutive on both sides merge into one run (coalescing halves the cost per byte of small
+descriptors), and runs are cut at ``max_run_bytes``. Every index is checked against both
+sides' regions before a single run exists, so nothing a driver is given can fall outside
+registered memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .errors import InvalidPages
+from .memory import Region
+
+U64 = npt.NDArray[np.uint64]
+
+
+@dataclass(frozen=True)
+class Runs:
+    """Parallel arrays of byte runs: ``src[i]`` -> ``dst[i]``, ``length[i]`` bytes."""
+
+    src: U64
+    dst: U64
+    length: U64
+
+    def __len__(self) -> int:
+        return int(self.length.shape[0])
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.length.sum(dtype=np.uint64))
+
+    def batches(self, max_runs: int) -> list[Runs]:
+        """Split into batches of at most ``max_runs`` runs (engines limit a batch's size)."""
+        if max_runs <= 0:
+            raise ValueError("max_runs must be positive")
+        return [
+            Runs(self.src[i : i + max_runs], self.dst[i : i + max_runs], self.length[i : i + max_runs])
+            for i in range(0, len(self), max_runs)
+        ]
+
+    @classmethod
+    def empty(cls) -> Runs:
+        z = np.zeros(0, dtype=np.uint64)
+        return cls(z, z.copy(), z.copy())
+
+    @classmethod
+    def concat(cls, parts: Sequence[Runs]) -> Runs:
+        if not parts:
+            return cls.empty()
+        return cls(
+            np.concatenate([p.src for p in parts]),
+            np.concatenate([p.dst for p in parts]),
+            np.concatenate([p.length for p in parts]),
+        )
+
+
+def as_pages(values: Any, what: str) -> npt.NDArray[np.int64]:
+    """A 1-D int64 array of page indices, or :class:`InvalidPages`."""
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise InvalidPages(f"{what}: page indices must be one-dimensional, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise InvalidPages(f"{what}: page indices must be integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
+
+
+def check_pages(pages: npt.NDArray[np.int64], num_pages: int, what: str) -> None:
+    bad = np.flatnonzero((pages < 0) | (pages >= num_pages))
+    if bad.size:
+        k = int(bad[0])
+        raise InvalidPages(
+            f"{what}: page index {int(pages[k])} at position {k} is outside the registered "
+            f"range [0, {num_pages}) ({bad.size} bad indices in all); nothing was submitted"
+        )
+
+
+def plan(
+    src_regions: Sequence[Region],
+    dst_regions: Sequence[Region],
+    src_pages: Any,
+    dst_pages: Any,
+    *,
+    max_run_bytes: int | None = None,
+) -> Runs:
+    """Coalesced runs moving page ``src_pages[k]`` of every source region to page
+    ``dst_pages[k]`` of the matching destination region.
+
+    Raises :class:`InvalidPages` (and plans nothing) for mismatched lengths, indices outside
+    either side's regions, duplicate destination pages, or region pairs whose page sizes differ.
+    """
+    src = as_pages(src_pages, "source")
+    dst = as_pages(dst_pages, "destination")
+    if src.shape != dst.shape:
+        raise InvalidPages(f"{src.size} source pages but {dst.size} destination pages; they pair one to one")
+    if len(src_regions) != len(dst_regions):
+        raise InvalidPages(f"{len(src_regions)} source regions but {len(dst_regions)} destination regions")
+    if max_run_bytes is not None and max_run_bytes <= 0:
+        raise ValueError("max_run_bytes must be positive")
+    if src.size == 0 or not src_regions:
+        return Runs.empty()
+    for i, (s, d) in enumerate(zip(src_regions, dst_regions, strict=True)):
+        if s.item_len != d.item_len:
+            raise InvalidPages(f"region {i}: page of {s.item_len} bytes at the source, {d.item_len} at the destination")
+    check_pages(src, min(r.num_items for r in src_regions), "source")
+    check_pages(dst, min(r.num_items for r in dst_regions), "destination")
+    if np.unique(dst).size != dst.size:
+        values, occurrences = np.unique(dst, return_counts=True)
+        raise InvalidPages(
+            f"destination page {int(values[occurrences > 1][0])} appears more than once; two pages "
+            "cannot be written to one place"
+        )
+
+    # Runs of pages that are consecutive on both sides, in request order.
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    counts: U64 = np.diff(np.concatenate((starts, [src.size]))).astype(np.uint64)
+    first_src: U64 = src[starts].astype(np.uint64)
+    first_dst: U64 = dst[starts].astype(np.uint64)
+
+    parts = []
+    for s, d in zip(src_regions, dst_regions, strict=True):
+        item = np.uint64(s.item_len)
+        parts.append(
+            _cap(
+                Runs(
+                    np.uint64(s.ptr) + first_src * item,
+                    np.uint64(d.ptr) + first_dst * item,
+                    counts * item,
+                ),
+                max_run_bytes,
+            )
+        )
+    return Runs.concat(parts)
+
+
+def _cap(runs: Runs, max_run_bytes: int | None) -> Runs:
+    """Cut every run longer than ``max_run_bytes`` into pieces of at most that size."""
+    if max_run_bytes is None or not len(runs) or int(runs.length.max()) <= max_run_bytes:
+        return runs
+    cap = np.uint64(max_run_bytes)
+    pieces = (runs.length + cap - np.uint64(1)) // cap
+    owner = np.repeat(np.arange(len(runs)), pieces.astype(np.int64))
+    # Index of each piece within its run: 0, 1, 2, ... restarting at each run.
+    first_piece = np.concatenate(([0], np.cumsum(pieces)[:-1])).astype(np.int64)
+    within = (np.arange(owner.size, dtype=np.int64) - first_piece[owner]).astype(np.uint64)
+    offset = within * cap
+    length = np.minimum(runs.length[owner] - offset, cap).astype(np.uint64)
+    return Runs(runs.src[owner] + offset, runs.dst[owner] + offset, length)

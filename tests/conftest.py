@@ -1,0 +1,98 @@
+"""Shared test set-up: third-party plugin distributions installed for real, and helpers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PLUGINS = Path(__file__).resolve().parent / "plugins"
+
+
+@pytest.fixture(scope="session")
+def plugin_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each test plugin under tests/plugins, installed with pip into its own target folder.
+
+    They are real distributions with entry points; keeping each in its own folder (added to
+    ``sys.path`` / ``PYTHONPATH`` only by the tests that want it) keeps the broken ones out of
+    the environment the main job and the other tests see.
+    """
+    base = tmp_path_factory.mktemp("plugins")
+    dirs = {}
+    for project in sorted(PLUGINS.iterdir()):
+        if not (project / "pyproject.toml").exists():
+            continue
+        target = base / project.name
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--no-deps",
+                "--no-build-isolation",
+                "--disable-pip-version-check",
+                "--target",
+                str(target),
+                str(project),
+            ],
+            check=True,
+            capture_output=True,
+        )
+        dirs[project.name] = target
+    return dirs
+
+
+@pytest.fixture
+def use_plugins(monkeypatch: pytest.MonkeyPatch, plugin_dirs: dict[str, Path]) -> Iterator[object]:
+    """Put chosen plugin distributions on ``sys.path`` for in-process discovery."""
+    from stevedore.extension import ExtensionManager
+
+    def add(*names: str) -> None:
+        for name in names:
+            monkeypatch.syspath_prepend(str(plugin_dirs[name]))
+        ExtensionManager.ENTRY_POINT_CACHE.clear()
+
+    yield add
+    ExtensionManager.ENTRY_POINT_CACHE.clear()
+    for name in list(sys.modules):
+        if name.startswith(("kvtransport_example_driver", "kvtransport_broken_driver", "kvtransport_dup_driver")):
+            del sys.modules[name]
+
+
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, pythonpath: list[Path] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m kvtransport.cli`` in a fresh process with a controlled environment."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVTRANSPORT_")}
+    if pythonpath:
+        full_env["PYTHONPATH"] = os.pathsep.join(str(p) for p in pythonpath)
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "kvtransport.cli", *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def require_engines() -> None:
+    """Engines are part of the test set-up: a missing one is a failure, not a skip, unless the
+    developer opts out explicitly."""
+    if os.environ.get("KVTRANSPORT_TESTS_WITHOUT_ENGINES") == "1":
+        pytest.skip("KVTRANSPORT_TESTS_WITHOUT_ENGINES=1")
+
+
+@pytest.fixture(autouse=True)
+def _clean_kvtransport_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in list(os.environ):
+        if key.startswith("KVTRANSPORT_") and key != "KVTRANSPORT_TESTS_WITHOUT_ENGINES":
+            monkeypatch.delenv(key)

@@ -1,0 +1,1 @@
+"""Never imported: the registry refuses a duplicated name before loading it."""

@@ -1,0 +1,87 @@
+"""The ``kvtransport doctor`` and ``kvtransport negotiate`` commands, run as a user runs them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .conftest import require_engines, run_cli
+
+
+def test_doctor_json_is_a_hello_document() -> None:
+    out = run_cli("doctor", "--json")
+    doc = json.loads(out.stdout)
+    assert doc["protocol"]["name"] == "kvtransport" and doc["protocol"]["version"] == 1
+    assert {"cuda-local", "mooncake-gdr", "mooncake-staged", "nixl-ucx"} <= set(doc["drivers"])
+    for entry in doc["drivers"].values():
+        assert entry["status"] is None or entry["status"]["reason"]
+    if not doc["host"]["cuda_devices"]:
+        assert not doc["drivers"]["cuda-local"]["status"]["available"]
+        assert "CUDA" in doc["drivers"]["cuda-local"]["status"]["reason"]
+
+
+def test_doctor_table_names_each_driver() -> None:
+    require_engines()
+    out = run_cli("doctor")
+    assert out.returncode == 0, out.stderr
+    for name in ("cuda-local", "mooncake-gdr", "mooncake-staged", "nixl-ucx"):
+        assert name in out.stdout
+    assert "available" in out.stdout
+
+
+def test_negotiate_on_this_host_picks_a_host_memory_driver() -> None:
+    require_engines()
+    out = run_cli("negotiate", "--json")
+    assert out.returncode == 0, out.stderr
+    decision = json.loads(out.stdout)
+    assert decision["driver"] in ("nixl-ucx", "mooncake-gdr")
+    outcomes = {c["driver"]: c for c in decision["candidates"]}
+    assert outcomes[decision["driver"]]["outcome"] == "chosen"
+    assert all(c["reason"] for c in decision["candidates"])
+
+
+def test_negotiate_honours_the_forced_driver() -> None:
+    require_engines()
+    out = run_cli("negotiate", "--json", env={"KVTRANSPORT_DRIVER": "mooncake-gdr"})
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["driver"] == "mooncake-gdr"
+
+
+def test_negotiate_with_a_misspelled_driver_fails_with_a_suggestion() -> None:
+    out = run_cli("negotiate", env={"KVTRANSPORT_DRIVER": "nixl-ucz"})
+    assert out.returncode != 0
+    assert "Did you mean 'nixl-ucx'?" in out.stderr
+
+
+def test_negotiate_forced_but_unusable_fails_with_the_reason() -> None:
+    out = run_cli("negotiate", env={"KVTRANSPORT_DRIVER": "mooncake-staged"})
+    assert out.returncode != 0
+    assert "KVTRANSPORT_DRIVER=mooncake-staged cannot be used" in out.stderr
+
+
+def test_negotiate_with_nothing_allowed_fails_listing_reasons() -> None:
+    out = run_cli("negotiate", env={"KVTRANSPORT_EXCLUDE": "cuda-local,mooncake-gdr,mooncake-staged,nixl-ucx"})
+    assert out.returncode != 0
+    assert "no driver can move KV" in out.stderr and "excluded by KVTRANSPORT_EXCLUDE" in out.stderr
+
+
+def test_negotiate_between_hello_files(tmp_path: Path) -> None:
+    require_engines()
+    doc = json.loads(run_cli("doctor", "--json").stdout)
+    remote = dict(doc, host=dict(doc["host"], host_id="another-host", hostname="decode-1"))
+    remote["protocol"] = dict(doc["protocol"], endpoint="decode-1")
+    (tmp_path / "remote.json").write_text(json.dumps(remote))
+    out = run_cli("negotiate", "--remote", str(tmp_path / "remote.json"), "--json")
+    assert out.returncode == 0, out.stderr
+    decision = json.loads(out.stdout)
+    # Another host: no shared memory, so UCX must say TCP.
+    assert decision["acceptor"] == "decode-1"
+    for c in decision["candidates"]:
+        if c["driver"] == "nixl-ucx" and c["outcome"] != "rejected":
+            assert c["path"] == "tcp"
+
+
+def test_negotiate_rejects_a_malformed_hello(tmp_path: Path) -> None:
+    (tmp_path / "bad.json").write_text(json.dumps({"protocol": {"name": "kvtransport", "version": 99}}))
+    out = run_cli("negotiate", "--remote", str(tmp_path / "bad.json"))
+    assert out.returncode != 0 and "version 99" in out.stderr

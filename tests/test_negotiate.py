@@ -1,0 +1,243 @@
+"""Negotiation: the decision table on realistic hosts, and properties over random pairs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvtransport.driver import TransferPath
+from kvtransport.errors import (
+    ConfigError,
+    DriverUnavailable,
+    LayoutMismatch,
+    NegotiationError,
+    NoUsableDriver,
+)
+from kvtransport.hello import Hello
+from kvtransport.memory import KVLayout, MemoryKind
+from kvtransport.negotiate import negotiate
+from kvtransport.registry import Policy
+
+from .hellos import FIRST_PARTY, hello, host
+
+
+def decide(a: Hello, b: Hello):  # type: ignore[no-untyped-def]
+    return negotiate(a, b, FIRST_PARTY)
+
+
+# --- the decision table ---------------------------------------------------------------------
+
+
+def test_same_host_gpus_pick_cuda_local() -> None:
+    h = host("box", gpus=2)
+    d = decide(hello(h, "cuda:0", endpoint="prefill"), hello(h, "cuda:1", endpoint="decode"))
+    assert d.driver == "cuda-local"
+    assert d.path is TransferPath.PCIE
+    reasons = {c.driver: c for c in d.candidates}
+    assert reasons["nixl-ucx"].outcome == "lost"
+    assert reasons["mooncake-gdr"].outcome == "rejected"  # no GDR on this box
+
+
+def test_same_gpu_is_a_device_local_copy() -> None:
+    h = host("box", gpus=1)
+    d = decide(hello(h, "cuda:0", endpoint="a"), hello(h, "cuda:0", endpoint="b"))
+    assert (d.driver, d.path) == ("cuda-local", TransferPath.MEMCPY)
+
+
+def test_gdr_on_both_sides_picks_mooncake_gdr_over_rdma() -> None:
+    a, b = host("a", gpus=8, gdr=True, rdma=True), host("b", gpus=8, gdr=True, rdma=True)
+    d = decide(hello(a, "cuda:3"), hello(b, "cuda:5"))
+    assert (d.driver, d.path) == ("mooncake-gdr", TransferPath.RDMA)
+    assert {c.driver: c.outcome for c in d.candidates}["cuda-local"] == "rejected"
+
+
+@pytest.mark.parametrize("rdma", [True, False])
+def test_device_kv_without_gdr_on_one_side_is_staged(rdma: bool) -> None:
+    a, b = host("a", gpus=1, gdr=True, rdma=rdma), host("b", gpus=1, gdr=False, rdma=rdma)
+    d = decide(hello(a, "cuda:0"), hello(b, "cuda:0"))
+    assert (d.driver, d.path) == ("mooncake-staged", TransferPath.PCIE_STAGED)
+    gdr = next(c for c in d.candidates if c.driver == "mooncake-gdr")
+    assert gdr.outcome == "rejected" and "GPUDirect" in gdr.reason
+
+
+def test_device_kv_without_mooncake_falls_to_ucx_and_says_why() -> None:
+    a, b = host("a", gpus=1, rdma=True), host("b", gpus=1, rdma=True)
+    d = decide(hello(a, "cuda:0", mooncake=False), hello(b, "cuda:0", mooncake=False))
+    assert d.driver == "nixl-ucx"
+    assert "bounced through host" in d.reason
+    staged = next(c for c in d.candidates if c.driver == "mooncake-staged")
+    assert "not installed" in staged.reason or "pip install" in staged.reason
+
+
+def test_cpu_only_peers_on_two_hosts_use_a_host_memory_driver() -> None:
+    d = decide(hello(host("a")), hello(host("b")))
+    assert (d.driver, d.path) == ("nixl-ucx", TransferPath.TCP)
+    assert {c.driver: c.outcome for c in d.candidates}["mooncake-gdr"] == "lost"
+
+
+def test_cpu_only_peers_on_one_host_use_shared_memory() -> None:
+    h = host("box")
+    d = decide(hello(h, endpoint="p"), hello(h, endpoint="d"))
+    assert (d.driver, d.path) == ("nixl-ucx", TransferPath.SHM)
+
+
+def test_ucx_tls_restricted_to_tcp_is_reported_as_tcp() -> None:
+    h = host("box")
+    d = decide(hello(h, endpoint="p", ucx_tls="tcp,self"), hello(h, endpoint="d"))
+    assert (d.driver, d.path) == ("nixl-ucx", TransferPath.TCP)
+
+
+def test_forced_driver_that_cannot_serve_raises_with_its_reason() -> None:
+    h = host("box")
+    with pytest.raises(DriverUnavailable, match=r"KVTRANSPORT_DRIVER=cuda-local.*no CUDA device"):
+        decide(hello(h, policy=Policy(force="cuda-local")), hello(h))
+
+
+def test_forced_driver_wins_over_a_faster_one() -> None:
+    h = host("box")
+    d = decide(hello(h, policy=Policy(force="mooncake-gdr")), hello(h))
+    assert d.driver == "mooncake-gdr" and "forced" in d.reason
+
+
+def test_policies_of_both_sides_apply() -> None:
+    h = host("box")
+    d = decide(hello(h), hello(h, policy=Policy(exclude=("nixl-ucx",))))
+    assert d.driver == "mooncake-gdr"
+    nixl = next(c for c in d.candidates if c.driver == "nixl-ucx")
+    assert "excluded by KVTRANSPORT_EXCLUDE on acceptor" in nixl.reason
+
+
+def test_preference_order_beats_bandwidth() -> None:
+    h = host("box")
+    d = decide(hello(h, policy=Policy(allow=("mooncake-gdr", "nixl-ucx"))), hello(h))
+    assert d.driver == "mooncake-gdr"
+
+
+def test_conflicting_forced_drivers_fail() -> None:
+    h = host("box")
+    with pytest.raises(ConfigError, match="differs between the peers"):
+        decide(hello(h, policy=Policy(force="nixl-ucx")), hello(h, policy=Policy(force="mooncake-gdr")))
+
+
+def test_everything_excluded_lists_each_reason() -> None:
+    h = host("box")
+    policy = Policy(exclude=tuple(FIRST_PARTY))
+    with pytest.raises(NoUsableDriver) as info:
+        decide(hello(h, policy=policy), hello(h))
+    for name in FIRST_PARTY:
+        assert f"{name}: excluded by KVTRANSPORT_EXCLUDE" in str(info.value)
+
+
+def test_layout_mismatch_names_both_layouts() -> None:
+    h = host("box")
+    other = KVLayout(page_size=64, dtype="bfloat16", num_layers=61, kv_item_lens=(73728,) * 61, kv_split="mla")
+    with pytest.raises(LayoutMismatch) as info:
+        decide(hello(h), hello(h, layout=other))
+    text = str(info.value)
+    assert "page_size: 16 here, 64 at the peer" in text and "'kv_split': 'mla'" in text
+
+
+def test_mooncake_protocol_mismatch_is_rejected_with_the_fix() -> None:
+    a, b = host("a", rdma=True), host("b")
+    d = decide(hello(a, mooncake=True), hello(b))
+    gdr = next(c for c in d.candidates if c.driver == "mooncake-gdr")
+    assert gdr.outcome == "rejected" and "KVTRANSPORT_MOONCAKE_PROTOCOL=tcp" in gdr.reason
+
+
+# --- properties -----------------------------------------------------------------------------
+
+NAMES = sorted(FIRST_PARTY)
+
+
+@st.composite
+def policies(draw: st.DrawFn) -> Policy:
+    kind = draw(st.sampled_from(["none", "force", "allow", "exclude"]))
+    if kind == "force":
+        return Policy(force=draw(st.sampled_from(NAMES)))
+    if kind == "allow":
+        return Policy(allow=tuple(draw(st.permutations(NAMES))[: draw(st.integers(1, len(NAMES)))]))
+    if kind == "exclude":
+        return Policy(exclude=tuple(draw(st.lists(st.sampled_from(NAMES), unique=True))))
+    return Policy()
+
+
+@st.composite
+def pairs(draw: st.DrawFn) -> tuple[Hello, Hello]:
+    def one(host_id: str, endpoint: str) -> Hello:
+        gpus = draw(st.integers(0, 2))
+        h = host(host_id, gpus=gpus, gdr=draw(st.booleans()), rdma=draw(st.booleans()))
+        memory = "host" if not gpus or draw(st.booleans()) else f"cuda:{draw(st.integers(0, gpus - 1))}"
+        return hello(
+            h,
+            memory,
+            endpoint=endpoint,
+            policy=draw(policies()),
+            mooncake=draw(st.booleans()),
+            nixl=draw(st.booleans()),
+            ucx_tls=draw(st.sampled_from(["", "tcp,self", "shm,self", "^tcp", "rc,cuda_copy"])),
+        )
+
+    same_host = draw(st.booleans())
+    return one("h1", "initiator"), one("h1" if same_host else "h2", "acceptor")
+
+
+def _outcome(a: Hello, b: Hello) -> object:
+    try:
+        return decide(a, b)
+    except NegotiationError as exc:
+        return (type(exc), str(exc))
+    except (ConfigError, DriverUnavailable) as exc:
+        return (type(exc), str(exc))
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(pairs())
+def test_decision_is_deterministic_and_both_sides_agree(pair: tuple[Hello, Hello]) -> None:
+    a, b = pair
+    first = _outcome(a, b)
+    assert _outcome(a, b) == first
+    # The acceptor sees both hellos only after a JSON round trip, and must compute the same.
+    a2 = Hello.from_dict(json.loads(json.dumps(a.to_dict())))
+    b2 = Hello.from_dict(json.loads(json.dumps(b.to_dict())))
+    assert _outcome(a2, b2) == first
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(pairs())
+def test_chosen_driver_is_offered_by_both_and_respects_both_policies(pair: tuple[Hello, Hello]) -> None:
+    a, b = pair
+    try:
+        d = decide(a, b)
+    except (NegotiationError, ConfigError, DriverUnavailable):
+        # Nothing chosen: then no driver may be usable under both policies with an offer.
+        return
+    for side in (a, b):
+        entry = side.drivers[d.driver]
+        assert entry.status is not None and entry.status.available
+        assert entry.status.serves(side.layout.memory if side.layout else MemoryKind())
+        allowed, why = side.policy.permits(d.driver)
+        assert allowed, why
+        if side.policy.force:
+            assert d.driver == side.policy.force
+    chosen = [c for c in d.candidates if c.outcome == "chosen"]
+    assert [c.driver for c in chosen] == [d.driver]
+    assert {c.driver for c in d.candidates} == set(FIRST_PARTY)
+    # No driver that lost offers more bandwidth unless a preference list or force put it lower.
+    if not any(s.policy.allow or s.policy.force for s in (a, b)):
+        assert all(c.gbps <= d.gbps for c in d.candidates if c.outcome == "lost")
+
+
+@settings(max_examples=200)
+@given(pairs())
+def test_failure_explains_every_driver(pair: tuple[Hello, Hello]) -> None:
+    a, b = pair
+    try:
+        decide(a, b)
+    except NoUsableDriver as exc:
+        for name in FIRST_PARTY:
+            assert f"{name}: " in str(exc)
+    except (NegotiationError, ConfigError, DriverUnavailable):
+        pass
