@@ -296,7 +296,7 @@ class KVLayout:
         except (KeyError, TypeError, ValueError) as exc:
             raise MemoryLayoutError(f"invalid KV layout {dict(data)!r}: {exc}") from exc
 
-    def incompatibilities(self, other: KVLayout) -> list[str]:
+    def incompatibilities(self, other: KVLayout, mine: str = "here", theirs: str = "at the peer") -> list[str]:
         """Every field that stops pages moving between the two layouts (empty: compatible)."""
         problems = []
         for name in (
@@ -309,12 +309,12 @@ class KVLayout:
             "kv_item_lens",
             "aux_item_lens",
         ):
-            mine, theirs = getattr(self, name), getattr(other, name)
-            if mine != theirs:
-                problems.append(f"{name}: {mine!r} here, {theirs!r} at the peer")
+            a, b = getattr(self, name), getattr(other, name)
+            if a != b:
+                problems.append(f"{name}: {a!r} {mine}, {b!r} {theirs}")
         if self.tp_size != other.tp_size:
             problems.append(
-                f"tp_size: {self.tp_size} here, {other.tp_size} at the peer (heterogeneous "
+                f"tp_size: {self.tp_size} {mine}, {other.tp_size} {theirs} (heterogeneous "
                 "tensor parallelism is not supported yet; run both sides with the same TP size)"
             )
         return problems

@@ -95,7 +95,9 @@ def check_layouts(initiator: Hello, acceptor: Hello) -> None:
     """Raise :class:`LayoutMismatch`, with both layouts, when pages cannot move between them."""
     if initiator.layout is None or acceptor.layout is None:
         return
-    problems = initiator.layout.incompatibilities(acceptor.layout)
+    problems = initiator.layout.incompatibilities(
+        acceptor.layout, f"on {_side('initiator', initiator)}", f"on {_side('acceptor', acceptor)}"
+    )
     if problems:
         raise LayoutMismatch(
             "KV layouts cannot be bridged: "

@@ -155,3 +155,22 @@ def _cap(runs: Runs, max_run_bytes: int | None) -> Runs:
     offset = within * cap
     length = np.minimum(runs.length[owner] - offset, cap).astype(np.uint64)
     return Runs(runs.src[owner] + offset, runs.dst[owner] + offset, length)
+
+
+def check_runs_within(addrs: U64, lengths: U64, regions: Sequence[Region], what: str) -> None:
+    """Raise :class:`InvalidPages` unless every ``[addr, addr + length)`` lies inside one region.
+
+    Drivers and fakes use it to enforce the contract the planner already guarantees.
+    """
+    if not len(addrs):
+        return
+    ordered = sorted(regions, key=lambda r: r.ptr)
+    starts = np.array([r.ptr for r in ordered], dtype=np.uint64)
+    ends = np.array([r.end for r in ordered], dtype=np.uint64)
+    slot = np.searchsorted(starts, addrs, side="right").astype(np.int64) - 1
+    inside = slot >= 0
+    safe = np.where(inside, slot, 0)
+    inside &= addrs + lengths <= ends[safe]
+    if not bool(inside.all()):
+        k = int(np.flatnonzero(~inside)[0])
+        raise InvalidPages(f"{what}: run [{int(addrs[k]):#x}, +{int(lengths[k])}) is outside every registered region")

@@ -137,7 +137,7 @@ def test_layout_mismatch_names_both_layouts() -> None:
     with pytest.raises(LayoutMismatch) as info:
         decide(hello(h), hello(h, layout=other))
     text = str(info.value)
-    assert "page_size: 16 here, 64 at the peer" in text and "'kv_split': 'mla'" in text
+    assert "page_size: 16 on initiator ep@box, 64 on acceptor ep@box" in text and "'kv_split': 'mla'" in text
 
 
 def test_mooncake_protocol_mismatch_is_rejected_with_the_fix() -> None:

@@ -1,0 +1,242 @@
+"""The driver conformance suite: import it into a test module of your driver package and
+supply a ``conformance_driver`` fixture.
+
+.. code-block:: python
+
+    # tests/test_conformance.py of a driver package
+    import pytest
+    from kvtransport.testing.conformance import *  # noqa: F403
+    from kvtransport.testing.conformance import DriverUnderTest
+
+    @pytest.fixture(scope="module")
+    def conformance_driver() -> DriverUnderTest:
+        return DriverUnderTest("my-driver")
+
+Each test runs a real endpoint in this process (the prefill side, sending) and another in a
+child process (:mod:`kvtransport.testing.peer`, the decode side, receiving), over the real
+control channel on loopback, with the driver forced on both, and verifies every byte by
+per-page digests. Tests are gated by the capabilities the driver declares (host memory here),
+not by its name.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from ..driver import KVTransport
+from ..endpoint import Connection, Endpoint, State, Timeouts
+from ..errors import InvalidPages, PeerLost, TransferAborted
+from ..registry import load_driver
+from .fake import FakeDriver
+from .kv import KVPool
+from .remote import PeerProcess
+
+__all__ = [
+    "DriverUnderTest",
+    "test_write_and_verify_bytes",
+    "test_many_pages_coalesced_and_scattered",
+    "test_chunked_send_with_aux",
+    "test_concurrent_transfers",
+    "test_bad_pages_submit_nothing",
+    "test_abort_from_receiver_reaches_sender",
+    "test_abort_from_sender_reaches_receiver",
+    "test_peer_loss_fails_transfers",
+    "test_close_while_in_flight",
+    "pair",
+]
+
+PAGES, LAYERS, ITEM, AUX = 512, 4, 4096, 8
+
+
+@dataclass
+class DriverUnderTest:
+    """The driver a package tests: its registered name (``fake`` for the built-in fake)."""
+
+    name: str
+    options: dict[str, str] = field(default_factory=dict)
+
+    def classes(self) -> dict[str, type[KVTransport]]:
+        cls: type[KVTransport] = FakeDriver if self.name == "fake" else load_driver(self.name)
+        return {self.name: cls}
+
+    def serves_host_memory(self) -> bool:
+        caps = self.classes()[self.name].capabilities
+        return "host" in caps.reads and "host" in caps.writes
+
+
+@dataclass
+class Pair:
+    local: Endpoint
+    pool: KVPool
+    conn: Connection
+    peer: PeerProcess
+
+
+@pytest.fixture
+def pair(conformance_driver: DriverUnderTest) -> Iterator[Pair]:
+    if not conformance_driver.serves_host_memory():
+        pytest.skip(f"{conformance_driver.name} does not declare host memory; the CPU suite needs it")
+    pool = KVPool(PAGES, LAYERS, ITEM, AUX)
+    pool.fill(seed=1234)
+    local = Endpoint(
+        pool.regions,
+        pool.layout,
+        drivers=conformance_driver.classes(),
+        name="prefill",
+        driver_options=conformance_driver.options,
+        timeouts=Timeouts(heartbeat_interval=0.2, heartbeat_timeout=2.0),
+    )
+    peer = PeerProcess(
+        "--driver",
+        conformance_driver.name,
+        "--pages",
+        str(PAGES),
+        "--layers",
+        str(LAYERS),
+        "--item",
+        str(ITEM),
+        "--aux-slots",
+        str(AUX),
+        "--name",
+        "decode",
+        "--options",
+        json.dumps(conformance_driver.options),
+        "--timeouts",
+        json.dumps({"heartbeat_interval": 0.2, "heartbeat_timeout": 2.0}),
+    )
+    try:
+        decision = peer.call("connect", address=local.address)["decision"]
+        assert decision["driver"] == conformance_driver.name
+        conn = local.accept(10)
+        yield Pair(local, pool, conn, peer)
+    finally:
+        peer.close()
+        local.close()
+        pool.close()
+
+
+def _send_and_verify(p: Pair, transfers: dict[str, tuple[list[int], list[int]]], chunks: int = 1) -> None:
+    p.peer.call("expect", transfers={tag: dst for tag, (_, dst) in transfers.items()})
+    senders = {tag: p.conn.sender(tag) for tag in transfers}
+    deadline = time.monotonic() + 10
+    for tag, (src, _) in transfers.items():
+        t = senders[tag]
+        while t.state is State.BOOTSTRAPPING and time.monotonic() < deadline:
+            time.sleep(0.001)
+        for i, part in enumerate(np.array_split(np.array(src), chunks)):
+            t.send(part, last=i == chunks - 1)
+    for t in senders.values():
+        assert t.wait(30) is State.SUCCESS
+    states = p.peer.call("wait", tags=list(transfers), timeout=30)["states"]
+    assert all(s[0] == "SUCCESS" for s in states.values()), states
+    for _tag, (src, dst) in transfers.items():
+        assert p.peer.call("digests", pages=dst)["digests"] == p.pool.page_digests(src)
+
+
+def test_write_and_verify_bytes(pair: Pair) -> None:
+    _send_and_verify(pair, {"one": ([3, 4, 5], [10, 11, 12])})
+
+
+def test_many_pages_coalesced_and_scattered(pair: Pair) -> None:
+    rng = np.random.default_rng(7)
+    contiguous = list(range(100, 356))
+    scattered_src = rng.choice(PAGES, 200, replace=False).tolist()
+    # Destinations of concurrent transfers must not overlap, or one would overwrite the other.
+    free = np.setdiff1d(np.arange(PAGES), contiguous)
+    scattered_dst = rng.choice(free, 200, replace=False).tolist()
+    _send_and_verify(pair, {"contiguous": (contiguous, contiguous), "scattered": (scattered_src, scattered_dst)})
+
+
+def test_chunked_send_with_aux(pair: Pair) -> None:
+    pair.peer.call("expect", transfers={"aux": list(range(20, 60))}, aux={"aux": 5})
+    t = pair.conn.sender("aux")
+    while t.state is State.BOOTSTRAPPING:
+        time.sleep(0.001)
+    t.send(list(range(0, 15)), last=False)
+    t.send(list(range(15, 30)), last=False)
+    t.send(list(range(30, 40)), last=True, aux=2)
+    assert t.wait(30) is State.SUCCESS
+    assert pair.peer.call("wait", tags=["aux"])["states"]["aux"][0] == "SUCCESS"
+    assert pair.peer.call("digests", pages=list(range(20, 60)))["digests"] == pair.pool.page_digests(list(range(40)))
+    assert pair.peer.call("aux_digest", slot=5)["digest"] == pair.pool.aux_digest(2)
+
+
+def test_concurrent_transfers(pair: Pair) -> None:
+    rng = np.random.default_rng(11)
+    transfers = {}
+    dst_free = rng.permutation(PAGES).tolist()
+    for i in range(100):
+        n = int(rng.integers(1, 5))
+        src = rng.choice(PAGES, n, replace=False).tolist()
+        dst, dst_free = dst_free[:n], dst_free[n:]
+        transfers[f"req-{i}"] = (src, dst)
+    _send_and_verify(pair, transfers)
+
+
+def test_bad_pages_submit_nothing(pair: Pair) -> None:
+    pair.peer.call("expect", transfers={"bad": [1, 2]})
+    t = pair.conn.sender("bad")
+    while t.state is State.BOOTSTRAPPING:
+        time.sleep(0.001)
+    for bad in ([1, PAGES], [-1, 0], [0, 1, 2]):
+        with pytest.raises(InvalidPages):
+            t.send(bad, last=True)
+    before = pair.peer.call("digests", pages=[1, 2])["digests"]
+    assert t.state is State.WAITING_FOR_INPUT
+    t.send([7, 8], last=True)
+    assert t.wait(30) is State.SUCCESS
+    after = pair.peer.call("digests", pages=[1, 2])["digests"]
+    assert after == pair.pool.page_digests([7, 8]) and after != before
+
+
+def test_abort_from_receiver_reaches_sender(pair: Pair) -> None:
+    pair.peer.call("expect", transfers={"ab": [1]})
+    t = pair.conn.sender("ab")
+    while t.state is State.BOOTSTRAPPING:
+        time.sleep(0.001)
+    start = time.monotonic()
+    pair.peer.call("abort", tag="ab", reason="client went away")
+    with pytest.raises(TransferAborted, match="client went away"):
+        t.wait(5)
+    assert time.monotonic() - start < 1.0
+    assert pair.peer.call("state", tags=["ab"])["states"]["ab"][0] == "FAILED"
+
+
+def test_abort_from_sender_reaches_receiver(pair: Pair) -> None:
+    pair.peer.call("expect", transfers={"ab2": [1]})
+    t = pair.conn.sender("ab2")
+    while t.state is State.BOOTSTRAPPING:
+        time.sleep(0.001)
+    t.abort("prefill preempted")
+    state = pair.peer.call("wait", tags=["ab2"], timeout=1.0)["states"]["ab2"]
+    assert state[0] == "FAILED" and state[1] == "TransferAborted" and "prefill preempted" in state[2]
+    with pytest.raises(TransferAborted):
+        t.send([1], last=True)
+
+
+def test_peer_loss_fails_transfers(pair: Pair) -> None:
+    pair.peer.call("expect", transfers={"lost": [1, 2, 3]})
+    t = pair.conn.sender("lost")
+    while t.state is State.BOOTSTRAPPING:
+        time.sleep(0.001)
+    start = time.monotonic()
+    pair.peer.kill()
+    with pytest.raises(PeerLost, match="decode"):
+        t.wait(10)
+    assert time.monotonic() - start < 3.5
+
+
+def test_close_while_in_flight(pair: Pair) -> None:
+    pair.peer.call("expect", transfers={f"c{i}": [i] for i in range(20)})
+    senders = [pair.conn.sender(f"c{i}") for i in range(20)]
+    pair.local.close()
+    for t in senders:
+        assert t.state is State.FAILED
+    states = pair.peer.call("wait", tags=[f"c{i}" for i in range(20)], timeout=5)["states"]
+    assert all(s[0] == "FAILED" for s in states.values()), states

@@ -1,0 +1,161 @@
+"""An in-process fake driver for the core's tests and for fault injection.
+
+It copies with memmove between registered regions and enforces the real contract: ``open``
+once before use, ``connect`` before ``submit``, every run inside this side's and the peer's
+registered regions. Between processes it works on buffers from :mod:`kvtransport.testing.shm`
+(it maps the peer's buffers itself). Options (``driver_options`` of an endpoint) inject faults:
+
+- ``fake.delay``: seconds before a batch completes;
+- ``fake.fail``: ``submit`` or ``poll`` makes every batch fail with an ``EngineError``;
+- ``fake.fail_after``: the first N batches succeed, the rest fail;
+- ``fake.lose``: ``1`` makes batches never complete (a lost completion).
+
+It is not registered under ``kvtransport.drivers``; tests pass it to an endpoint explicitly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from typing import ClassVar
+
+import msgpack
+import numpy as np
+
+from ..driver import (
+    DRIVER_API_VERSION,
+    Capabilities,
+    DriverContext,
+    DriverStatus,
+    KVTransport,
+    Offer,
+    PeerView,
+    Rejection,
+    TransferPath,
+)
+from ..errors import DriverError, EngineError, TransferAborted
+from ..memory import RegionSet
+from ..plan import Runs, check_runs_within
+from . import shm
+
+
+class FakeDriver(KVTransport):
+    name: ClassVar[str] = "fake"
+    api_version: ClassVar[int] = DRIVER_API_VERSION
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        reads=frozenset({"host"}), writes=frozenset({"host"}), same_host_only=True
+    )
+
+    @classmethod
+    def probe(cls) -> DriverStatus:
+        return DriverStatus(True, "in-process fake (tests only)", memory=("host",), info={"pid": str(os.getpid())})
+
+    @classmethod
+    def offer(cls, local: PeerView, remote: PeerView) -> Offer | Rejection:
+        return Offer(TransferPath.MEMCPY, 5.0, "fake memmove through shared mappings")
+
+    def __init__(self, context: DriverContext) -> None:
+        super().__init__(context)
+        opts = context.options
+        self.delay = float(opts.get("fake.delay", "0"))
+        self.fail = opts.get("fake.fail", "")
+        self.fail_after = int(opts.get("fake.fail_after", "-1"))
+        self.lose = opts.get("fake.lose", "") == "1"
+        self.regions: RegionSet | None = None
+        self.peers: dict[str, tuple[RegionSet, dict[int, int], list[shm.SharedBuffer]]] = {}
+        self.pending: dict[int, float] = {}  # handle -> completion time
+        self.failed: dict[int, str] = {}
+        self.aborted: set[int] = set()
+        self.submitted = 0
+        self._next = 0
+        self.closed = False
+
+    def open(self, regions: RegionSet) -> bytes:
+        if self.regions is not None:
+            raise DriverError("fake: open() called twice")
+        self.regions = regions
+        described = []
+        for r in regions.all():
+            seg = shm.segment_of(r.ptr, r.length)
+            described.append(
+                {"ptr": r.ptr, "length": r.length, "path": seg[0] if seg else "", "offset": seg[1] if seg else 0}
+            )
+        data = msgpack.packb({"pid": os.getpid(), "regions": described})
+        assert isinstance(data, bytes)
+        return data
+
+    def connect(self, peer: str, info: bytes, peer_regions: RegionSet) -> None:
+        if self.regions is None:
+            raise DriverError("fake: connect() before open()")
+        doc = msgpack.unpackb(info)
+        same_process = doc["pid"] == os.getpid()
+        translate: dict[int, int] = {}
+        mapped: list[shm.SharedBuffer] = []
+        for r in doc["regions"]:
+            if same_process:
+                translate[r["ptr"]] = r["ptr"]
+            elif r["path"]:
+                buf = shm.attach(r["path"], r["offset"] + r["length"])
+                mapped.append(buf)
+                translate[r["ptr"]] = buf.ptr + r["offset"]
+            else:
+                raise DriverError(f"fake: peer region {r['ptr']:#x} is not in shared memory; cannot reach it")
+        self.peers[peer] = (peer_regions, translate, mapped)
+
+    def submit(self, peer: str, runs: Runs) -> int:
+        if self.regions is None or peer not in self.peers:
+            raise DriverError(f"fake: submit to {peer!r} before open()/connect()")
+        peer_regions, translate, _ = self.peers[peer]
+        check_runs_within(runs.src, runs.length, self.regions.all(), "fake source")
+        check_runs_within(runs.dst, runs.length, peer_regions.all(), "fake destination")
+        self.submitted += 1
+        self._next += 1
+        handle = self._next
+        failing = self.fail == "submit" or (0 <= self.fail_after < self.submitted)
+        if failing:
+            raise EngineError(f"fake: injected failure on batch {self.submitted}")
+        bases = sorted(translate)
+        for src, dst, length in zip(runs.src.tolist(), runs.dst.tolist(), runs.length.tolist(), strict=True):
+            base = _region_base(bases, dst)
+            ctypes.memmove(translate[base] + (dst - base), src, length)
+        if self.fail == "poll":
+            self.failed[handle] = "injected failure at completion"
+        self.pending[handle] = float("inf") if self.lose else time.monotonic() + self.delay
+        return handle
+
+    def poll(self, handle: int) -> bool:
+        if handle in self.aborted:
+            self.aborted.discard(handle)
+            raise TransferAborted(f"fake: batch {handle} was aborted")
+        if handle in self.failed:
+            self.pending.pop(handle, None)
+            raise EngineError(f"fake: {self.failed.pop(handle)} (batch {handle})")
+        due = self.pending.get(handle)
+        if due is None:
+            raise DriverError(f"fake: unknown handle {handle}")
+        if time.monotonic() < due:
+            return False
+        del self.pending[handle]
+        return True
+
+    def abort(self, handle: int) -> None:
+        if self.pending.pop(handle, None) is not None:
+            self.aborted.add(handle)
+
+    def disconnect(self, peer: str) -> None:
+        entry = self.peers.pop(peer, None)
+        if entry:
+            for buf in entry[2]:
+                buf.close()
+
+    def close(self) -> None:
+        for peer in list(self.peers):
+            self.disconnect(peer)
+        self.pending.clear()
+        self.closed = True
+
+
+def _region_base(bases: list[int], addr: int) -> int:
+    i = int(np.searchsorted(np.array(bases, dtype=np.uint64), np.uint64(addr), side="right")) - 1
+    return bases[i]

@@ -1,0 +1,141 @@
+"""A scriptable endpoint in its own process, driven by JSON lines on stdin.
+
+``python -m kvtransport.testing.peer --driver NAME --pages N ...`` prints one JSON line with
+its address, then answers one JSON line per command. Tests (and the conformance suite) use it
+as the far side of a real two-process transfer. Commands: ``accept``, ``connect``, ``expect``,
+``send``, ``wait``, ``digests``, ``aux_digest``, ``abort``, ``state``, ``close``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from typing import Any
+
+from ..driver import KVTransport
+from ..endpoint import Connection, Endpoint, State, Timeouts, Transfer
+from ..errors import KVTransportError
+from ..registry import load_driver
+from .fake import FakeDriver
+from .kv import KVPool
+
+
+def driver_classes(name: str) -> dict[str, type[KVTransport]] | None:
+    if name == "fake":
+        return {"fake": FakeDriver}
+    if name in ("", "auto"):
+        return None
+    return {name: load_driver(name)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--driver", default="fake")
+    p.add_argument("--pages", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--item", type=int, default=4096)
+    p.add_argument("--aux-slots", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--options", default="{}")
+    p.add_argument("--timeouts", default="{}")
+    p.add_argument("--name", default="peer")
+    args = p.parse_args(argv)
+    pool = KVPool(args.pages, args.layers, args.item, args.aux_slots)
+    if args.seed:
+        pool.fill(args.seed)
+    endpoint = Endpoint(
+        pool.regions,
+        pool.layout,
+        drivers=driver_classes(args.driver),
+        name=args.name,
+        driver_options=json.loads(args.options),
+        timeouts=Timeouts(**json.loads(args.timeouts)),
+    )
+    conns: list[Connection] = []
+    transfers: dict[str, Transfer] = {}
+    _reply({"address": endpoint.address, "name": endpoint.name})
+    try:
+        for line in sys.stdin:
+            if not line.strip():
+                continue
+            cmd = json.loads(line)
+            try:
+                result = _run(cmd, endpoint, pool, conns, transfers)
+            except KVTransportError as exc:
+                result = {"error": type(exc).__name__, "message": str(exc)}
+            except Exception as exc:  # noqa: BLE001 - report to the driving test
+                result = {"error": type(exc).__name__, "message": traceback.format_exc()}
+            _reply(result)
+            if cmd.get("cmd") == "close":
+                break
+    finally:
+        endpoint.close()
+        pool.close()
+    return 0
+
+
+def _reply(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _state(t: Transfer) -> list[Any]:
+    return [t.state.name, type(t.error).__name__ if t.error else "", str(t.error or "")]
+
+
+def _run(
+    cmd: dict[str, Any], ep: Endpoint, pool: KVPool, conns: list[Connection], transfers: dict[str, Transfer]
+) -> dict[str, Any]:
+    op = cmd["cmd"]
+    if op == "accept":
+        conns.append(ep.accept(cmd.get("timeout", 10)))
+        return {"decision": conns[-1].decision.to_dict() if conns[-1].decision else None}
+    if op == "connect":
+        conns.append(ep.connect(cmd["address"], cmd.get("timeout")))
+        return {"decision": conns[-1].decision.to_dict() if conns[-1].decision else None}
+    conn = conns[cmd.get("conn", -1)] if conns else None
+    if op == "expect":
+        assert conn is not None
+        for tag, pages in cmd["transfers"].items():
+            transfers[tag] = conn.expect(tag, pages, aux=cmd.get("aux", {}).get(tag))
+        return {"ok": True}
+    if op == "send":
+        assert conn is not None
+        deadline = time.monotonic() + cmd.get("timeout", 10)
+        for tag in cmd["transfers"]:
+            transfers[tag] = conn.sender(tag)
+        for tag, chunks in cmd["transfers"].items():
+            t = transfers[tag]
+            while t.state is State.BOOTSTRAPPING and time.monotonic() < deadline:
+                time.sleep(0.001)
+            for i, chunk in enumerate(chunks):
+                last = i == len(chunks) - 1
+                t.send(chunk, last=last, aux=cmd.get("aux", {}).get(tag) if last else None)
+        return {"ok": True}
+    if op == "wait":
+        deadline = time.monotonic() + cmd.get("timeout", 10)
+        for tag in cmd["tags"]:
+            try:
+                transfers[tag].wait(max(0.0, deadline - time.monotonic()))
+            except KVTransportError:
+                pass
+        return {"states": {tag: _state(transfers[tag]) for tag in cmd["tags"]}}
+    if op == "state":
+        return {"states": {tag: _state(transfers[tag]) for tag in cmd["tags"]}}
+    if op == "digests":
+        return {"digests": pool.page_digests(cmd["pages"])}
+    if op == "aux_digest":
+        return {"digest": pool.aux_digest(cmd["slot"])}
+    if op == "abort":
+        transfers[cmd["tag"]].abort(cmd.get("reason", "aborted by the peer script"))
+        return {"ok": True}
+    if op == "close":
+        return {"ok": True}
+    raise ValueError(f"unknown command {op!r}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

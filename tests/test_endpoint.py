@@ -1,0 +1,229 @@
+"""Endpoint behaviour under faults and bad input, two endpoints in one process (fake driver)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import msgpack
+import pytest
+import zmq
+
+from kvtransport.endpoint import Connection, Endpoint, State, Timeouts
+from kvtransport.errors import (
+    ConnectError,
+    EngineError,
+    InvalidPages,
+    NegotiationError,
+    TransferError,
+    TransferTimeout,
+)
+from kvtransport.memory import KVLayout
+from kvtransport.testing.fake import FakeDriver
+from kvtransport.testing.kv import KVPool
+
+FAKE = {"fake": FakeDriver}
+FAST = Timeouts(connect=5, bootstrap=5, waiting=5, transfer=5, heartbeat_interval=0.1, heartbeat_timeout=1.0)
+
+
+def make_pair(options: dict[str, str] | None = None, timeouts: Timeouts = FAST):  # type: ignore[no-untyped-def]
+    a_pool, b_pool = KVPool(64, 2, 512, 4), KVPool(64, 2, 512, 4)
+    a_pool.fill(1)
+    prefill = Endpoint(
+        a_pool.regions, a_pool.layout, drivers=FAKE, name="prefill", timeouts=timeouts, driver_options=options or {}
+    )
+    decode = Endpoint(b_pool.regions, b_pool.layout, drivers=FAKE, name="decode", timeouts=timeouts)
+    recv_conn = decode.connect(prefill.address)
+    send_conn = prefill.accept(5)
+    return prefill, decode, send_conn, recv_conn, a_pool, b_pool
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[Endpoint, Endpoint, Connection, Connection, KVPool, KVPool]]:
+    parts = make_pair()
+    yield parts
+    parts[0].close()
+    parts[1].close()
+    parts[4].close()
+    parts[5].close()
+
+
+def ready(t) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + 5
+    while t.state is State.BOOTSTRAPPING and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert t.state is State.WAITING_FOR_INPUT
+
+
+def test_decision_is_available_on_both_sides(pair) -> None:  # type: ignore[no-untyped-def]
+    _, _, send_conn, recv_conn, *_ = pair
+    assert send_conn.decision.driver == recv_conn.decision.driver == "fake"
+    assert send_conn.decision.to_dict() == recv_conn.decision.to_dict()
+
+
+@pytest.mark.parametrize("where", ["submit", "poll"])
+def test_engine_failure_fails_both_sides_and_endpoint_keeps_serving(where: str) -> None:
+    prefill, decode, send_conn, recv_conn, a_pool, b_pool = make_pair(
+        {"fake.fail_after": "1"} if where == "submit" else {"fake.fail": "poll"}
+    )
+    try:
+        if where == "submit":  # first batch fine, second fails
+            recv_conn.expect("ok", [1])
+            t = send_conn.sender("ok")
+            ready(t)
+            t.send([1])
+            assert t.wait(5) is State.SUCCESS
+        r = recv_conn.expect("bad", [2, 3])
+        t = send_conn.sender("bad")
+        ready(t)
+        t.send([2, 3])
+        with pytest.raises(EngineError, match="injected failure"):
+            t.wait(5)
+        with pytest.raises(TransferError, match="injected failure"):
+            r.wait(2)
+        assert r.state is State.FAILED
+    finally:
+        for x in (prefill, decode, a_pool, b_pool):
+            x.close()
+
+
+def test_lost_completion_times_out_and_is_never_success() -> None:
+    timeouts = Timeouts(connect=5, bootstrap=5, waiting=5, transfer=0.5, heartbeat_interval=0.1, heartbeat_timeout=2)
+    prefill, decode, send_conn, recv_conn, a_pool, b_pool = make_pair({"fake.lose": "1"}, timeouts)
+    try:
+        r = recv_conn.expect("lost", [1])
+        t = send_conn.sender("lost")
+        ready(t)
+        t.send([1])
+        with pytest.raises(TransferTimeout, match="TRANSFERRING"):
+            t.wait(5)
+        with pytest.raises(TransferError, match="timed out"):
+            r.wait(2)
+        time.sleep(0.3)
+        assert t.state is State.FAILED and r.state is State.FAILED
+    finally:
+        for x in (prefill, decode, a_pool, b_pool):
+            x.close()
+
+
+def test_bootstrap_timeout_when_the_receiver_never_announces() -> None:
+    timeouts = Timeouts(connect=5, bootstrap=0.3, waiting=5, transfer=5, heartbeat_interval=0.1, heartbeat_timeout=2)
+    prefill, decode, send_conn, _recv, a_pool, b_pool = make_pair(None, timeouts)
+    try:
+        t = send_conn.sender("never")
+        with pytest.raises(TransferTimeout, match="BOOTSTRAPPING"):
+            t.wait(3)
+    finally:
+        for x in (prefill, decode, a_pool, b_pool):
+            x.close()
+
+
+def test_wait_timeout_does_not_fail_the_transfer(pair) -> None:  # type: ignore[no-untyped-def]
+    _, _, send_conn, recv_conn, *_ = pair
+    recv_conn.expect("slow", [1])
+    t = send_conn.sender("slow")
+    ready(t)
+    with pytest.raises(TransferTimeout, match="still WAITING_FOR_INPUT"):
+        t.wait(0.05)
+    t.send([1])
+    assert t.wait(5) is State.SUCCESS
+
+
+def test_receiver_rejects_bad_destination_pages(pair) -> None:  # type: ignore[no-untyped-def]
+    _, _, _, recv_conn, *_ = pair
+    with pytest.raises(InvalidPages, match="outside the registered range"):
+        recv_conn.expect("x", [0, 64])
+    with pytest.raises(InvalidPages, match="repeat"):
+        recv_conn.expect("x", [1, 1])
+    with pytest.raises(InvalidPages):
+        recv_conn.expect("x", [1], aux=4)
+
+
+def test_sending_before_the_announcement_is_refused(pair) -> None:  # type: ignore[no-untyped-def]
+    _, _, send_conn, *_ = pair
+    t = send_conn.sender("early")
+    with pytest.raises(Exception, match="has not announced its pages"):
+        t.send([1])
+
+
+def test_garbage_on_the_control_port_does_not_disturb_other_peers(pair) -> None:  # type: ignore[no-untyped-def]
+    prefill, _, send_conn, recv_conn, a_pool, b_pool = pair
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(prefill.address)
+    before = [b.array.copy() for b in a_pool.buffers]
+    for frame in (
+        b"\xff" * 10,
+        msgpack.packb({"v": 1, "t": "expect", "tag": "x", "pages": b"\x00" * 8, "aux": -1}),
+        msgpack.packb({"v": 1, "t": "hello", "conn": "c", "hello": {"junk": 1}, "regions": {}}),
+        msgpack.packb({"v": 9, "t": "ping", "seq": 1}),
+        b"",
+        b"x" * (5 << 20),
+    ):
+        sock.send(frame)
+    refusal = msgpack.unpackb(sock.recv()) if sock.poll(2000) else None
+    assert refusal is not None and refusal["t"] == "refuse" and "ProtocolError" in refusal["reason"]
+    sock.close()
+    ctx.term()
+    assert all((b.array == x).all() for b, x in zip(a_pool.buffers, before, strict=True))
+    recv_conn.expect("after", [5, 6])
+    t = send_conn.sender("after")
+    ready(t)
+    t.send([9, 10])
+    assert t.wait(5) is State.SUCCESS
+    assert b_pool.page_digests([5, 6]) == a_pool.page_digests([9, 10])
+
+
+def test_a_malicious_announcement_fails_only_that_transfer(pair) -> None:  # type: ignore[no-untyped-def]
+    _, decode, send_conn, recv_conn, _, _ = pair
+    t = send_conn.sender("evil")
+    # Forge an announcement from the decode side's route with a page outside its pool.
+    import numpy as np
+
+    from kvtransport.wire import encode
+
+    data = encode("expect", tag="evil", pages=np.array([1, 10_000], dtype=np.int64).tobytes(), aux=-1)
+    decode._call(lambda: decode._channel.send(recv_conn.route, data))
+    with pytest.raises(InvalidPages, match="outside the registered range"):
+        t.wait(5)
+    recv_conn.expect("fine", [2])
+    t2 = send_conn.sender("fine")
+    ready(t2)
+    t2.send([3])
+    assert t2.wait(5) is State.SUCCESS
+
+
+def test_layout_mismatch_is_refused_with_both_layouts() -> None:
+    a_pool, b_pool = KVPool(64, 2, 512), KVPool(64, 2, 512)
+    other = KVLayout(page_size=64, dtype="bfloat16", num_layers=1, kv_item_lens=(512, 512))
+    with (
+        Endpoint(a_pool.regions, a_pool.layout, drivers=FAKE, timeouts=FAST, name="p") as a,
+        Endpoint(b_pool.regions, other, drivers=FAKE, timeouts=FAST, name="d") as b,
+    ):
+        with pytest.raises(NegotiationError, match="page_size: 64 on initiator d, 16 on acceptor p"):
+            b.connect(a.address)
+    a_pool.close()
+    b_pool.close()
+
+
+def test_connecting_to_nothing_fails_within_the_timeout() -> None:
+    pool = KVPool(8, 1, 64)
+    with Endpoint(pool.regions, pool.layout, drivers=FAKE, timeouts=FAST) as ep:
+        start = time.monotonic()
+        with pytest.raises(ConnectError, match="no handshake answer"):
+            ep.connect("tcp://127.0.0.1:9", timeout=0.5)
+        assert time.monotonic() - start < 2
+    pool.close()
+
+
+def test_closing_the_peer_fails_its_transfers_with_peer_lost(pair) -> None:  # type: ignore[no-untyped-def]
+    from kvtransport.errors import PeerLost
+
+    _, decode, send_conn, recv_conn, *_ = pair
+    recv_conn.expect("bye", [1])
+    t = send_conn.sender("bye")
+    ready(t)
+    decode.close()
+    with pytest.raises(PeerLost, match="closed its endpoint"):
+        t.wait(3)

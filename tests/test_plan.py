@@ -1,0 +1,110 @@
+"""The planner: exact coverage for any index arrays, coalescing, caps, and refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtransport.errors import InvalidPages, MemoryLayoutError
+from kvtransport.memory import HOST, Region, RegionSet
+from kvtransport.plan import check_runs_within, plan
+
+
+def regions(base: int, n: int, pages: int, item: int) -> tuple[Region, ...]:
+    stride = pages * item + 4096  # gaps between regions catch runs that spill over
+    return tuple(Region(base + i * stride, pages * item, HOST, item, f"r{i}") for i in range(n))
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> tuple[tuple[Region, ...], tuple[Region, ...], np.ndarray, np.ndarray, int | None]:
+    n_regions = draw(st.integers(1, 3))
+    item = draw(st.sampled_from([1, 8, 64, 100]))
+    src_pages = draw(st.integers(1, 40))
+    dst_pages = draw(st.integers(1, 40))
+    count = draw(st.integers(0, min(src_pages, dst_pages)))
+    src = draw(st.lists(st.integers(0, src_pages - 1), min_size=count, max_size=count))
+    dst = draw(st.permutations(range(dst_pages)))[:count]
+    cap = draw(st.none() | st.integers(1, 5 * item))
+    return (
+        regions(1 << 20, n_regions, src_pages, item),
+        regions(1 << 30, n_regions, dst_pages, item),
+        np.array(src, dtype=np.int64),
+        np.array(dst, dtype=np.int64),
+        cap,
+    )
+
+
+@settings(max_examples=400)
+@given(cases())
+def test_runs_cover_exactly_the_requested_bytes(case) -> None:  # type: ignore[no-untyped-def]
+    src_r, dst_r, src, dst, cap = case
+    runs = plan(src_r, dst_r, src, dst, max_run_bytes=cap)
+    expected = {}
+    for s_reg, d_reg in zip(src_r, dst_r, strict=True):
+        for s, d in zip(src.tolist(), dst.tolist(), strict=True):
+            for b in range(s_reg.item_len):
+                expected[d_reg.ptr + d * d_reg.item_len + b] = s_reg.ptr + s * s_reg.item_len + b
+    written = {}
+    for s, d, n in zip(runs.src.tolist(), runs.dst.tolist(), runs.length.tolist(), strict=True):
+        assert n > 0 and (cap is None or n <= cap)
+        for b in range(n):
+            assert d + b not in written, "a destination byte written twice"
+            written[d + b] = s + b
+    assert written == expected
+    check_runs_within(runs.src, runs.length, src_r, "src")
+    check_runs_within(runs.dst, runs.length, dst_r, "dst")
+
+
+def test_consecutive_pages_coalesce_into_one_run_per_region() -> None:
+    src_r, dst_r = regions(1 << 20, 64, 4096, 32768), regions(1 << 40, 64, 4096, 32768)
+    runs = plan(src_r, dst_r, np.arange(256), np.arange(1000, 1256))
+    assert len(runs) == 64 and set(runs.length.tolist()) == {256 * 32768}
+    runs = plan(src_r, dst_r, np.arange(256), np.arange(1000, 1256), max_run_bytes=1 << 20)
+    assert len(runs) == 64 * 8
+
+
+def test_large_plan_is_vectorised() -> None:
+    import time
+
+    src_r, dst_r = regions(1 << 20, 64, 20000, 32768), regions(1 << 40, 64, 20000, 32768)
+    src = np.random.default_rng(0).permutation(20000)[:16384]
+    start = time.perf_counter()
+    runs = plan(src_r, dst_r, src, np.arange(16384))
+    assert len(runs) >= 16384 * 64 * 0.9
+    assert time.perf_counter() - start < 5.0  # a per-page Python loop would take far longer
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "words"),
+    [
+        ([0, 1], [0], "pair one to one"),
+        ([-1], [0], "outside the registered range"),
+        ([0], [10], "outside the registered range"),
+        ([0, 1], [3, 3], "appears more than once"),
+        ([[0]], [[1]], "one-dimensional"),
+        ([0.5], [1], "must be integers"),
+    ],
+)
+def test_bad_indices_are_refused(src: object, dst: object, words: str) -> None:
+    with pytest.raises(InvalidPages, match=words):
+        plan(regions(1 << 20, 2, 10, 8), regions(1 << 30, 2, 10, 8), src, dst)
+
+
+def test_mismatched_page_sizes_are_refused() -> None:
+    with pytest.raises(InvalidPages, match="page of 8 bytes"):
+        plan(regions(1 << 20, 1, 10, 8), regions(1 << 30, 1, 10, 16), [0], [0])
+
+
+def test_region_sets_reject_what_cannot_be_right() -> None:
+    with pytest.raises(MemoryLayoutError, match="overlap"):
+        RegionSet((Region(4096, 100, HOST, 10), Region(4100, 100, HOST, 10)))
+    with pytest.raises(MemoryLayoutError, match="zero or negative length"):
+        Region(4096, 0, HOST, 10)
+    with pytest.raises(MemoryLayoutError, match="does not divide"):
+        Region(4096, 100, HOST, 30)
+    with pytest.raises(MemoryLayoutError, match="three lists"):
+        RegionSet.from_kv_args([4096], [100, 200], [10])
+    with pytest.raises(MemoryLayoutError, match="different page counts"):
+        RegionSet((Region(4096, 100, HOST, 10), Region(8192, 100, HOST, 20)))
