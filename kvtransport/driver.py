@@ -248,6 +248,12 @@ class KVTransport(ABC):
         """Receiver side of a two-sided driver: act on a notice the peer's driver sent."""
         raise NotImplementedError(f"{self.name} is one-sided and sends no notices")
 
+    def inbound_idle(self, peer: str) -> bool:
+        """Receiver side of a two-sided driver: ``False`` while work caused by ``peer``'s
+        notices (a copy-in from a staging ring) is still running. The core reports a received
+        transfer as Success only once this returns ``True``; one-sided drivers keep the default."""
+        return True
+
     @abstractmethod
     def abort(self, handle: int) -> None:
         """Stop a batch; later ``poll`` calls on it raise ``TransferAborted``."""

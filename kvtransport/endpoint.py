@@ -132,6 +132,7 @@ class Transfer:
         self.last_sent = False  # I/O thread: the last chunk was submitted
         self.handles: set[int] = set()
         self.bytes = 0
+        self.peer_done = False  # receiver: the sender said every byte was written
         self.started = 0.0
         self.finished = 0.0
 
@@ -236,7 +237,12 @@ class _Context:
 
     def send_notice(self, peer: str, payload: bytes) -> None:
         ep = self._endpoint
-        ep._call(lambda: ep._send_to_conn_id(peer, encode("notice", payload=payload)))
+        data = encode("notice", payload=payload)
+        if ep._channel.in_io_thread():
+            # Sent at once, so a notice always precedes the "done" that follows its batch.
+            ep._send_to_conn_id(peer, data)
+        else:
+            ep._call(lambda: ep._send_to_conn_id(peer, data))
 
 
 class Endpoint:
@@ -572,7 +578,8 @@ class Endpoint:
             if t is None or t.role != "recv":
                 raise ProtocolError(f"done for unknown transfer {msg['tag']!r}")
             t.bytes = int(msg["bytes"])
-            t._set(State.SUCCESS)
+            t.peer_done = True
+            self._finish_receive(conn, t)
         elif kind == "abort":
             t = conn.transfers.get(msg["tag"])
             if t is not None:
@@ -593,6 +600,15 @@ class Endpoint:
                 conn, PeerLost(f"peer {conn.peer_label} closed its endpoint ({msg['reason']})"), notify=False
             )
         # "ping" needs nothing beyond last_seen
+
+    def _finish_receive(self, conn: Connection, t: Transfer) -> None:
+        """Success once the bytes are in this KV pool: for a two-sided driver, only after its
+        inbound work (e.g. the copy-in from a staging ring) has drained."""
+        assert conn.driver is not None
+        if conn.driver.inbound_idle(conn.id):
+            t._set(State.SUCCESS)
+        elif t.state is State.WAITING_FOR_INPUT:
+            t._set(State.TRANSFERRING)
 
     def _on_hello(self, route: Route, msg: Message) -> None:
         conn_id = msg["conn"]
@@ -730,7 +746,9 @@ class Endpoint:
             if ping_due:
                 self._channel.send(conn.route, encode("ping", seq=int(now * 1000)))
             for t in list(conn.transfers.values()):
-                if t.state is State.TRANSFERRING:
+                if t.role == "recv" and t.peer_done and not t.state.final:
+                    self._finish_receive(conn, t)
+                elif t.state is State.TRANSFERRING:
                     self._progress(t)
                 self._check_timeout(t, now)
 

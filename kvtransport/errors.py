@@ -81,10 +81,6 @@ class VersionMismatch(ProtocolError):
     """The peer speaks another protocol version."""
 
 
-class AuthenticationError(ProtocolError):
-    """A control message failed its HMAC check."""
-
-
 # --- memory and planning -------------------------------------------------------------------
 
 

@@ -45,7 +45,6 @@ CORE_ENV_VARS = frozenset(
         ENV_DRIVER,
         ENV_DRIVERS,
         ENV_EXCLUDE,
-        "KVTRANSPORT_HMAC_KEY",
         "KVTRANSPORT_LOG_LEVEL",
         "KVTRANSPORT_STAGING_RING_BYTES",
         "KVTRANSPORT_STAGING_CHUNK_BYTES",
@@ -55,7 +54,6 @@ CORE_ENV_VARS = frozenset(
         "KVTRANSPORT_WAITING_TIMEOUT",
         "KVTRANSPORT_TRANSFER_TIMEOUT",
         "KVTRANSPORT_MAX_MESSAGE_BYTES",
-        "KVTRANSPORT_CHUNK_BYTES",
     }
 )
 #: Variables of the first-party drivers, known even when a driver is not installed.

@@ -227,3 +227,30 @@ def test_closing_the_peer_fails_its_transfers_with_peer_lost(pair) -> None:  # t
     decode.close()
     with pytest.raises(PeerLost, match="closed its endpoint"):
         t.wait(3)
+
+
+def test_two_sided_receiver_succeeds_only_after_its_inbound_work() -> None:
+    from kvtransport.testing.fake import FakeTwoSided
+
+    drivers = {"fake-two-sided": FakeTwoSided}
+    a_pool, b_pool = KVPool(16, 2, 256), KVPool(16, 2, 256)
+    a_pool.fill(3)
+    opts = {"fake.inbound_delay": "0.3"}
+    with (
+        Endpoint(a_pool.regions, a_pool.layout, drivers=drivers, timeouts=FAST, driver_options=opts) as a,
+        Endpoint(b_pool.regions, b_pool.layout, drivers=drivers, timeouts=FAST, driver_options=opts) as b,
+    ):
+        recv_conn = b.connect(a.address)
+        send_conn = a.accept(5)
+        r = recv_conn.expect("staged", [4, 5])
+        t = send_conn.sender("staged")
+        ready(t)
+        t.send([0, 1])
+        assert t.wait(5) is State.SUCCESS
+        sent_at = time.monotonic()
+        assert r.wait(5) is State.SUCCESS
+        assert time.monotonic() - sent_at >= 0.2, "receiver reported Success before its copy-in drained"
+        assert b.drivers["fake-two-sided"].notices, "the notice never reached the receiving driver"
+        assert b_pool.page_digests([4, 5]) == a_pool.page_digests([0, 1])
+    a_pool.close()
+    b_pool.close()

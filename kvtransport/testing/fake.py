@@ -159,3 +159,32 @@ class FakeDriver(KVTransport):
 def _region_base(bases: list[int], addr: int) -> int:
     i = int(np.searchsorted(np.array(bases, dtype=np.uint64), np.uint64(addr), side="right")) - 1
     return bases[i]
+
+
+class FakeTwoSided(FakeDriver):
+    """The fake as a two-sided driver: each batch sends a notice, and the receiver's inbound
+    work for a notice takes ``fake.inbound_delay`` seconds (a copy-in from a staging ring)."""
+
+    name: ClassVar[str] = "fake-two-sided"
+    api_version: ClassVar[int] = DRIVER_API_VERSION
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        reads=frozenset({"host"}), writes=frozenset({"host"}), same_host_only=True, two_sided=True
+    )
+
+    def __init__(self, context: DriverContext) -> None:
+        super().__init__(context)
+        self.inbound_delay = float(context.options.get("fake.inbound_delay", "0.2"))
+        self.inbound_until: dict[str, float] = {}
+        self.notices: list[bytes] = []
+
+    def submit(self, peer: str, runs: Runs) -> int:
+        handle = super().submit(peer, runs)
+        self.context.send_notice(peer, msgpack.packb({"batch": handle, "bytes": runs.total_bytes}))
+        return handle
+
+    def on_notice(self, peer: str, payload: bytes) -> None:
+        self.notices.append(payload)
+        self.inbound_until[peer] = time.monotonic() + self.inbound_delay
+
+    def inbound_idle(self, peer: str) -> bool:
+        return time.monotonic() >= self.inbound_until.get(peer, 0.0)
