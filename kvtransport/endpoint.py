@@ -44,7 +44,7 @@ from .errors import (
 from .hello import DriverHello, Hello, build_hello, describe_driver, load_drivers
 from .memory import KVLayout, Region, RegionSet
 from .negotiate import Decision, negotiate
-from .plan import Runs, as_pages, check_pages, plan
+from .plan import Runs, as_pages, check_pages, check_unique, plan
 from .registry import Policy, warn_unknown_env_vars
 from .wire import Message, decode, encode
 
@@ -400,19 +400,13 @@ class Endpoint:
     def _expect(self, conn: Connection, tag: str, dst_pages: Any, aux: int | None) -> Transfer:
         pages = as_pages(dst_pages, f"transfer {tag!r} destination")
         check_pages(pages, self.regions.num_pages, f"transfer {tag!r} destination")
-        if np.unique(pages).size != pages.size:
-            raise InvalidPages(f"transfer {tag!r}: destination pages repeat; each page can be written once")
+        check_unique(pages, f"transfer {tag!r} destination")
         if aux is not None:
             self._check_aux(aux, self.regions, f"transfer {tag!r} destination aux")
         transfer = Transfer(conn, tag, "recv", State.WAITING_FOR_INPUT)
 
         def announce() -> None:
-            if tag in conn.transfers:
-                transfer._set(State.FAILED, KVTransportError(f"tag {tag!r} is already in use on this connection"))
-                return
-            conn.transfers[tag] = transfer
-            if not conn.alive:
-                transfer._set(State.FAILED, conn.error or PeerLost(f"peer {conn.peer_label} is gone"))
+            if not self._register(conn, transfer):
                 return
             self._channel.send(
                 conn.route, encode("expect", tag=tag, pages=pages.tobytes(), aux=-1 if aux is None else int(aux))
@@ -425,12 +419,7 @@ class Endpoint:
         transfer = Transfer(conn, tag, "send", State.BOOTSTRAPPING)
 
         def register() -> None:
-            if tag in conn.transfers:
-                transfer._set(State.FAILED, KVTransportError(f"tag {tag!r} is already in use on this connection"))
-                return
-            conn.transfers[tag] = transfer
-            if not conn.alive:
-                transfer._set(State.FAILED, conn.error or PeerLost(f"peer {conn.peer_label} is gone"))
+            if not self._register(conn, transfer):
                 return
             early = conn.early_expects.pop(tag, None)
             if early is not None:
@@ -438,6 +427,17 @@ class Endpoint:
 
         self._call(register)
         return transfer
+
+    def _register(self, conn: Connection, transfer: Transfer) -> bool:
+        """I/O thread: file ``transfer`` under its tag; fail it at once if it cannot proceed."""
+        if transfer.tag in conn.transfers:
+            transfer._set(State.FAILED, KVTransportError(f"tag {transfer.tag!r} is already in use on this connection"))
+            return False
+        conn.transfers[transfer.tag] = transfer
+        if not conn.alive:
+            transfer._set(State.FAILED, conn.error or PeerLost(f"peer {conn.peer_label} is gone"))
+            return False
+        return True
 
     def _check_aux(self, index: int, regions: RegionSet, what: str) -> None:
         if not regions.aux:
@@ -697,8 +697,7 @@ class Endpoint:
                 raise InvalidPages(f"page list of {len(raw)} bytes is not a whole number of int64")
             pages = np.frombuffer(raw, dtype=np.int64).copy()
             check_pages(pages, conn.peer_regions.num_pages, f"pages announced by {conn.peer_label}")
-            if np.unique(pages).size != pages.size:
-                raise InvalidPages(f"pages announced by {conn.peer_label} repeat")
+            check_unique(pages, f"pages announced by {conn.peer_label}")
             if msg["aux"] >= 0:
                 self._check_aux(msg["aux"], conn.peer_regions, f"aux slot announced by {conn.peer_label}")
         except InvalidPages as exc:

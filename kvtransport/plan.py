@@ -83,6 +83,16 @@ def check_pages(pages: npt.NDArray[np.int64], num_pages: int, what: str) -> None
         )
 
 
+def check_unique(pages: npt.NDArray[np.int64], what: str) -> None:
+    """Refuse destination pages that repeat: two pages cannot be written to one place."""
+    values, occurrences = np.unique(pages, return_counts=True)
+    if values.size != pages.size:
+        raise InvalidPages(
+            f"{what}: page {int(values[occurrences > 1][0])} appears more than once; two pages "
+            "cannot be written to one place"
+        )
+
+
 def plan(
     src_regions: Sequence[Region],
     dst_regions: Sequence[Region],
@@ -112,12 +122,7 @@ def plan(
             raise InvalidPages(f"region {i}: page of {s.item_len} bytes at the source, {d.item_len} at the destination")
     check_pages(src, min(r.num_items for r in src_regions), "source")
     check_pages(dst, min(r.num_items for r in dst_regions), "destination")
-    if np.unique(dst).size != dst.size:
-        values, occurrences = np.unique(dst, return_counts=True)
-        raise InvalidPages(
-            f"destination page {int(values[occurrences > 1][0])} appears more than once; two pages "
-            "cannot be written to one place"
-        )
+    check_unique(dst, "destination")
 
     # Runs of pages that are consecutive on both sides, in request order.
     breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1

@@ -133,7 +133,7 @@ def test_receiver_rejects_bad_destination_pages(pair) -> None:  # type: ignore[n
     _, _, _, recv_conn, *_ = pair
     with pytest.raises(InvalidPages, match="outside the registered range"):
         recv_conn.expect("x", [0, 64])
-    with pytest.raises(InvalidPages, match="repeat"):
+    with pytest.raises(InvalidPages, match="appears more than once"):
         recv_conn.expect("x", [1, 1])
     with pytest.raises(InvalidPages):
         recv_conn.expect("x", [1], aux=4)

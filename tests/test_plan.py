@@ -108,3 +108,16 @@ def test_region_sets_reject_what_cannot_be_right() -> None:
         RegionSet.from_kv_args([4096], [100, 200], [10])
     with pytest.raises(MemoryLayoutError, match="different page counts"):
         RegionSet((Region(4096, 100, HOST, 10), Region(8192, 100, HOST, 20)))
+
+
+def test_regions_from_torch_tensors() -> None:
+    torch = pytest.importorskip("torch")
+    k = torch.zeros((32, 16, 8, 128), dtype=torch.bfloat16)
+    v = torch.zeros((32, 16, 8, 128), dtype=torch.bfloat16)
+    aux = torch.zeros((8, 16), dtype=torch.int32)
+    rs = RegionSet.from_tensors([k, v], aux=[aux])
+    assert rs.num_pages == 32 and rs.kv_item_lens == (32768, 32768)
+    assert rs.kv[0].ptr == k.data_ptr() and str(rs.kv_kind) == "host"
+    assert rs.aux[0].item_len == 64
+    with pytest.raises(MemoryLayoutError, match="contiguous"):
+        RegionSet.from_tensors([k.transpose(0, 1)])

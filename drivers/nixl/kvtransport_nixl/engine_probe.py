@@ -1,6 +1,7 @@
 """Probe NIXL and its UCX backend on this host, once per process.
 
-The probe imports the NIXL binding, creates a throw-away agent and instantiates the backend:
+The probe imports the NIXL binding, then a child process creates a throw-away agent and
+instantiates the backend:
 that is the only reliable test that the UCX plugin exists in this wheel and that the user's
 ``UCX_TLS`` leaves UCX a usable transport (an unusable one fails with a bare
 ``NIXL_ERR_BACKEND``; we name the setting instead).
@@ -13,6 +14,8 @@ import importlib
 import json
 import logging
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from importlib import metadata
 from types import ModuleType
@@ -81,6 +84,49 @@ def version() -> str:
     return ""
 
 
+# Runs in a child process. Creating a UCX backend is the only real test of the wheel and of
+# UCX_TLS, and on these machines a process that created one crashes (SIGSEGV) at interpreter
+# exit unless another engine's libraries were loaded first; the child reports, then leaves
+# with os._exit so the crash can never reach the caller's process.
+_CHILD = """
+import json, os, sys
+module, backend, params = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+out = {}
+try:
+    nixl = __import__(module)
+    agent = nixl.nixl_agent("kvtransport-probe-%d" % os.getpid(), nixl.nixl_agent_config(backends=[]))
+    out["plugins"] = ", ".join(agent.get_plugin_list())
+    if backend not in agent.get_plugin_list():
+        out["missing_plugin"] = True
+    else:
+        agent.create_backend(backend, params)
+        out["mem_types"] = list(agent.get_backend_mem_types(backend))
+except Exception as exc:
+    out["error"] = "%s: %s" % (type(exc).__name__, exc)
+sys.stdout.write("KVTRANSPORT-PROBE " + json.dumps(out) + "\\n")
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def _probe_backend_in_child(module: str, backend: str, params: dict[str, str], timeout: float = 20.0) -> dict[str, Any]:
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _CHILD, module, backend, json.dumps(params)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"creating the {backend} backend did not finish within {timeout:g} s"}
+    for line in proc.stdout.splitlines():
+        if line.startswith("KVTRANSPORT-PROBE "):
+            result: dict[str, Any] = json.loads(line.split(" ", 1)[1])
+            return result
+    return {"error": f"the probe process died (exit {proc.returncode}): {proc.stderr.strip()[-500:]}"}
+
+
 @functools.lru_cache(maxsize=1)
 def probe_nixl() -> NixlFacts:
     module, error = import_nixl()
@@ -93,32 +139,30 @@ def probe_nixl() -> NixlFacts:
     if config_error:
         return NixlFacts(DriverStatus(False, config_error, fix=f"fix or unset {ENV_BACKEND_PARAMS}", version=ver))
     ucx_tls = os.environ.get("UCX_TLS", "")
-    try:
-        agent: Any = module.nixl_agent(f"kvtransport-probe-{os.getpid()}", module.nixl_agent_config(backends=[]))
-        plugins = list(agent.get_plugin_list())
-        if backend not in plugins:
-            return NixlFacts(
-                DriverStatus(
-                    False,
-                    f"NIXL {ver} has no {backend} backend plugin (plugins: {', '.join(plugins) or 'none'})",
-                    fix="reinstall nixl-cu12, or set KVTRANSPORT_NIXL_BACKEND to an available backend",
-                    version=ver,
-                )
+    result = _probe_backend_in_child(module.__name__, backend, params)
+    error = result.get("error", "")
+    if result.get("missing_plugin"):
+        return NixlFacts(
+            DriverStatus(
+                False,
+                f"NIXL {ver} has no {backend} backend plugin (plugins: {result['plugins'] or 'none'})",
+                fix="reinstall nixl-cu12, or set KVTRANSPORT_NIXL_BACKEND to an available backend",
+                version=ver,
             )
-        agent.create_backend(backend, params)
-        mem_types = tuple(agent.get_backend_mem_types(backend))
-    except Exception as exc:  # noqa: BLE001 - reported with the setting that likely caused it
+        )
+    if error:
         hint = f" with UCX_TLS={ucx_tls!r}" if ucx_tls else ""
         return NixlFacts(
             DriverStatus(
                 False,
-                f"NIXL could not create the {backend} backend{hint}: {type(exc).__name__}: {exc}",
+                f"NIXL could not create the {backend} backend{hint}: {error}",
                 fix="unset UCX_TLS or include a transport this host has (e.g. UCX_TLS=tcp,self or shm,self)"
                 if ucx_tls
                 else "check UCX_* environment variables and the NIXL installation",
                 version=ver,
             )
         )
+    mem_types = tuple(result.get("mem_types", ()))
     return NixlFacts(
         DriverStatus(True, f"NIXL {ver} ({module.__name__}) with the {backend} backend", version=ver),
         module=module.__name__,
