@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 
@@ -9,6 +10,7 @@ import msgpack
 import pytest
 import zmq
 
+from kvtransport.driver import KVTransport
 from kvtransport.endpoint import Connection, Endpoint, State, Timeouts
 from kvtransport.errors import (
     ConnectError,
@@ -26,26 +28,51 @@ FAKE = {"fake": FakeDriver}
 FAST = Timeouts(connect=5, bootstrap=5, waiting=5, transfer=5, heartbeat_interval=0.1, heartbeat_timeout=1.0)
 
 
-def make_pair(options: dict[str, str] | None = None, timeouts: Timeouts = FAST):  # type: ignore[no-untyped-def]
-    a_pool, b_pool = KVPool(64, 2, 512, 4), KVPool(64, 2, 512, 4)
+@contextlib.contextmanager
+def endpoints(
+    options: dict[str, str] | None = None,
+    timeouts: Timeouts = FAST,
+    drivers: dict[str, type[KVTransport]] = FAKE,
+    receiver_options: dict[str, str] | None = None,
+    pages: int = 64,
+):  # type: ignore[no-untyped-def]
+    """A connected prefill -> decode pair in this process; everything is closed on exit.
+    ``options`` go to the prefill side's driver, ``receiver_options`` to the decode side's."""
+    a_pool, b_pool = KVPool(pages, 2, 512, 4), KVPool(pages, 2, 512, 4)
     a_pool.fill(1)
-    prefill = Endpoint(
-        a_pool.regions, a_pool.layout, drivers=FAKE, name="prefill", timeouts=timeouts, driver_options=options or {}
-    )
-    decode = Endpoint(b_pool.regions, b_pool.layout, drivers=FAKE, name="decode", timeouts=timeouts)
-    recv_conn = decode.connect(prefill.address)
-    send_conn = prefill.accept(5)
-    return prefill, decode, send_conn, recv_conn, a_pool, b_pool
+    prefill = decode = None
+    try:
+        prefill = Endpoint(
+            a_pool.regions,
+            a_pool.layout,
+            drivers=drivers,
+            name="prefill",
+            timeouts=timeouts,
+            driver_options=options or {},
+        )
+        decode = Endpoint(
+            b_pool.regions,
+            b_pool.layout,
+            drivers=drivers,
+            name="decode",
+            timeouts=timeouts,
+            driver_options=receiver_options or {},
+        )
+        recv_conn = decode.connect(prefill.address)
+        send_conn = prefill.accept(5)
+        yield prefill, decode, send_conn, recv_conn, a_pool, b_pool
+    finally:
+        for endpoint in (prefill, decode):
+            if endpoint is not None:
+                endpoint.close()
+        a_pool.close()
+        b_pool.close()
 
 
 @pytest.fixture
 def pair() -> Iterator[tuple[Endpoint, Endpoint, Connection, Connection, KVPool, KVPool]]:
-    parts = make_pair()
-    yield parts
-    parts[0].close()
-    parts[1].close()
-    parts[4].close()
-    parts[5].close()
+    with endpoints() as parts:
+        yield parts
 
 
 def ready(t) -> None:  # type: ignore[no-untyped-def]
@@ -63,10 +90,8 @@ def test_decision_is_available_on_both_sides(pair) -> None:  # type: ignore[no-u
 
 @pytest.mark.parametrize("where", ["submit", "poll"])
 def test_engine_failure_fails_both_sides_and_endpoint_keeps_serving(where: str) -> None:
-    prefill, decode, send_conn, recv_conn, a_pool, b_pool = make_pair(
-        {"fake.fail_after": "1"} if where == "submit" else {"fake.fail": "poll"}
-    )
-    try:
+    options = {"fake.fail_after": "1"} if where == "submit" else {"fake.fail": "poll"}
+    with endpoints(options) as (_, _, send_conn, recv_conn, _, _):
         if where == "submit":  # first batch fine, second fails
             recv_conn.expect("ok", [1])
             t = send_conn.sender("ok")
@@ -82,15 +107,11 @@ def test_engine_failure_fails_both_sides_and_endpoint_keeps_serving(where: str) 
         with pytest.raises(TransferError, match="injected failure"):
             r.wait(2)
         assert r.state is State.FAILED
-    finally:
-        for x in (prefill, decode, a_pool, b_pool):
-            x.close()
 
 
 def test_lost_completion_times_out_and_is_never_success() -> None:
     timeouts = Timeouts(connect=5, bootstrap=5, waiting=5, transfer=0.5, heartbeat_interval=0.1, heartbeat_timeout=2)
-    prefill, decode, send_conn, recv_conn, a_pool, b_pool = make_pair({"fake.lose": "1"}, timeouts)
-    try:
+    with endpoints({"fake.lose": "1"}, timeouts) as (_, _, send_conn, recv_conn, _, _):
         r = recv_conn.expect("lost", [1])
         t = send_conn.sender("lost")
         ready(t)
@@ -101,21 +122,14 @@ def test_lost_completion_times_out_and_is_never_success() -> None:
             r.wait(2)
         time.sleep(0.3)
         assert t.state is State.FAILED and r.state is State.FAILED
-    finally:
-        for x in (prefill, decode, a_pool, b_pool):
-            x.close()
 
 
 def test_bootstrap_timeout_when_the_receiver_never_announces() -> None:
     timeouts = Timeouts(connect=5, bootstrap=0.3, waiting=5, transfer=5, heartbeat_interval=0.1, heartbeat_timeout=2)
-    prefill, decode, send_conn, _recv, a_pool, b_pool = make_pair(None, timeouts)
-    try:
+    with endpoints(None, timeouts) as (_, _, send_conn, _, _, _):
         t = send_conn.sender("never")
         with pytest.raises(TransferTimeout, match="BOOTSTRAPPING"):
             t.wait(3)
-    finally:
-        for x in (prefill, decode, a_pool, b_pool):
-            x.close()
 
 
 def test_wait_timeout_does_not_fail_the_transfer(pair) -> None:  # type: ignore[no-untyped-def]
@@ -232,16 +246,15 @@ def test_closing_the_peer_fails_its_transfers_with_peer_lost(pair) -> None:  # t
 def test_two_sided_receiver_succeeds_only_after_its_inbound_work() -> None:
     from kvtransport.testing.fake import FakeTwoSided
 
-    drivers = {"fake-two-sided": FakeTwoSided}
-    a_pool, b_pool = KVPool(16, 2, 256), KVPool(16, 2, 256)
-    a_pool.fill(3)
     opts = {"fake.inbound_delay": "0.3"}
-    with (
-        Endpoint(a_pool.regions, a_pool.layout, drivers=drivers, timeouts=FAST, driver_options=opts) as a,
-        Endpoint(b_pool.regions, b_pool.layout, drivers=drivers, timeouts=FAST, driver_options=opts) as b,
+    with endpoints(opts, drivers={"fake-two-sided": FakeTwoSided}, receiver_options=opts, pages=16) as (
+        _,
+        b,
+        send_conn,
+        recv_conn,
+        a_pool,
+        b_pool,
     ):
-        recv_conn = b.connect(a.address)
-        send_conn = a.accept(5)
         r = recv_conn.expect("staged", [4, 5])
         t = send_conn.sender("staged")
         ready(t)
@@ -252,5 +265,3 @@ def test_two_sided_receiver_succeeds_only_after_its_inbound_work() -> None:
         assert time.monotonic() - sent_at >= 0.2, "receiver reported Success before its copy-in drained"
         assert b.drivers["fake-two-sided"].notices, "the notice never reached the receiving driver"
         assert b_pool.page_digests([4, 5]) == a_pool.page_digests([0, 1])
-    a_pool.close()
-    b_pool.close()
