@@ -1,4 +1,4 @@
-"""The ``kvtransport`` command: ``doctor``, ``negotiate`` (and ``bench``).
+"""The ``kvtransport`` command: ``doctor``, ``negotiate`` and ``bench``.
 
 ``doctor`` prints this host's hello (capabilities, every installed driver, why each is or is
 not usable, what to install); ``negotiate`` prints the decision between two hellos, honouring
@@ -215,7 +215,62 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_bench(sub: Any) -> None:
-    """``bench`` lands with the data path; until then the parser has no such command."""
+    from .bench import Workload
+
+    w = Workload()
+    p = sub.add_parser(
+        "bench",
+        help="prefill -> decode transfer on loopback, verified, against the raw engine",
+        description="Send KV pages between two processes on this host with the negotiated driver "
+        "(or --driver), verify every byte, and compare with the driver's engine used directly.",
+    )
+    p.add_argument("--driver", help="use this driver on both sides (default: what the negotiation picks)")
+    p.add_argument("--requests", type=int, default=w.requests, help=f"requests to send (default {w.requests})")
+    p.add_argument(
+        "--prompt-tokens", type=int, default=w.prompt_tokens, help=f"tokens per request (default {w.prompt_tokens})"
+    )
+    p.add_argument("--layers", type=int, default=w.layers, help=f"model layers (default {w.layers}, Llama-3-8B)")
+    p.add_argument("--kv-heads", type=int, default=w.kv_heads)
+    p.add_argument("--head-dim", type=int, default=w.head_dim)
+    p.add_argument("--page-tokens", type=int, default=w.page_tokens)
+    p.add_argument("--placement", choices=("scattered", "contiguous"), default=w.placement)
+    p.add_argument("--pool-factor", type=int, default=w.pool_factor, help="pool size in requests' worth of pages")
+    p.add_argument("--seed", type=int, default=w.seed)
+    p.add_argument("--no-baseline", action="store_true", help="skip the raw-engine comparison")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds any one step may take")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=bench_cmd)
+
+
+def bench_cmd(args: argparse.Namespace) -> int:
+    from .bench import Workload, run
+
+    if args.requests < 1 or args.prompt_tokens < 1 or args.pool_factor < 1:
+        raise KVTransportError("--requests, --prompt-tokens and --pool-factor must be positive")
+    workload = Workload(
+        layers=args.layers,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        page_tokens=args.page_tokens,
+        prompt_tokens=args.prompt_tokens,
+        requests=args.requests,
+        pool_factor=args.pool_factor,
+        placement=args.placement,
+        seed=args.seed,
+        model="custom" if (args.layers, args.kv_heads, args.head_dim) != (32, 8, 128) else "Llama-3-8B",
+    )
+    # Mooncake logs every set-up step at INFO; keep the report readable (MC_LOG_LEVEL=INFO
+    # in the environment brings it back).
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+    with native_stdout_to_stderr():
+        report = run(
+            workload, driver=args.driver, baseline=not args.no_baseline, progress=sys.stderr, timeout=args.timeout
+        )
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(report.render())
+    return 0 if report.integrity_ok else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import socket
 import threading
 import uuid
 from collections.abc import Callable
@@ -22,6 +23,23 @@ import zmq
 log = logging.getLogger(__name__)
 
 Route = tuple[str, Any]
+
+_WILDCARDS = {"*", "0.0.0.0", "::", "[::]", ""}
+
+
+def advertised_host(listen: str) -> str:
+    """The host part of a ``tcp://host:port`` listen address, as peers should dial it.
+
+    A wildcard bind (``tcp://*:5555``) advertises this machine's primary address, falling back
+    to loopback when the host name does not resolve.
+    """
+    host = listen.split("://", 1)[-1].rsplit(":", 1)[0]
+    if host not in _WILDCARDS:
+        return host.strip("[]")
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 class ControlChannel:

@@ -7,7 +7,12 @@ differently, each with the command that fixes it.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import sys
+import tempfile
+from collections.abc import Iterator
 
 from .driver import DriverStatus
 
@@ -50,3 +55,44 @@ def import_failure(
         fix = SYSTEM_LIBRARY_FIXES.get(lib, f"install the system package that provides {lib}")
         return DriverStatus(False, f"installed, but the system library {lib} is missing", fix=fix)
     return DriverStatus(False, f"engine failed to import: {text}", fix=install)
+
+
+class NativeOutput:
+    """What a native engine wrote to file descriptor 2 while :func:`capture_native_stderr` ran."""
+
+    text = ""
+
+    def tail(self, lines: int = 5) -> str:
+        """The last few non-empty lines, for an error message."""
+        kept = [line.strip() for line in self.text.splitlines() if line.strip()]
+        return " | ".join(kept[-lines:])
+
+
+@contextlib.contextmanager
+def capture_native_stderr() -> Iterator[NativeOutput]:
+    """Record what native code prints to stderr during a set-up call, then pass it on.
+
+    Engines such as Mooncake report why a call failed only in their log (the call itself
+    returns ``-1``); drivers wrap initialisation and registration in this so the error they
+    raise can quote the engine's own words. The output is still written to the real stderr
+    afterwards, so nothing the user would have seen is lost.
+    """
+    out = NativeOutput()
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):
+        yield out
+        return
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield out
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            out.text = tmp.read().decode(errors="replace")
+            if out.text:
+                sys.stderr.write(out.text)
+                sys.stderr.flush()

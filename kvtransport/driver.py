@@ -167,6 +167,12 @@ class DriverContext(Protocol):
     @property
     def options(self) -> Mapping[str, str]: ...
 
+    @property
+    def host(self) -> str:
+        """The host name or IP the endpoint listens on; an engine with its own data port binds
+        there unless the user configured it otherwise, so one setting places both."""
+        ...
+
     def send_notice(self, peer: str, payload: bytes) -> None:
         """Deliver ``payload`` to the peer driver's ``on_notice`` over the control channel."""
 
@@ -197,6 +203,9 @@ class KVTransport(ABC):
     capabilities: ClassVar[Capabilities]
     #: Environment variables the driver reads (so the core does not warn about them).
     env_vars: ClassVar[tuple[str, ...]] = ()
+    #: ``"module:Class"`` of a :class:`~kvtransport.baseline.RawEngine` that drives the same
+    #: engine directly, for ``kvtransport bench`` to compare against; empty if none.
+    raw_engine: ClassVar[str] = ""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

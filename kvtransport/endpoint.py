@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .control import ControlChannel, Route
+from .control import ControlChannel, Route, advertised_host
 from .driver import KVTransport
 from .errors import (
     ConnectError,
@@ -235,6 +235,10 @@ class _Context:
     def options(self) -> Mapping[str, str]:
         return self._options
 
+    @property
+    def host(self) -> str:
+        return self._endpoint.host
+
     def send_notice(self, peer: str, payload: bytes) -> None:
         ep = self._endpoint
         data = encode("notice", payload=payload)
@@ -273,6 +277,7 @@ class Endpoint:
         self.name = name or f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.timeouts = timeouts or Timeouts.from_env()
         self.max_run_bytes = max_run_bytes
+        self.host = advertised_host(listen)
         if drivers is None:
             loaded = load_drivers()
             classes, hellos = loaded.classes, dict(loaded.hellos)

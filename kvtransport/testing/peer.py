@@ -3,18 +3,22 @@
 ``python -m kvtransport.testing.peer --driver NAME --pages N ...`` prints one JSON line with
 its address, then answers one JSON line per command. Tests (and the conformance suite) use it
 as the far side of a real two-process transfer. Commands: ``accept``, ``connect``, ``expect``,
-``send``, ``wait``, ``digests``, ``aux_digest``, ``abort``, ``state``, ``close``.
+``send``, ``wait``, ``digests``, ``aux_digest``, ``abort``, ``state``, ``poison``,
+``raw_open`` / ``raw_close`` (the driver's raw engine over the same pool, for the bench's
+baseline), ``close``.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import sys
 import time
 import traceback
 from typing import Any
 
+from ..baseline import RawEngine, raw_engine_of
 from ..driver import KVTransport
 from ..endpoint import Connection, Endpoint, State, Timeouts, Transfer
 from ..errors import KVTransportError
@@ -42,8 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--options", default="{}")
     p.add_argument("--timeouts", default="{}")
     p.add_argument("--name", default="peer")
+    p.add_argument("--private", action="store_true", help="private memory instead of /dev/shm (real engines)")
     args = p.parse_args(argv)
-    pool = KVPool(args.pages, args.layers, args.item, args.aux_slots)
+    pool = KVPool(args.pages, args.layers, args.item, args.aux_slots, shared=not args.private)
     if args.seed:
         pool.fill(args.seed)
     endpoint = Endpoint(
@@ -54,8 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         driver_options=json.loads(args.options),
         timeouts=Timeouts(**json.loads(args.timeouts)),
     )
-    conns: list[Connection] = []
-    transfers: dict[str, Transfer] = {}
+    session = _Session(endpoint, pool)
     _reply({"address": endpoint.address, "name": endpoint.name})
     try:
         for line in sys.stdin:
@@ -63,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             cmd = json.loads(line)
             try:
-                result = _run(cmd, endpoint, pool, conns, transfers)
+                result = _run(cmd, session)
             except KVTransportError as exc:
                 result = {"error": type(exc).__name__, "message": str(exc)}
             except Exception as exc:  # noqa: BLE001 - report to the driving test
@@ -72,9 +76,20 @@ def main(argv: list[str] | None = None) -> int:
             if cmd.get("cmd") == "close":
                 break
     finally:
+        if session.raw is not None:
+            session.raw.close()
         endpoint.close()
         pool.close()
     return 0
+
+
+class _Session:
+    def __init__(self, endpoint: Endpoint, pool: KVPool) -> None:
+        self.endpoint = endpoint
+        self.pool = pool
+        self.conns: list[Connection] = []
+        self.transfers: dict[str, Transfer] = {}
+        self.raw: RawEngine | None = None
 
 
 def _reply(obj: dict[str, Any]) -> None:
@@ -86,9 +101,8 @@ def _state(t: Transfer) -> list[Any]:
     return [t.state.name, type(t.error).__name__ if t.error else "", str(t.error or "")]
 
 
-def _run(
-    cmd: dict[str, Any], ep: Endpoint, pool: KVPool, conns: list[Connection], transfers: dict[str, Transfer]
-) -> dict[str, Any]:
+def _run(cmd: dict[str, Any], session: _Session) -> dict[str, Any]:
+    ep, pool, conns, transfers = session.endpoint, session.pool, session.conns, session.transfers
     op = cmd["cmd"]
     if op == "accept":
         conns.append(ep.accept(cmd.get("timeout", 10)))
@@ -122,7 +136,10 @@ def _run(
                 transfers[tag].wait(max(0.0, deadline - time.monotonic()))
             except KVTransportError:
                 pass
-        return {"states": {tag: _state(transfers[tag]) for tag in cmd["tags"]}}
+        return {
+            "states": {tag: _state(transfers[tag]) for tag in cmd["tags"]},
+            "finished": {tag: transfers[tag].finished for tag in cmd["tags"]},
+        }
     if op == "state":
         return {"states": {tag: _state(transfers[tag]) for tag in cmd["tags"]}}
     if op == "digests":
@@ -131,6 +148,21 @@ def _run(
         return {"digest": pool.aux_digest(cmd["slot"])}
     if op == "abort":
         transfers[cmd["tag"]].abort(cmd.get("reason", "aborted by the peer script"))
+        return {"ok": True}
+    if op == "poison":
+        pool.poison(cmd["pages"])
+        return {"ok": True}
+    if op == "raw_open":
+        cls = load_driver(cmd["driver"])
+        raw_cls = raw_engine_of(cls)
+        if raw_cls is None:
+            return {"info": None}
+        session.raw = raw_cls(pool.regions, ep.host)
+        return {"info": base64.b64encode(session.raw.info()).decode()}
+    if op == "raw_close":
+        if session.raw is not None:
+            session.raw.close()
+            session.raw = None
         return {"ok": True}
     if op == "close":
         return {"ok": True}

@@ -69,6 +69,13 @@ def allocate(size: int) -> SharedBuffer:
     return _map(os.path.join(_SHM_DIR, f"kvtransport-{os.getpid()}-{uuid.uuid4().hex}"), size, True)
 
 
+def allocate_private(size: int) -> SharedBuffer:
+    """A zero-filled anonymous buffer of ``size`` bytes, for real engines that need no mapping
+    by the peer (no ``/dev/shm`` space used, which containers often keep small)."""
+    mapping = mmap.mmap(-1, size)
+    return SharedBuffer("", size, False, None, mapping, np.frombuffer(mapping, dtype=np.uint8))
+
+
 def attach(path: str, size: int) -> SharedBuffer:
     return _map(path, size, False)
 

@@ -1,33 +1,161 @@
-"""The Mooncake data path shared by ``mooncake-gdr`` and ``mooncake-staged``."""
+"""The Mooncake data path of ``mooncake-gdr``: one engine per endpoint, regions registered
+once, batched writes from the planner's runs on worker threads.
+
+Mooncake's completion call blocks (``batch_transfer_sync_write``, or
+``get_batch_transfer_status``, which waits), and the core polls from its single I/O thread,
+which must never block. Each submitted batch therefore runs on a small worker pool (the
+engine releases the GIL while it waits) and ``poll`` only looks at the job. Mooncake cannot
+cancel a posted batch: ``abort`` fails the handle at once and stops the job before its next
+engine batch; bytes already posted land in the peer's registered region, never outside it.
+"""
 
 from __future__ import annotations
 
-from kvtransport.driver import KVTransport
-from kvtransport.errors import DriverUnavailable
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+
+import msgpack
+
+from kvtransport.driver import DriverContext, KVTransport
+from kvtransport.errors import DriverError, EngineError, KVTransportError, TransferAborted
 from kvtransport.memory import RegionSet
 from kvtransport.plan import Runs
 
+from .engine import Engine
+
+log = logging.getLogger(__name__)
+
+#: Batches in flight at once. Two keep the engine busy while the next batch is being posted,
+#: and stay under Mooncake's per-lane queue limit with the default batch size.
+WORKERS = 2
+#: How long ``close`` waits for posted batches to drain before releasing the engine.
+CLOSE_GRACE_S = 10.0
+
+
+@dataclass
+class _Job:
+    peer: str
+    future: Future[None]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
 
 class MooncakeDataPath(KVTransport):
-    """Abstract base; the byte-moving methods land with the real-engine data path."""
+    """Moves bytes with a Mooncake engine; subclasses declare name, capabilities and offer."""
 
-    def _not_yet(self) -> DriverUnavailable:
-        return DriverUnavailable(f"{self.name}: the data path is not implemented in this release")
+    def __init__(self, context: DriverContext) -> None:
+        super().__init__(context)
+        self._engine: Engine | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._peers: dict[str, str] = {}  # peer -> Mooncake session id
+        self._jobs: dict[int, _Job] = {}
+        self._aborted: set[int] = set()
+        self._running: set[Future[None]] = set()
+        self._next = 0
 
     def open(self, regions: RegionSet) -> bytes:
-        raise self._not_yet()
+        if self._engine is not None:
+            raise DriverError(f"{self.name}: open() called twice")
+        engine = Engine(self.name, self.context.host)
+        try:
+            regs = regions.all()
+            engine.register([r.ptr for r in regs], [r.length for r in regs])
+        except KVTransportError:
+            engine.close()
+            raise
+        self._engine = engine
+        self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix=f"{self.name}-write")
+        info = msgpack.packb({"session": engine.session, "protocol": engine.protocol})
+        assert isinstance(info, bytes)
+        return info
 
     def connect(self, peer: str, info: bytes, peer_regions: RegionSet) -> None:
-        raise self._not_yet()
+        if self._engine is None:
+            raise DriverError(f"{self.name}: connect() before open()")
+        try:
+            doc = msgpack.unpackb(info)
+            session, protocol = str(doc["session"]), str(doc["protocol"])
+            host, _, port = session.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"session {session!r} is not host:port")
+        except Exception as exc:
+            raise DriverError(f"{self.name}: the peer's connection info is not a Mooncake session: {exc}") from exc
+        if protocol != self._engine.protocol:
+            raise DriverError(
+                f"{self.name}: the peer's engine runs {protocol}, this one {self._engine.protocol}; "
+                "they cannot talk to each other"
+            )
+        self._peers[peer] = session
 
     def submit(self, peer: str, runs: Runs) -> int:
-        raise self._not_yet()
+        session = self._peers.get(peer)
+        if session is None or self._engine is None or self._pool is None:
+            raise DriverError(f"{self.name}: submit to {peer!r} before open()/connect()")
+        engine = self._engine
+        src, dst, lengths = runs.src.tolist(), runs.dst.tolist(), runs.length.tolist()
+        cancelled = threading.Event()
+
+        def run() -> None:
+            step = engine.max_batch
+            for i in range(0, len(src), step):
+                if cancelled.is_set():
+                    return
+                engine.write(session, src[i : i + step], dst[i : i + step], lengths[i : i + step])
+
+        future = self._pool.submit(run)
+        self._running.add(future)
+        future.add_done_callback(self._running.discard)
+        self._next += 1
+        self._jobs[self._next] = _Job(peer, future, cancelled)
+        return self._next
 
     def poll(self, handle: int) -> bool:
-        raise self._not_yet()
+        if handle in self._aborted:
+            self._aborted.discard(handle)
+            raise TransferAborted(f"{self.name}: batch {handle} was aborted")
+        job = self._jobs.get(handle)
+        if job is None:
+            raise DriverError(f"{self.name}: unknown handle {handle}")
+        if not job.future.done():
+            return False
+        del self._jobs[handle]
+        exc = job.future.exception()
+        if exc is None:
+            return True
+        if isinstance(exc, KVTransportError):
+            raise exc
+        raise EngineError(f"{self.name}: Mooncake write failed: {type(exc).__name__}: {exc}") from exc
 
     def abort(self, handle: int) -> None:
-        raise self._not_yet()
+        job = self._jobs.pop(handle, None)
+        if job is not None:
+            job.cancelled.set()
+            self._aborted.add(handle)
+
+    def disconnect(self, peer: str) -> None:
+        self._peers.pop(peer, None)
+        for handle, job in list(self._jobs.items()):
+            if job.peer == peer:
+                self.abort(handle)
 
     def close(self) -> None:
-        return None
+        if self._engine is None:
+            return
+        for handle in list(self._jobs):
+            self.abort(handle)
+        assert self._pool is not None
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        # The engine must outlive every batch it posted; wait for them, but not forever.
+        _, running = wait(self._running, timeout=CLOSE_GRACE_S)
+        if running:
+            log.warning(
+                "%s: %d writes still in flight after %.0f s; leaving the engine to the process",
+                self.name,
+                len(running),
+                CLOSE_GRACE_S,
+            )
+        else:
+            self._engine.close()
+        self._engine = None
+        self._peers.clear()

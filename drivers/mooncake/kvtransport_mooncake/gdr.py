@@ -37,6 +37,7 @@ class MooncakeGDR(MooncakeDataPath):
         reads=frozenset({"host", "cuda"}), writes=frozenset({"host", "cuda"})
     )
     env_vars: ClassVar[tuple[str, ...]] = ENV_VARS
+    raw_engine: ClassVar[str] = "kvtransport_mooncake.raw:RawMooncake"
 
     @classmethod
     def probe(cls) -> DriverStatus:

@@ -1,33 +1,251 @@
-"""The NIXL data path of ``nixl-ucx``."""
+"""The NIXL data path of ``nixl-ucx``: one agent per endpoint, regions registered once, WRITE
+transfers built from the planner's runs, completion read from NIXL's transfer state.
+
+The connection info carried in the hello is the agent's own metadata blob (what
+``add_remote_agent`` takes), so no side channel or metadata server is involved. Every NIXL
+call that can fail is wrapped: NIXL raises its own exception types (``nixlBackendError``,
+``nixlInvalidParamError``...) or reports ``"ERR"``; both become kvtransport errors naming the
+driver, the backend and what NIXL said.
+"""
 
 from __future__ import annotations
 
-from kvtransport.driver import KVTransport
-from kvtransport.errors import DriverUnavailable
-from kvtransport.memory import RegionSet
+import ctypes
+import logging
+import os
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgpack
+import numpy as np
+
+from kvtransport.driver import DriverContext, KVTransport
+from kvtransport.errors import DriverError, DriverUnavailable, EngineError, TransferAborted
+from kvtransport.memory import MemoryKind, RegionSet
 from kvtransport.plan import Runs
+
+from .engine_probe import probe_nixl, quiet_nixl_logging
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: How many times ``close`` retries releasing a handle NIXL could not cancel at once.
+_RELEASE_RETRIES = 50
+
+
+def _mem_type(kind: MemoryKind) -> str:
+    return "VRAM" if kind.is_cuda else "DRAM"
+
+
+def _device_id(kind: MemoryKind) -> int:
+    return kind.device if kind.device is not None else 0
+
+
+def _keep_exit_safe() -> None:
+    """Load the system's libnl-route before UCX does.
+
+    The NIXL wheel bundles its own libibverbs/libnl; when the host also has rdma-core
+    installed, UCX's verbs providers pull in the system copies as well, and the bundled
+    libnl-route then crashes in its destructor at process exit (SIGSEGV after a clean run).
+    Loading the system libnl-route first (privately, RTLD_LOCAL) gives the libraries a
+    destruction order that works. Where the library is absent there is no second copy and
+    nothing to do.
+    """
+    try:
+        ctypes.CDLL("libnl-route-3.so.200")
+    except OSError:
+        pass
+
+
+@dataclass
+class _Peer:
+    agent: str
+    mem_type: str
+    device: int
+
+
+@dataclass
+class _Batch:
+    handle: Any  # nixl_xfer_handle
+    peer: str
+    bytes: int
 
 
 class NixlDataPath(KVTransport):
-    """Abstract base; the byte-moving methods land with the real-engine data path."""
+    """Moves bytes with a NIXL agent; subclasses declare the name, capabilities and offer."""
 
-    def _not_yet(self) -> DriverUnavailable:
-        return DriverUnavailable(f"{self.name}: the data path is not implemented in this release")
+    def __init__(self, context: DriverContext) -> None:
+        super().__init__(context)
+        self._nixl: Any = None
+        self._agent: Any = None
+        self._backend = ""
+        self._registered: Any = None
+        self._regions: RegionSet | None = None
+        self._peers: dict[str, _Peer] = {}
+        self._batches: dict[int, _Batch] = {}
+        self._aborted: set[int] = set()
+        self._unreleased: list[Any] = []
+        self._next = 0
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _call(self, what: str, fn: Callable[[], T], error: type[DriverError] = EngineError) -> T:
+        try:
+            return fn()
+        except DriverError:
+            raise
+        except Exception as exc:
+            raise error(f"{self.name}: NIXL {self._backend or ''} {what} failed: {type(exc).__name__}: {exc}") from exc
+
+    def _release(self, handle: Any) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception as exc:  # noqa: BLE001 - an active transfer NIXL could not cancel yet
+            log.debug("%s: NIXL could not release a transfer handle yet (%s); retrying at close", self.name, exc)
+            self._unreleased.append(handle)
+
+    # -- data path -----------------------------------------------------------------------------
 
     def open(self, regions: RegionSet) -> bytes:
-        raise self._not_yet()
+        if self._agent is not None:
+            raise DriverError(f"{self.name}: open() called twice")
+        facts = probe_nixl()
+        if not facts.status.available:
+            raise DriverUnavailable(f"{self.name}: {facts.status.reason}")
+        import importlib
+
+        self._nixl = importlib.import_module(facts.module)
+        quiet_nixl_logging()
+        _keep_exit_safe()
+        self._backend = facts.backend
+        name = f"kvt-{self.context.endpoint_id}-{uuid.uuid4().hex[:8]}"
+        config = self._nixl.nixl_agent_config(backends=[])
+        self._agent = self._call("agent creation", lambda: self._nixl.nixl_agent(name, config), DriverUnavailable)
+        self._call(
+            "backend creation",
+            lambda: self._agent.create_backend(facts.backend, dict(facts.backend_params)),
+            DriverUnavailable,
+        )
+        kind = regions.kv_kind
+        descs = [(r.ptr, r.length, _device_id(r.kind), "") for r in regions.all()]
+        self._registered = self._call(
+            f"registration of {len(descs)} {_mem_type(kind)} regions",
+            lambda: self._agent.register_memory(descs, _mem_type(kind)),
+        )
+        self._regions = regions
+        meta = self._call("metadata export", self._agent.get_agent_metadata)
+        info = msgpack.packb({"agent": name, "meta": meta, "mem": _mem_type(kind), "device": _device_id(kind)})
+        assert isinstance(info, bytes)
+        return info
 
     def connect(self, peer: str, info: bytes, peer_regions: RegionSet) -> None:
-        raise self._not_yet()
+        if self._agent is None:
+            raise DriverError(f"{self.name}: connect() before open()")
+        try:
+            doc = msgpack.unpackb(info)
+            meta, mem, device = doc["meta"], str(doc["mem"]), int(doc["device"])
+            if not isinstance(meta, bytes) or mem not in ("DRAM", "VRAM"):
+                raise ValueError("malformed fields")
+        except Exception as exc:
+            raise DriverError(f"{self.name}: the peer's connection info is not NIXL agent metadata: {exc}") from exc
+        if mem != _mem_type(peer_regions.kv_kind):
+            raise DriverError(
+                f"{self.name}: the peer registered {mem} memory but describes its KV as {peer_regions.kv_kind}"
+            )
+        agent = self._call("loading the peer's agent metadata", lambda: self._agent.add_remote_agent(meta), DriverError)
+        self._peers[peer] = _Peer(agent.decode() if isinstance(agent, bytes) else str(agent), mem, device)
 
     def submit(self, peer: str, runs: Runs) -> int:
-        raise self._not_yet()
+        target = self._peers.get(peer)
+        if target is None or self._regions is None:
+            raise DriverError(f"{self.name}: submit to {peer!r} before open()/connect()")
+        n = len(runs)
+        local_mem = _mem_type(self._regions.kv_kind)
+        local = np.empty((n, 3), dtype=np.uint64)
+        local[:, 0], local[:, 1], local[:, 2] = runs.src, runs.length, _device_id(self._regions.kv_kind)
+        remote = np.empty((n, 3), dtype=np.uint64)
+        remote[:, 0], remote[:, 1], remote[:, 2] = runs.dst, runs.length, target.device
+        agent = self._agent
+
+        def start() -> tuple[Any, str]:
+            src = agent.get_xfer_descs(local, local_mem)
+            dst = agent.get_xfer_descs(remote, target.mem_type)
+            if src is None or dst is None:
+                raise ValueError("NIXL rejected the descriptor lists")
+            handle = agent.initialize_xfer("WRITE", src, dst, target.agent)
+            return handle, agent.transfer(handle)
+
+        handle, state = self._call(f"WRITE of {n} descriptors to {target.agent}", start)
+        if state == "ERR":
+            self._release(handle)
+            raise EngineError(f"{self.name}: NIXL {self._backend} refused to post a WRITE of {n} descriptors")
+        self._next += 1
+        self._batches[self._next] = _Batch(handle, peer, runs.total_bytes)
+        return self._next
 
     def poll(self, handle: int) -> bool:
-        raise self._not_yet()
+        if handle in self._aborted:
+            self._aborted.discard(handle)
+            raise TransferAborted(f"{self.name}: batch {handle} was aborted")
+        batch = self._batches.get(handle)
+        if batch is None:
+            raise DriverError(f"{self.name}: unknown handle {handle}")
+        state = self._call("transfer state query", lambda: self._agent.check_xfer_state(batch.handle))
+        if state == "PROC":
+            return False
+        del self._batches[handle]
+        self._release(batch.handle)
+        if state == "DONE":
+            return True
+        raise EngineError(
+            f"{self.name}: NIXL {self._backend} reported an error for a WRITE of {batch.bytes} bytes "
+            f"to {self._peers[batch.peer].agent if batch.peer in self._peers else batch.peer}"
+        )
 
     def abort(self, handle: int) -> None:
-        raise self._not_yet()
+        batch = self._batches.pop(handle, None)
+        if batch is not None:
+            self._release(batch.handle)  # NIXL cancels an active transfer on release
+            self._aborted.add(handle)
+
+    def disconnect(self, peer: str) -> None:
+        target = self._peers.pop(peer, None)
+        for handle, batch in list(self._batches.items()):
+            if batch.peer == peer:
+                self.abort(handle)
+        if target is not None and self._agent is not None:
+            try:
+                self._agent.remove_remote_agent(target.agent)
+            except Exception as exc:  # noqa: BLE001 - the peer may be gone already
+                log.debug("%s: removing remote agent %s: %s", self.name, target.agent, exc)
 
     def close(self) -> None:
-        return None
+        if self._agent is None:
+            return
+        for peer in list(self._peers):
+            self.disconnect(peer)
+        for handle in list(self._batches):
+            self.abort(handle)
+        pending, self._unreleased = self._unreleased, []
+        for _ in range(_RELEASE_RETRIES):
+            if not pending:
+                break
+            retry = []
+            for h in pending:
+                try:
+                    self._agent.release_xfer_handle(h)
+                except Exception:  # noqa: BLE001
+                    retry.append(h)
+            pending = retry
+            if pending:
+                os.sched_yield()
+        if self._registered is not None:
+            try:
+                self._agent.deregister_memory(self._registered)
+            except Exception as exc:  # noqa: BLE001
+                log.debug("%s: deregistering memory: %s", self.name, exc)
+        self._registered = None
+        self._agent = None

@@ -65,6 +65,7 @@ class NixlUCX(NixlDataPath):
         reads=frozenset({"host", "cuda"}), writes=frozenset({"host", "cuda"})
     )
     env_vars: ClassVar[tuple[str, ...]] = ENV_VARS
+    raw_engine: ClassVar[str] = "kvtransport_nixl.raw:RawNixl"
 
     @classmethod
     def probe(cls) -> DriverStatus:

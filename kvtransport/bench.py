@@ -1,0 +1,332 @@
+"""``kvtransport bench``: the main job. A prefill endpoint (this process) sends KV pages of a
+realistic layout to a decode endpoint (a child process) on loopback, with the driver the
+negotiation picks (or the one named), verifies every byte on both ends, and compares with the
+driver's engine used directly on the same descriptors in the same run.
+
+Timing, per request: from ``send()`` until the decode side reports Success (end-to-end, what a
+serving engine waits for), and until the prefill side saw its writes complete. The raw engine
+is timed from its write call to its return (its bytes are then at the peer). Requests
+alternate which of the two goes first, so drift on a noisy machine hits both alike. Figures are
+medians over requests.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, TextIO
+
+import numpy as np
+
+from .baseline import RawEngine, raw_engine_of
+from .driver import KVTransport
+from .endpoint import Connection, Endpoint, State
+from .errors import KVTransportError, NegotiationError
+from .plan import plan
+from .registry import load_driver
+from .testing.kv import KVPool
+from .testing.remote import PeerProcess
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is sent: a model's KV layout and a number of prompts of a given length."""
+
+    model: str = "Llama-3-8B"
+    layers: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    dtype_bytes: int = 2
+    page_tokens: int = 16
+    prompt_tokens: int = 4096
+    requests: int = 8
+    #: The pools hold this many requests' worth of pages; each request's pages are drawn from
+    #: them, so runs are as fragmented as a busy allocator leaves them.
+    pool_factor: int = 2
+    placement: str = "scattered"  # or "contiguous"
+    seed: int = 1
+
+    @property
+    def item_len(self) -> int:
+        """Bytes of one page in one K or V region."""
+        return self.page_tokens * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def regions(self) -> int:
+        return self.layers * 2
+
+    @property
+    def pages_per_request(self) -> int:
+        return math.ceil(self.prompt_tokens / self.page_tokens)
+
+    @property
+    def pool_pages(self) -> int:
+        return self.pages_per_request * max(1, self.pool_factor)
+
+    @property
+    def request_bytes(self) -> int:
+        return self.pages_per_request * self.item_len * self.regions
+
+    def pages(self, rng: np.random.Generator) -> list[int]:
+        n, total = self.pages_per_request, self.pool_pages
+        if self.placement == "contiguous":
+            start = int(rng.integers(0, total - n + 1))
+            return list(range(start, start + n))
+        return sorted(rng.choice(total, n, replace=False).tolist())
+
+    def describe(self) -> str:
+        return (
+            f"{self.model}: {self.layers} layers x (K,V), {self.kv_heads} KV heads x {self.head_dim} x "
+            f"{8 * self.dtype_bytes}-bit, {self.page_tokens}-token pages; {self.requests} requests x "
+            f"{self.prompt_tokens} tokens = {self.request_bytes / MiB:.0f} MiB each, pages {self.placement}"
+        )
+
+
+@dataclass
+class Sample:
+    request: int
+    runs: int
+    end_to_end_s: float = 0.0
+    sender_s: float = 0.0
+    raw_s: float = 0.0
+    ok: bool = False
+    raw_ok: bool | None = None
+
+
+@dataclass
+class Report:
+    workload: Workload
+    driver: str
+    path: str
+    estimate_gbps: float
+    reason: str
+    rejected: dict[str, str]
+    raw_engine: bool
+    samples: list[Sample] = field(default_factory=list)
+
+    @property
+    def integrity_ok(self) -> bool:
+        return bool(self.samples) and all(s.ok and s.raw_ok is not False for s in self.samples)
+
+    def _gbps(self, seconds: float) -> float:
+        return self.workload.request_bytes / seconds / 1e9 if seconds > 0 else 0.0
+
+    def figures(self) -> dict[str, Any]:
+        def stats(values: list[float]) -> dict[str, float]:
+            if not values:
+                return {}
+            ordered = sorted(values)
+            p90 = ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)]
+            med = statistics.median(ordered)
+            return {
+                "median_gbps": round(self._gbps(med), 3),
+                "p50_ms": round(med * 1e3, 2),
+                "p90_ms": round(p90 * 1e3, 2),
+            }
+
+        out: dict[str, Any] = {
+            "end_to_end": stats([s.end_to_end_s for s in self.samples]),
+            "sender": stats([s.sender_s for s in self.samples]),
+        }
+        if self.raw_engine:
+            out["raw"] = stats([s.raw_s for s in self.samples])
+            raw = out["raw"].get("median_gbps", 0.0)
+            if raw:
+                out["ratio_end_to_end"] = round(out["end_to_end"]["median_gbps"] / raw, 3)
+                out["ratio_sender"] = round(out["sender"]["median_gbps"] / raw, 3)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "workload": asdict(self.workload) | {"request_bytes": self.workload.request_bytes},
+            "driver": self.driver,
+            "path": self.path,
+            "estimate_gbps": self.estimate_gbps,
+            "reason": self.reason,
+            "rejected": self.rejected,
+            "figures": self.figures(),
+            "integrity": {
+                "ok": self.integrity_ok,
+                "requests_verified": sum(s.ok for s in self.samples),
+                "raw_requests_verified": sum(bool(s.raw_ok) for s in self.samples),
+                "bytes_verified": sum(s.ok for s in self.samples) * self.workload.request_bytes,
+            },
+            "requests": [asdict(s) for s in self.samples],
+        }
+
+    def render(self) -> str:
+        w, f = self.workload, self.figures()
+        lines = [
+            "kvtransport bench: prefill -> decode, two processes on loopback",
+            f"  workload    {w.describe()}",
+            f"  driver      {self.driver} ({self.path}, ~{self.estimate_gbps:g} GB/s estimated): {self.reason}",
+        ]
+        lines += [f"              not {name}: {why}" for name, why in self.rejected.items()]
+
+        def row(label: str, s: dict[str, float]) -> str:
+            return f"  {label:<12}{s['median_gbps']:7.2f} GB/s   p50 {s['p50_ms']:8.1f} ms   p90 {s['p90_ms']:8.1f} ms"
+
+        lines.append(row("end-to-end", f["end_to_end"]) + "   (send() -> decode Success)")
+        lines.append(row("sender", f["sender"]) + "   (send() -> prefill Success)")
+        if "raw" in f:
+            lines.append(row("raw engine", f["raw"]) + "   (same descriptors, engine API directly)")
+            if "ratio_end_to_end" in f:
+                lines.append(
+                    f"  ratio       {f['ratio_end_to_end']:.2f}x end-to-end, {f['ratio_sender']:.2f}x sender "
+                    "(kvtransport / raw engine, medians)"
+                )
+        else:
+            lines.append(f"  raw engine  {self.driver} offers no raw-engine baseline")
+        verified = sum(s.ok for s in self.samples)
+        total_gib = verified * w.request_bytes / (1 << 30)
+        raw_note = ""
+        if self.raw_engine:
+            raw_note = f"; raw engine {sum(bool(s.raw_ok) for s in self.samples)}/{len(self.samples)}"
+        lines.append(
+            f"  integrity   {'OK' if self.integrity_ok else 'FAILED'}: {verified}/{len(self.samples)} requests, "
+            f"{total_gib:.2f} GiB checked page by page (crc32 on both ends){raw_note}"
+        )
+        return "\n".join(lines)
+
+
+class Progress:
+    """A one-line progress bar on a terminal, a line per quarter otherwise; silent if off."""
+
+    def __init__(self, total: int, stream: TextIO | None) -> None:
+        self.total, self.stream, self.done = total, stream, 0
+        self.tty = bool(stream and stream.isatty())
+        self._quarter = -1
+
+    def note(self, text: str) -> None:
+        if self.stream:
+            self.stream.write(("\r\033[K" if self.tty else "") + text + ("" if self.tty else "\n"))
+            self.stream.flush()
+
+    def step(self, detail: str) -> None:
+        self.done += 1
+        if not self.stream:
+            return
+        if self.tty:
+            width = 30
+            filled = int(width * self.done / self.total)
+            self.note(f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {detail}")
+            if self.done == self.total:
+                self.stream.write("\n")
+        elif self.done * 4 // self.total > self._quarter:
+            self._quarter = self.done * 4 // self.total
+            self.note(f"{self.done}/{self.total} requests {detail}")
+
+
+def _classes(driver: str | None) -> dict[str, type[KVTransport]] | None:
+    return None if driver is None else {driver: load_driver(driver)}
+
+
+def run(
+    workload: Workload,
+    *,
+    driver: str | None = None,
+    baseline: bool = True,
+    progress: TextIO | None = None,
+    timeout: float = 120.0,
+) -> Report:
+    """Run the bench; raises a :class:`KVTransportError` when no driver can serve the pair."""
+    pool = KVPool(workload.pool_pages, workload.regions, workload.item_len, 0, shared=False)
+    bar = Progress(workload.requests, progress)
+    bar.note(f"filling {workload.pool_pages * workload.item_len * workload.regions / MiB:.0f} MiB of prefill KV")
+    pool.fill(workload.seed)
+    endpoint = Endpoint(pool.regions, pool.layout, drivers=_classes(driver), name="prefill")
+    peer: PeerProcess | None = None
+    raw: RawEngine | None = None
+    try:
+        peer = PeerProcess(
+            *("--driver", driver or "auto", "--pages", str(workload.pool_pages), "--layers", str(workload.regions)),
+            *("--item", str(workload.item_len), "--aux-slots", "0", "--private", "--name", "decode"),
+            timeout=timeout,
+        )
+        try:
+            peer.call("connect", address=endpoint.address, timeout=timeout)
+        except RuntimeError as exc:
+            raise NegotiationError(f"decode side could not connect: {exc}") from None
+        conn = endpoint.accept(timeout)
+        assert conn.decision is not None and conn.peer_regions is not None
+        decision = conn.decision
+        report = Report(
+            workload,
+            decision.driver,
+            decision.path.value,
+            decision.gbps,
+            decision.reason,
+            {c.driver: c.reason for c in decision.candidates if c.outcome != "chosen"},
+            raw_engine=False,
+        )
+        raw_cls = raw_engine_of(endpoint.classes[decision.driver]) if baseline else None
+        if raw_cls is not None:
+            info = peer.call("raw_open", driver=decision.driver, timeout=timeout)["info"]
+            raw = raw_cls(pool.regions, endpoint.host)
+            raw.connect(base64.b64decode(info))
+            report.raw_engine = True
+        rng = np.random.default_rng(workload.seed)
+        for i in range(workload.requests):
+            src, dst = workload.pages(rng), workload.pages(rng)
+            runs = plan(pool.regions.kv, conn.peer_regions.kv, src, dst, max_run_bytes=endpoint.max_run_bytes)
+            sample = Sample(i, len(runs))
+            expected = pool.page_digests(src)
+            order = ["kvtransport", "raw"] if i % 2 == 0 else ["raw", "kvtransport"]
+            for which in order:
+                if which == "kvtransport":
+                    _via_kvtransport(sample, conn, peer, src, dst, expected, timeout)
+                elif raw is not None:
+                    _via_raw(sample, raw, runs, peer, dst, expected, timeout)
+            report.samples.append(sample)
+            bar.step(f"({workload.request_bytes / MiB:.0f} MiB each, last {sample.end_to_end_s * 1e3:.0f} ms)")
+        return report
+    finally:
+        if raw is not None:
+            raw.close()
+        if peer is not None:
+            peer.close()
+        endpoint.close()
+        pool.close()
+
+
+def _via_kvtransport(
+    sample: Sample,
+    conn: Connection,
+    peer: PeerProcess,
+    src: list[int],
+    dst: list[int],
+    expected: list[int],
+    timeout: float,
+) -> None:
+    tag = f"bench-{sample.request}"
+    peer.call("poison", pages=dst, timeout=timeout)
+    peer.call("expect", transfers={tag: dst}, timeout=timeout)
+    t = conn.sender(tag)
+    deadline = time.monotonic() + timeout
+    while t.state is State.BOOTSTRAPPING and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    start = time.monotonic()
+    t.send(src, last=True)
+    t.wait(timeout)
+    sample.sender_s = time.monotonic() - start
+    answer = peer.call("wait", tags=[tag], timeout=timeout + 5)
+    state = answer["states"][tag]
+    if state[0] != "SUCCESS":
+        raise KVTransportError(f"decode side ended request {sample.request} in {state[0]}: {state[2]}")
+    sample.end_to_end_s = answer["finished"][tag] - start
+    sample.ok = peer.call("digests", pages=dst, timeout=timeout)["digests"] == expected
+
+
+def _via_raw(
+    sample: Sample, raw: RawEngine, runs: Any, peer: PeerProcess, dst: list[int], expected: list[int], timeout: float
+) -> None:
+    peer.call("poison", pages=dst, timeout=timeout)
+    start = time.monotonic()
+    raw.write(runs)
+    sample.raw_s = time.monotonic() - start
+    sample.raw_ok = peer.call("digests", pages=dst, timeout=timeout)["digests"] == expected

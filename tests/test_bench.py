@@ -1,0 +1,105 @@
+"""``kvtransport bench``, the main job: real engines in two processes, bytes verified, the raw
+engine measured beside it; and the report's arithmetic and verdict."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from kvtransport import bench, cli
+from kvtransport.bench import Report, Sample, Workload
+from kvtransport.testing.kv import KVPool
+
+from .conftest import require_engines, run_cli
+
+SMALL = ["--requests", "3", "--prompt-tokens", "512", "--layers", "4", "--json"]
+
+
+@pytest.mark.parametrize("driver", [None, "nixl-ucx", "mooncake-gdr"])
+def test_bench_moves_verified_bytes_and_compares_with_the_raw_engine(driver: str | None) -> None:
+    require_engines()
+    args = ["bench", *SMALL, *(["--driver", driver] if driver else [])]
+    proc = run_cli(*args, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    # On this CPU host the negotiation prefers UCX shared memory over Mooncake TCP.
+    assert report["driver"] == (driver or "nixl-ucx")
+    assert report["integrity"]["ok"] is True
+    assert report["integrity"]["requests_verified"] == 3
+    assert report["integrity"]["raw_requests_verified"] == 3
+    assert report["integrity"]["bytes_verified"] == 3 * 32 * 8 * 32 * 1024  # requests x pages x regions x page bytes
+    figures = report["figures"]
+    for key in ("end_to_end", "sender", "raw"):
+        assert figures[key]["median_gbps"] > 0 and figures[key]["p50_ms"] > 0
+    assert figures["ratio_end_to_end"] > 0
+    assert all(r["runs"] > 0 for r in report["requests"])
+
+
+def test_bench_text_report_names_driver_ratio_and_integrity() -> None:
+    require_engines()
+    proc = run_cli("bench", *SMALL[:-1], "--driver", "nixl-ucx", timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "driver      nixl-ucx (shm" in out
+    assert "raw engine" in out and "ratio" in out
+    assert "integrity   OK: 3/3 requests" in out
+    assert "3/3 requests" in proc.stderr  # progress went to stderr, not into the report
+
+
+def test_bench_with_a_driver_that_cannot_serve_exits_with_the_reason() -> None:
+    proc = run_cli("bench", *SMALL, "--driver", "cuda-local", timeout=120)
+    assert proc.returncode == 2
+    assert "cuda-local" in proc.stderr and "CUDA" in proc.stderr
+
+
+def _report(ok: list[bool], raw_ok: list[bool | None], seconds: list[float]) -> Report:
+    w = Workload(requests=len(ok))
+    r = Report(w, "x", "shm", 4.0, "because", {}, raw_engine=True)
+    for i, (good, raw_good, s) in enumerate(zip(ok, raw_ok, seconds, strict=True)):
+        r.samples.append(Sample(i, 10, end_to_end_s=s, sender_s=s, raw_s=s / 2, ok=good, raw_ok=raw_good))
+    return r
+
+
+def test_report_median_p90_and_ratio() -> None:
+    r = _report([True] * 5, [True] * 5, [0.1, 0.2, 0.3, 0.4, 1.0])
+    f = r.figures()
+    assert f["end_to_end"]["p50_ms"] == 300.0
+    assert f["end_to_end"]["p90_ms"] == 1000.0
+    assert f["end_to_end"]["median_gbps"] == round(r.workload.request_bytes / 0.3 / 1e9, 3)
+    assert f["ratio_end_to_end"] == pytest.approx(0.5, abs=0.01)
+    assert r.integrity_ok
+
+
+@pytest.mark.parametrize(("ok", "raw_ok"), [([True, False], [True, True]), ([True, True], [True, False])])
+def test_one_corrupted_request_fails_the_whole_report(ok: list[bool], raw_ok: list[bool | None]) -> None:
+    r = _report(ok, raw_ok, [0.1, 0.1])
+    assert not r.integrity_ok
+    assert "integrity   FAILED" in r.render()
+    assert r.to_dict()["integrity"]["ok"] is False
+
+
+def test_cli_exits_non_zero_when_integrity_fails(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    monkeypatch.setattr(bench, "run", lambda *a, **k: _report([False], [None], [0.1]))
+    assert cli.main(["bench", "--requests", "1"]) == 1
+    assert "FAILED" in capsys.readouterr().out
+
+
+def test_poisoned_pages_no_longer_match_so_a_missing_write_is_caught() -> None:
+    pool = KVPool(8, 2, 4096, 0, shared=False)
+    try:
+        pool.fill(3)
+        before = pool.page_digests([1, 2])
+        pool.poison([1])
+        after = pool.page_digests([1, 2])
+        assert after[0] != before[0] and after[1] == before[1]
+    finally:
+        pool.close()
+
+
+def test_workload_sizes_follow_the_model() -> None:
+    w = Workload()
+    assert w.item_len == 32 * 1024
+    assert w.request_bytes == 512 * 1024 * 1024
+    assert w.pages_per_request == 256 and w.regions == 64
