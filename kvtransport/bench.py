@@ -50,6 +50,8 @@ class Workload:
     pool_factor: int = 2
     placement: str = "scattered"  # or "contiguous"
     seed: int = 1
+    #: Untimed requests first (connections, first-touch page faults); still verified.
+    warmup: int = 1
 
     @property
     def item_len(self) -> int:
@@ -271,7 +273,7 @@ def run(
             raw.connect(base64.b64decode(info))
             report.raw_engine = True
         rng = np.random.default_rng(workload.seed)
-        for i in range(workload.requests):
+        for i in range(-workload.warmup, workload.requests):
             src, dst = workload.pages(rng), workload.pages(rng)
             runs = plan(pool.regions.kv, conn.peer_regions.kv, src, dst, max_run_bytes=endpoint.max_run_bytes)
             sample = Sample(i, len(runs))
@@ -282,6 +284,10 @@ def run(
                     _via_kvtransport(sample, conn, peer, src, dst, expected, timeout)
                 elif raw is not None:
                     _via_raw(sample, raw, runs, peer, dst, expected, timeout)
+            if i < 0:
+                if not (sample.ok and sample.raw_ok is not False):
+                    report.samples.append(sample)  # a corrupted warm-up fails the run too
+                continue
             report.samples.append(sample)
             bar.step(f"({workload.request_bytes / MiB:.0f} MiB each, last {sample.end_to_end_s * 1e3:.0f} ms)")
         return report

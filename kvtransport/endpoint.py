@@ -14,6 +14,7 @@ heartbeats and the per-state timeouts.
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
 import os
@@ -243,10 +244,14 @@ class _Context:
         ep = self._endpoint
         data = encode("notice", payload=payload)
         if ep._channel.in_io_thread():
-            # Sent at once, so a notice always precedes the "done" that follows its batch.
+            ep._flush_notices()
             ep._send_to_conn_id(peer, data)
         else:
-            ep._call(lambda: ep._send_to_conn_id(peer, data))
+            # Queued in order; the I/O thread flushes the queue before it sends any "done", so
+            # a notice a driver's worker sent before reporting a batch complete always reaches
+            # the peer before the "done" that follows that batch.
+            ep._notices.append((peer, data))
+            ep._call(ep._flush_notices)
 
 
 class Endpoint:
@@ -297,6 +302,7 @@ class Endpoint:
         self._by_route: dict[Route, Connection] = {}
         self._warned_routes: set[Route] = set()
         self._last_ping = 0.0
+        self._notices: collections.deque[tuple[str, bytes]] = collections.deque()
         self._closed = False
         self._channel = ControlChannel(listen, self._on_frame, self._on_tick)
         self.address = self._channel.address
@@ -516,6 +522,7 @@ class Endpoint:
             if done:
                 transfer.handles.discard(handle)
         if transfer.last_sent and not transfer.handles and transfer.state is State.TRANSFERRING:
+            self._flush_notices()
             self._channel.send(conn.route, encode("done", tag=transfer.tag, bytes=transfer.bytes))
             transfer._set(State.SUCCESS)
 
@@ -543,6 +550,11 @@ class Endpoint:
         transfer._set(State.FAILED, error)
         if notify and conn.alive:
             self._channel.send(conn.route, encode("abort", tag=transfer.tag, reason=reason))
+
+    def _flush_notices(self) -> None:
+        while self._notices:
+            peer, data = self._notices.popleft()
+            self._send_to_conn_id(peer, data)
 
     def _send_to_conn_id(self, conn_id: str, data: bytes) -> None:
         conn = self.connections.get(conn_id)
@@ -610,7 +622,14 @@ class Endpoint:
         """Success once the bytes are in this KV pool: for a two-sided driver, only after its
         inbound work (e.g. the copy-in from a staging ring) has drained."""
         assert conn.driver is not None
-        if conn.driver.inbound_idle(conn.id):
+        try:
+            idle = conn.driver.inbound_idle(conn.id)
+        except KVTransportError as exc:
+            # The driver found the peer's inbound data unusable (e.g. a chunk notice pointing
+            # outside this pool): nothing from that peer can be trusted to be in place.
+            self._fail_connection(conn, exc, notify=True)
+            return
+        if idle:
             t._set(State.SUCCESS)
         elif t.state is State.WAITING_FOR_INPUT:
             t._set(State.TRANSFERRING)
@@ -713,10 +732,10 @@ class Endpoint:
 
     def _fail_connection(self, conn: Connection, error: KVTransportError, *, notify: bool) -> None:
         was_alive = conn.alive
-        conn.alive = False
-        conn.error = conn.error or error
         for t in list(conn.transfers.values()):
             self._abort(t, str(error), notify=notify, error=error)
+        conn.alive = False
+        conn.error = conn.error or error
         if was_alive and conn.driver is not None:
             try:
                 conn.driver.disconnect(conn.id)

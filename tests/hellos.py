@@ -63,8 +63,8 @@ def statuses(
         out["mooncake-staged"] = DriverStatus(
             True,
             "Mooncake",
-            memory=("cuda",) if gpu else (),
-            memory_notes={"host": "no staging for host KV"} | ({} if gpu else {"cuda": "no CUDA device"}),
+            memory=("host", "cuda") if gpu else ("host",),
+            memory_notes={} if gpu else {"cuda": "no CUDA device"},
             info=info,
         )
     else:

@@ -5,6 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
+from kvtransport.probe import probe_host
+
 from .conftest import require_engines, run_cli
 
 
@@ -54,9 +58,11 @@ def test_negotiate_with_a_misspelled_driver_fails_with_a_suggestion() -> None:
 
 
 def test_negotiate_forced_but_unusable_fails_with_the_reason() -> None:
-    out = run_cli("negotiate", env={"KVTRANSPORT_DRIVER": "mooncake-staged"})
+    if probe_host().cuda_devices:
+        pytest.skip("cuda-local is usable on a GPU host")
+    out = run_cli("negotiate", env={"KVTRANSPORT_DRIVER": "cuda-local"})
     assert out.returncode != 0
-    assert "KVTRANSPORT_DRIVER=mooncake-staged cannot be used" in out.stderr
+    assert "KVTRANSPORT_DRIVER=cuda-local cannot be used" in out.stderr and "CUDA" in out.stderr
 
 
 def test_negotiate_with_nothing_allowed_fails_listing_reasons() -> None:

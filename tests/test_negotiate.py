@@ -75,7 +75,17 @@ def test_device_kv_without_mooncake_falls_to_ucx_and_says_why() -> None:
 def test_cpu_only_peers_on_two_hosts_use_a_host_memory_driver() -> None:
     d = decide(hello(host("a")), hello(host("b")))
     assert (d.driver, d.path) == ("nixl-ucx", TransferPath.TCP)
-    assert {c.driver: c.outcome for c in d.candidates}["mooncake-gdr"] == "lost"
+    outcomes = {c.driver: c.outcome for c in d.candidates}
+    assert outcomes["mooncake-gdr"] == "lost" and outcomes["mooncake-staged"] == "lost"
+
+
+def test_staging_host_kv_ranks_below_writing_it_directly() -> None:
+    d = decide(hello(host("a"), policy=Policy(exclude=("nixl-ucx",))), hello(host("b")))
+    assert d.driver == "mooncake-gdr"
+    staged = next(c for c in d.candidates if c.driver == "mooncake-staged")
+    assert staged.outcome == "lost" and staged.gbps < d.gbps
+    forced = decide(hello(host("a"), policy=Policy(force="mooncake-staged")), hello(host("b")))
+    assert forced.driver == "mooncake-staged" and "staging rings" in forced.reason
 
 
 def test_cpu_only_peers_on_one_host_use_shared_memory() -> None:

@@ -102,7 +102,9 @@ def test_first_party_probes_on_this_host() -> None:
             assert not status.serves(MemoryKind(0))
             assert "CUDA" in status.why_not(MemoryKind(0))
     staged = load_driver("mooncake-staged").probe()
-    assert staged.available and not staged.serves(MemoryKind())
+    assert staged.available and staged.serves(MemoryKind())  # host KV through the memcpy engine
+    if cpu_only:
+        assert not staged.serves(MemoryKind(0)) and "CUDA" in staged.why_not(MemoryKind(0))
     cuda_local = load_driver("cuda-local").probe()
     if cpu_only:
         assert not cuda_local.available and "CUDA" in cuda_local.reason

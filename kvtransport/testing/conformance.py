@@ -191,6 +191,9 @@ def test_bad_pages_submit_nothing(pair: Pair) -> None:
     assert t.state is State.WAITING_FOR_INPUT
     t.send([7, 8], last=True)
     assert t.wait(30) is State.SUCCESS
+    # The receiver's Success is what says the bytes are in its pool (for a two-sided driver
+    # the sender finishes once its chunks are handed over).
+    assert pair.peer.call("wait", tags=["bad"])["states"]["bad"][0] == "SUCCESS"
     after = pair.peer.call("digests", pages=[1, 2])["digests"]
     assert after == pair.pool.page_digests([7, 8]) and after != before
 

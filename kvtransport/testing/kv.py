@@ -1,15 +1,40 @@
-"""A small KV pool in shared host memory, with deterministic contents and per-page digests,
-so two processes can check that every byte arrived where it should."""
+"""A small KV pool with random contents and per-page digests, so two processes can check that
+every byte arrived where it should. KV in host memory (shared in ``/dev/shm`` for the fake
+driver, or private), or in device memory on a CUDA host (``device=N``, through the CUDA driver
+API); aux slots always in host memory, as SGLang keeps them."""
 
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from ..memory import KVLayout, RegionSet
+from ..memory import KVLayout, MemoryKind, RegionSet
 from . import shm
+
+
+class DeviceBuffer:
+    """``size`` bytes of device memory, read and written through host copies."""
+
+    def __init__(self, cuda: Any, size: int) -> None:
+        self.cuda = cuda
+        self.size = size
+        self.ptr = cuda.alloc(size)
+
+    def read(self, offset: int, n: int) -> bytes:
+        out = np.empty(n, dtype=np.uint8)
+        self.cuda.memcpy(int(out.ctypes.data), self.ptr + offset, n)
+        return out.tobytes()
+
+    def write(self, offset: int, data: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
+        self.cuda.memcpy(self.ptr + offset, int(data.ctypes.data), data.nbytes)
+
+    def close(self) -> None:
+        if self.ptr:
+            self.cuda.free(self.ptr)
+            self.ptr = 0
 
 
 @dataclass
@@ -22,15 +47,27 @@ class KVPool:
     #: ``True``: buffers in ``/dev/shm`` (the fake driver maps the peer's); ``False``: private
     #: anonymous memory, enough for real engines.
     shared: bool = True
+    #: CUDA device for the KV buffers (``None``: host memory).
+    device: int | None = None
+    _cuda: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         allocate = shm.allocate if self.shared else shm.allocate_private
-        self.buffers = [allocate(self.num_pages * self.item_len) for _ in range(self.num_layers)]
+        size = self.num_pages * self.item_len
+        if self.device is None:
+            self.buffers: list[Any] = [allocate(size) for _ in range(self.num_layers)]
+        else:
+            from ..cuda_copy import CudaDriver
+
+            self._cuda = CudaDriver(self.device)
+            self.buffers = [DeviceBuffer(self._cuda, size) for _ in range(self.num_layers)]
         self.aux = [allocate(self.aux_slots * self.aux_item_len)] if self.aux_slots else []
+        kind = MemoryKind(self.device)
         self.regions = RegionSet.from_kv_args(
             [b.ptr for b in self.buffers],
             [b.size for b in self.buffers],
             [self.item_len] * self.num_layers,
+            kind=kind,
             aux_data_ptrs=[b.ptr for b in self.aux],
             aux_data_lens=[b.size for b in self.aux],
             aux_item_lens=[self.aux_item_len] * len(self.aux),
@@ -41,24 +78,29 @@ class KVPool:
             num_layers=self.num_layers // 2 or 1,
             kv_item_lens=(self.item_len,) * self.num_layers,
             aux_item_lens=(self.aux_item_len,) * len(self.aux),
+            memory=kind,
         )
 
     def fill(self, seed: int) -> None:
         """Random bytes everywhere (eight at a time: filling a GiB takes about 2 s)."""
         rng = np.random.default_rng(seed)
         for b in self.buffers + self.aux:
-            words = b.size // 8
-            if words:
-                b.array[: words * 8].view(np.uint64)[:] = rng.integers(0, 2**63, words, dtype=np.uint64)
-            if b.size % 8:
-                b.array[words * 8 :] = rng.integers(0, 256, b.size % 8, dtype=np.uint8)
+            data = _random_bytes(rng, b.size)
+            if isinstance(b, DeviceBuffer):
+                b.write(0, data)
+            else:
+                b.array[:] = data
 
     def poison(self, pages: list[int]) -> None:
         """Overwrite ``pages`` in every layer, so bytes left from an earlier transfer can never
         pass for a fresh one."""
+        idx = np.asarray(pages, dtype=np.int64)
         for b in self.buffers:
-            rows = b.array.reshape(self.num_pages, self.item_len)
-            rows[np.asarray(pages, dtype=np.int64)] = 0xA5
+            if isinstance(b, DeviceBuffer):
+                for p in idx.tolist():
+                    self._cuda.memset(b.ptr + p * self.item_len, 0xA5, self.item_len)
+            else:
+                b.array.reshape(self.num_pages, self.item_len)[idx] = 0xA5
 
     def page_digests(self, pages: list[int]) -> list[int]:
         """crc32 of each page across every layer (order matters)."""
@@ -66,7 +108,11 @@ class KVPool:
         for p in pages:
             crc = 0
             for b in self.buffers:
-                crc = zlib.crc32(b.array[p * self.item_len : (p + 1) * self.item_len].tobytes(), crc)
+                start = p * self.item_len
+                if isinstance(b, DeviceBuffer):
+                    crc = zlib.crc32(b.read(start, self.item_len), crc)
+                else:
+                    crc = zlib.crc32(b.array[start : start + self.item_len].tobytes(), crc)
             out.append(crc)
         return out
 
@@ -77,3 +123,16 @@ class KVPool:
     def close(self) -> None:
         for b in self.buffers + self.aux:
             b.close()
+        if self._cuda is not None:
+            self._cuda.release()
+            self._cuda = None
+
+
+def _random_bytes(rng: np.random.Generator, size: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    data = np.empty(size, dtype=np.uint8)
+    words = size // 8
+    if words:
+        data[: words * 8].view(np.uint64)[:] = rng.integers(0, 2**63, words, dtype=np.uint64)
+    if size % 8:
+        data[words * 8 :] = rng.integers(0, 256, size % 8, dtype=np.uint8)
+    return data

@@ -149,6 +149,8 @@ def _run(cmd: dict[str, Any], session: _Session) -> dict[str, Any]:
     if op == "abort":
         transfers[cmd["tag"]].abort(cmd.get("reason", "aborted by the peer script"))
         return {"ok": True}
+    if op == "ring_usage":
+        return {name: driver.ring_usage() for name, driver in ep.drivers.items() if hasattr(driver, "ring_usage")}
     if op == "poison":
         pool.poison(cmd["pages"])
         return {"ok": True}

@@ -132,6 +132,32 @@ class Engine:
                     "the engine's log (stderr) has the cause"
                 )
 
+    def post(self, session: str, src: int, dst: int, length: int) -> int:
+        """Start one write and return its batch id; never waits."""
+        batch = int(self.engine.transfer_submit_write(session, src, dst, length))
+        if batch <= 0:
+            raise EngineError(
+                f"{self.driver}: Mooncake refused a {length}-byte write to {session} over {self.protocol} "
+                f"(transfer_submit_write returned {batch}); the engine's log (stderr) has the cause"
+            )
+        return batch
+
+    def check(self, batch: int) -> bool:
+        """Whether a single-write batch from :meth:`post` completed; raises if it failed.
+
+        ``transfer_check_status`` looks at the batch's first request only, which is the whole
+        batch here: :meth:`post` submits one request per batch.
+        """
+        status = int(self.engine.transfer_check_status(batch))
+        if status == 0:
+            return False
+        if status == 1:
+            return True
+        raise EngineError(
+            f"{self.driver}: a Mooncake write over {self.protocol} "
+            f"{'timed out' if status == -2 else 'failed'} (status {status}); the engine's log (stderr) has the cause"
+        )
+
     def close(self) -> None:
         if self._registered:
             try:

@@ -1,30 +1,51 @@
-"""``mooncake-staged``: device KV through a bounded host staging ring, no GPUDirect RDMA needed.
+"""``mooncake-staged``: KV through a bounded host staging ring, no GPUDirect RDMA needed.
 
-The ring comes from Mooncake's ``allocate_managed_buffer`` (already registered with the
-engine); the pipeline itself is the core's (``kvtransport.staging``). Offered for device KV
-only: host KV gains nothing from staging, and ``mooncake-gdr`` serves it directly.
+The ring comes from Mooncake's ``allocate_managed_buffer`` (registered with the engine by
+Mooncake itself); the pipeline, the credits and the copies are the core's
+(:mod:`kvtransport.staging`). Device KV is copied with CUDA streams; host KV with memcpy, which
+is how the whole pipeline runs on CPU-only machines. For host KV the offer ranks below
+``mooncake-gdr`` (staging only adds two copies there): it is chosen only when forced.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
-from typing import ClassVar
+from typing import Any, ClassVar
+
+import msgpack
 
 from kvtransport.driver import (
     DRIVER_API_VERSION,
     Capabilities,
+    DriverContext,
     DriverStatus,
+    KVTransport,
     Offer,
     PeerView,
     Rejection,
     TransferPath,
 )
+from kvtransport.errors import DriverError, EngineError, KVTransportError
+from kvtransport.memory import RegionSet
+from kvtransport.plan import Runs
 from kvtransport.probe import probe_host
+from kvtransport.staging import (
+    ENV_CHUNK_BYTES,
+    ENV_RING_BYTES,
+    OPT_SCATTER_DELAY,
+    CopyEngine,
+    MemcpyCopyEngine,
+    RingConfig,
+    StagingPipeline,
+)
 
 from .base import protocol_mismatch
-from .data_path import MooncakeDataPath
+from .engine import Engine
 from .engine_probe import ENV_VARS, cuda_note, probe_engine
 from .gdr import RDMA_GBPS, TCP_GBPS
+
+log = logging.getLogger(__name__)
 
 #: Nominal pinned device<->host copy bandwidth of a PCIe 4.0 x16 link.
 PCIE_GBPS = 20.0
@@ -32,13 +53,14 @@ PCIE_GBPS = 20.0
 PIPELINE_EFFICIENCY = 0.8
 
 
-class MooncakeStaged(MooncakeDataPath):
+class MooncakeStaged(KVTransport):
     name: ClassVar[str] = "mooncake-staged"
     api_version: ClassVar[int] = DRIVER_API_VERSION
     capabilities: ClassVar[Capabilities] = Capabilities(
-        reads=frozenset({"cuda"}), writes=frozenset({"cuda"}), two_sided=True
+        reads=frozenset({"host", "cuda"}), writes=frozenset({"host", "cuda"}), two_sided=True
     )
-    env_vars: ClassVar[tuple[str, ...]] = ENV_VARS
+    env_vars: ClassVar[tuple[str, ...]] = (*ENV_VARS, ENV_RING_BYTES, ENV_CHUNK_BYTES)
+    raw_engine: ClassVar[str] = "kvtransport_mooncake.raw:RawMooncake"
 
     @classmethod
     def probe(cls) -> DriverStatus:
@@ -47,13 +69,10 @@ class MooncakeStaged(MooncakeDataPath):
             return facts.status
         host = probe_host()
         note = cuda_note(facts, host, need_gdr=False)
-        notes = {"host": "host KV needs no staging; mooncake-gdr serves it directly"}
-        if note:
-            notes["cuda"] = note
         return replace(
             facts.status,
-            memory=() if note else ("cuda",),
-            memory_notes=notes,
+            memory=("host",) if note else ("host", "cuda"),
+            memory_notes={"cuda": note} if note else {},
             info={
                 "protocol": facts.protocol,
                 "protocol_note": facts.protocol_note,
@@ -68,9 +87,143 @@ class MooncakeStaged(MooncakeDataPath):
         mismatch = protocol_mismatch(local, remote)
         if mismatch:
             return mismatch
-        if not (local.kv_memory.is_cuda and remote.kv_memory.is_cuda):
-            return Rejection("stages device KV only; at least one side keeps KV in host memory")
         protocol = local.status.info.get("protocol", "tcp")
         wire = RDMA_GBPS if protocol == "rdma" else TCP_GBPS
+        if not (local.kv_memory.is_cuda or remote.kv_memory.is_cuda):
+            return Offer(
+                TransferPath.TCP if protocol == "tcp" else TransferPath.RDMA,
+                round(wire * PIPELINE_EFFICIENCY, 2),
+                f"host KV through staging rings over {protocol} (two extra copies; mooncake-gdr writes it directly)",
+            )
         gbps = round(min(PCIE_GBPS, wire) * PIPELINE_EFFICIENCY, 2)
         return Offer(TransferPath.PCIE_STAGED, gbps, f"device->host ring->{protocol}->host ring->device")
+
+    # -- data path ---------------------------------------------------------------------------
+
+    def __init__(self, context: DriverContext) -> None:
+        super().__init__(context)
+        self._engine: Engine | None = None
+        self._pipeline: StagingPipeline | None = None
+        self._ring = (0, 0)
+        self._sessions: dict[str, str] = {}
+
+    @property
+    def pipeline(self) -> StagingPipeline:
+        if self._pipeline is None:
+            raise DriverError(f"{self.name}: used before open()")
+        return self._pipeline
+
+    def open(self, regions: RegionSet) -> bytes:
+        if self._engine is not None:
+            raise DriverError(f"{self.name}: open() called twice")
+        config = RingConfig.from_env(options=self.context.options)
+        engine = Engine(self.name, self.context.host)
+        try:
+            ring = int(engine.engine.allocate_managed_buffer(config.ring_bytes))
+            if ring == 0:
+                raise EngineError(
+                    f"{self.name}: Mooncake could not allocate a {config.ring_bytes}-byte staging ring "
+                    f"(allocate_managed_buffer returned 0); lower {ENV_RING_BYTES}"
+                )
+            self._ring = (ring, config.ring_bytes)
+            copy = self._copy_engine(regions, ring, config.ring_bytes)
+        except KVTransportError:
+            if self._ring[0]:
+                engine.engine.free_managed_buffer(*self._ring)
+            engine.close()
+            raise
+        self._engine = engine
+        delay = float(self.context.options.get(OPT_SCATTER_DELAY, "0") or 0)
+        self._pipeline = StagingPipeline(
+            self.name, ring, config, copy, self.context.send_notice, regions, scatter_delay=delay
+        )
+        info = msgpack.packb(
+            {"session": engine.session, "protocol": engine.protocol, "ring": self._pipeline.describe()}
+        )
+        assert isinstance(info, bytes)
+        return info
+
+    @staticmethod
+    def _copy_engine(regions: RegionSet, ring: int, size: int) -> CopyEngine:
+        kind = regions.kv_kind
+        if kind.device is None:
+            return MemcpyCopyEngine()
+        from kvtransport.cuda_copy import CudaCopyEngine
+
+        cuda = CudaCopyEngine(kind.device)
+        cuda.pin(ring, size)
+        return cuda
+
+    def connect(self, peer: str, info: bytes, peer_regions: RegionSet) -> None:
+        engine = self._engine
+        if engine is None:
+            raise DriverError(f"{self.name}: connect() before open()")
+        try:
+            doc: dict[str, Any] = msgpack.unpackb(info)
+            session, protocol, ring = str(doc["session"]), str(doc["protocol"]), dict(doc["ring"])
+        except Exception as exc:
+            raise DriverError(
+                f"{self.name}: the peer's connection info is not a staged Mooncake session: {exc}"
+            ) from exc
+        if protocol != engine.protocol:
+            raise DriverError(f"{self.name}: the peer's engine runs {protocol}, this one {engine.protocol}")
+
+        self.pipeline.connect(peer, ring, _MooncakeLink(engine, session))
+        self._sessions[peer] = session
+
+    def ring_usage(self) -> dict[str, int]:
+        """Slots in use (outbound, granted, busy) and the inbound peak, for tests and diagnosis."""
+        usage = self.pipeline.usage()
+        return {
+            "outbound": usage.outbound,
+            "granted": usage.granted,
+            "busy": usage.busy,
+            "slots": self.pipeline.config.slots,
+            "peak_inbound": self.pipeline.peak_inbound,
+        }
+
+    def submit(self, peer: str, runs: Runs) -> int:
+        return self.pipeline.submit(peer, runs)
+
+    def poll(self, handle: int) -> bool:
+        return self.pipeline.poll(handle)
+
+    def abort(self, handle: int) -> None:
+        self.pipeline.abort(handle)
+
+    def on_notice(self, peer: str, payload: bytes) -> None:
+        self.pipeline.on_notice(peer, payload)
+
+    def inbound_idle(self, peer: str) -> bool:
+        return self.pipeline.inbound_idle(peer)
+
+    def disconnect(self, peer: str) -> None:
+        self._sessions.pop(peer, None)
+        if self._pipeline is not None:
+            self._pipeline.disconnect(peer)
+
+    def close(self) -> None:
+        if self._engine is None:
+            return
+        if self._pipeline is not None:
+            self._pipeline.close()
+            self._pipeline = None
+        try:
+            self._engine.engine.free_managed_buffer(*self._ring)
+        except Exception as exc:  # noqa: BLE001 - best effort at shutdown
+            log.debug("%s: freeing the ring: %s", self.name, exc)
+        self._engine.close()
+        self._engine = None
+
+
+class _MooncakeLink:
+    """One chunk per Mooncake batch, completion polled (Mooncake's blocking waits spin)."""
+
+    def __init__(self, engine: Engine, session: str) -> None:
+        self.engine, self.session = engine, session
+
+    def post(self, local: int, remote: int, length: int) -> int:
+        return self.engine.post(self.session, local, remote, length)
+
+    def check(self, token: int) -> bool:
+        return self.engine.check(token)

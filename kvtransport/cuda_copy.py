@@ -1,0 +1,229 @@
+"""CUDA through the driver API (``libcuda.so.1`` with ctypes; no torch, no toolkit): the copy
+engine of the staged path, and the few calls ``cuda-local`` and the GPU tests need.
+
+With unified addressing one ``cuMemcpyAsync`` copies device to host, host to device, device
+to device or between devices (peer copies). The staging pipeline's gather thread and scatter
+thread each get their own non-blocking stream, so a copy-out and a copy-in run at the same
+time; ``copy`` returns once its stream has drained. The ring is page-locked
+(``cuMemHostRegister``) so those copies are asynchronous DMA; memory already registered (by the
+engine that allocated it) is left as it is.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .errors import DriverUnavailable, EngineError
+
+CUDA_SUCCESS = 0
+CUDA_ERROR_NOT_READY = 600
+CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
+CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
+CU_STREAM_NON_BLOCKING = 1
+CU_EVENT_DISABLE_TIMING = 2
+CU_MEMHOSTREGISTER_PORTABLE = 1
+CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
+IPC_HANDLE_BYTES = 64
+
+
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
+
+
+class CudaDriver:
+    """The CUDA driver API on one device's primary context (the one PyTorch uses too)."""
+
+    def __init__(self, device: int) -> None:
+        try:
+            lib: Any = ctypes.CDLL("libcuda.so.1")
+        except OSError as exc:
+            raise DriverUnavailable(f"CUDA: libcuda.so.1 cannot be loaded ({exc})") from exc
+        self.lib = lib
+        u64, vp, sz = ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t
+        lib.cuMemcpyAsync.argtypes = [u64, u64, sz, vp]
+        lib.cuMemcpy.argtypes = [u64, u64, sz]
+        lib.cuMemsetD8_v2.argtypes = [u64, ctypes.c_ubyte, sz]
+        lib.cuMemHostRegister_v2.argtypes = [vp, sz, ctypes.c_uint]
+        lib.cuMemHostUnregister.argtypes = [vp]
+        lib.cuStreamSynchronize.argtypes = [vp]
+        lib.cuStreamDestroy_v2.argtypes = [vp]
+        lib.cuEventRecord.argtypes = [vp, vp]
+        lib.cuEventQuery.argtypes = [vp]
+        lib.cuEventSynchronize.argtypes = [vp]
+        lib.cuEventDestroy_v2.argtypes = [vp]
+        lib.cuCtxSetCurrent.argtypes = [vp]
+        lib.cuMemFree_v2.argtypes = [u64]
+        lib.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(u64), ctypes.POINTER(sz), u64]
+        lib.cuIpcGetMemHandle.argtypes = [ctypes.POINTER(_IpcHandle), u64]
+        lib.cuIpcOpenMemHandle_v2.argtypes = [ctypes.POINTER(u64), _IpcHandle, ctypes.c_uint]
+        lib.cuIpcCloseMemHandle.argtypes = [u64]
+        self.check(lib.cuInit(0), "cuInit")
+        dev = ctypes.c_int()
+        self.check(lib.cuDeviceGet(ctypes.byref(dev), device), f"cuDeviceGet({device})")
+        self.device = device
+        self._dev = dev
+        self._ctx = ctypes.c_void_p()
+        self.check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(self._ctx), dev), "cuDevicePrimaryCtxRetain")
+        self._released = False
+
+    def check(self, rc: int, what: str) -> None:
+        if rc != CUDA_SUCCESS:
+            raise EngineError(f"CUDA {what} failed: {self.error_name(rc)}")
+
+    def error_name(self, rc: int) -> str:
+        name = ctypes.c_char_p()
+        self.lib.cuGetErrorName(rc, ctypes.byref(name))
+        return f"{(name.value or b'?').decode()} ({rc})"
+
+    def bind(self) -> None:
+        """Make the primary context current on the calling thread."""
+        self.check(self.lib.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+
+    # -- streams and events --------------------------------------------------------------------
+
+    def stream(self) -> ctypes.c_void_p:
+        self.bind()
+        s = ctypes.c_void_p()
+        self.check(self.lib.cuStreamCreate(ctypes.byref(s), CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        return s
+
+    def copy_async(self, dst: int, src: int, n: int, stream: ctypes.c_void_p) -> None:
+        rc = self.lib.cuMemcpyAsync(dst, src, n, stream)
+        if rc != CUDA_SUCCESS:
+            self.check(rc, f"cuMemcpyAsync({n} bytes)")
+
+    def record(self, stream: ctypes.c_void_p) -> ctypes.c_void_p:
+        event = ctypes.c_void_p()
+        self.check(self.lib.cuEventCreate(ctypes.byref(event), CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+        self.check(self.lib.cuEventRecord(event, stream), "cuEventRecord")
+        return event
+
+    def event_done(self, event: ctypes.c_void_p) -> bool:
+        """``True`` once the work before the event finished; raises if it failed."""
+        rc = self.lib.cuEventQuery(event)
+        if rc == CUDA_ERROR_NOT_READY:
+            return False
+        self.check(rc, "cuEventQuery")
+        return True
+
+    def destroy_event(self, event: ctypes.c_void_p) -> None:
+        self.lib.cuEventDestroy_v2(event)
+
+    def destroy_stream(self, stream: ctypes.c_void_p) -> None:
+        self.lib.cuStreamSynchronize(stream)
+        self.lib.cuStreamDestroy_v2(stream)
+
+    # -- memory --------------------------------------------------------------------------------
+
+    def alloc(self, size: int) -> int:
+        self.bind()
+        ptr = ctypes.c_uint64()
+        self.check(self.lib.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(size)), f"cuMemAlloc({size})")
+        return int(ptr.value)
+
+    def free(self, ptr: int) -> None:
+        self.bind()
+        self.lib.cuMemFree_v2(ptr)
+
+    def memcpy(self, dst: int, src: int, n: int) -> None:
+        self.bind()
+        self.check(self.lib.cuMemcpy(dst, src, n), f"cuMemcpy({n} bytes)")
+
+    def memset(self, ptr: int, value: int, n: int) -> None:
+        self.bind()
+        self.check(self.lib.cuMemsetD8_v2(ptr, value, n), "cuMemsetD8")
+
+    def pin(self, ptr: int, size: int) -> bool:
+        """Page-lock host memory; ``False`` if it was registered already (not ours to undo)."""
+        self.bind()
+        rc = self.lib.cuMemHostRegister_v2(ptr, size, CU_MEMHOSTREGISTER_PORTABLE)
+        if rc == CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED:
+            return False
+        self.check(rc, f"cuMemHostRegister({size} bytes)")
+        return True
+
+    def unpin(self, ptr: int) -> None:
+        self.lib.cuMemHostUnregister(ptr)
+
+    def allocation_of(self, ptr: int) -> tuple[int, int]:
+        """(base, size) of the allocation holding ``ptr`` (IPC handles name whole allocations)."""
+        self.bind()
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        self.check(
+            self.lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr), "cuMemGetAddressRange"
+        )
+        return int(base.value), int(size.value)
+
+    def ipc_handle(self, base: int) -> bytes:
+        self.bind()
+        handle = _IpcHandle()
+        self.check(self.lib.cuIpcGetMemHandle(ctypes.byref(handle), base), "cuIpcGetMemHandle")
+        return bytes(handle.reserved)
+
+    def ipc_open(self, handle: bytes) -> int:
+        self.bind()
+        raw = _IpcHandle()
+        raw.reserved = handle
+        ptr = ctypes.c_uint64()
+        self.check(
+            self.lib.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), raw, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
+            "cuIpcOpenMemHandle",
+        )
+        return int(ptr.value)
+
+    def ipc_close(self, ptr: int) -> None:
+        self.bind()
+        self.lib.cuIpcCloseMemHandle(ptr)
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.lib.cuDevicePrimaryCtxRelease(self._dev)
+
+
+class CudaCopyEngine:
+    """The staging pipeline's copy engine for device KV: a stream per calling thread."""
+
+    name = "cuda"
+
+    def __init__(self, device: int) -> None:
+        self.cuda = CudaDriver(device)
+        self._local = threading.local()
+        self._streams: list[ctypes.c_void_p] = []
+        self._pinned: list[int] = []
+        self._lock = threading.Lock()
+
+    def _stream(self) -> ctypes.c_void_p:
+        stream: ctypes.c_void_p | None = getattr(self._local, "stream", None)
+        if stream is None:
+            stream = self.cuda.stream()
+            self._local.stream = stream
+            with self._lock:
+                self._streams.append(stream)
+        return stream
+
+    def pin(self, ptr: int, size: int) -> None:
+        if self.cuda.pin(ptr, size):
+            self._pinned.append(ptr)
+
+    def copy(self, dst: npt.NDArray[np.uint64], src: npt.NDArray[np.uint64], length: npt.NDArray[np.uint64]) -> None:
+        stream = self._stream()
+        for d, s, n in zip(dst.tolist(), src.tolist(), length.tolist(), strict=True):
+            self.cuda.copy_async(d, s, n, stream)
+        self.cuda.check(self.cuda.lib.cuStreamSynchronize(stream), "cuStreamSynchronize")
+
+    def close(self) -> None:
+        self.cuda.bind()
+        with self._lock:
+            for stream in self._streams:
+                self.cuda.destroy_stream(stream)
+            self._streams.clear()
+        for ptr in self._pinned:
+            self.cuda.unpin(ptr)
+        self._pinned.clear()
+        self.cuda.release()

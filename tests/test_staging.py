@@ -1,0 +1,434 @@
+"""The staging pipeline: chunking (hypothesis), ring configuration, and the pipeline itself.
+
+In-process tests wire two real pipelines together with a memcpy link and an in-order notice
+courier, to drive the credit logic hard (10,000 transfers, a slow receiver, aborts,
+disconnects, hostile notices). The two-process tests run the same pipeline inside
+``mooncake-staged`` over the real Mooncake engine, with a ring much smaller than the
+transfers, and check the bytes and that every ring slot comes back."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtransport.endpoint import Endpoint, State, Timeouts
+from kvtransport.errors import ConfigError, EngineError, PeerLost, ProtocolError, TransferAborted
+from kvtransport.memory import RegionSet
+from kvtransport.plan import Runs, plan
+from kvtransport.registry import load_driver
+from kvtransport.staging import MemcpyCopyEngine, RingConfig, StagingPipeline, chunk_runs
+from kvtransport.testing.kv import KVPool
+from kvtransport.testing.remote import PeerProcess
+
+from .conftest import require_engines
+
+# --- chunking ----------------------------------------------------------------------------------
+
+
+@st.composite
+def runs_and_chunk(draw: st.DrawFn) -> tuple[Runs, int]:
+    n = draw(st.integers(1, 40))
+    lengths = draw(st.lists(st.integers(1, 5000), min_size=n, max_size=n))
+    src = np.cumsum([0, *lengths[:-1]], dtype=np.uint64) + np.uint64(1 << 20)
+    dst = np.cumsum([0, *lengths[:-1]], dtype=np.uint64)[::-1].copy() + np.uint64(1 << 30)
+    return Runs(src, dst, np.array(lengths, dtype=np.uint64)), draw(st.integers(1, 9000))
+
+
+@settings(max_examples=300, deadline=None)
+@given(runs_and_chunk())
+def test_chunks_cover_every_byte_once_in_order_and_fit_their_slot(case: tuple[Runs, int]) -> None:
+    runs, size = case
+    chunks = chunk_runs(runs, size)
+    assert sum(c.nbytes for c in chunks) == runs.total_bytes
+    assert all(0 < c.nbytes <= size for c in chunks)
+    for c in chunks:  # pieces packed back to back from offset 0
+        assert c.offset[0] == 0
+        assert np.array_equal(c.offset[1:], np.cumsum(c.length)[:-1])
+    # Rebuild each run's (src, dst) byte mapping from the pieces.
+    pieces = [(int(s), int(d), int(n)) for c in chunks for s, d, n in zip(c.src, c.dst, c.length, strict=True)]
+    expected = []
+    for s, d, n in zip(runs.src.tolist(), runs.dst.tolist(), runs.length.tolist(), strict=True):
+        expected.append((s, d, n))
+    merged: list[tuple[int, int, int]] = []
+    for s, d, n in pieces:
+        if merged and merged[-1][0] + merged[-1][2] == s and merged[-1][1] + merged[-1][2] == d:
+            merged[-1] = (merged[-1][0], merged[-1][1], merged[-1][2] + n)
+        else:
+            merged.append((s, d, n))
+    assert merged == expected
+
+
+def test_ring_config_from_env_and_options() -> None:
+    assert RingConfig.from_env({}).slots == (256 << 20) // (8 << 20) // 2
+    env = {"KVTRANSPORT_STAGING_RING_BYTES": str(64 << 20), "KVTRANSPORT_STAGING_CHUNK_BYTES": str(1 << 20)}
+    assert RingConfig.from_env(env).slots == 32
+    assert RingConfig.from_env(env, {"staging.chunk_bytes": str(4 << 20)}).slots == 8
+    with pytest.raises(ConfigError, match="at least one chunk each way"):
+        RingConfig.from_env({"KVTRANSPORT_STAGING_RING_BYTES": str(1 << 20)})
+    with pytest.raises(ConfigError, match="not a number"):
+        RingConfig.from_env({"KVTRANSPORT_STAGING_CHUNK_BYTES": "8M"})
+
+
+# --- two pipelines in one process ------------------------------------------------------------
+
+
+class Courier:
+    """Delivers notices in order on one thread, like an endpoint's I/O thread."""
+
+    def __init__(self) -> None:
+        self.q: queue.Queue[tuple[Callable[[str, bytes], None], str, bytes] | None] = queue.Queue()
+        self.errors: list[BaseException] = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (item := self.q.get()) is not None:
+            fn, peer, data = item
+            try:
+                fn(peer, data)
+            except Exception as exc:  # noqa: BLE001 - collected for the test
+                self.errors.append(exc)
+            finally:
+                self.q.task_done()
+
+    def close(self) -> None:
+        self.q.put(None)
+        self.thread.join(5)
+
+
+class MemcpyLink:
+    """A host "driver" for in-process tests: the write happens at post time."""
+
+    def __init__(self, fail_after: int = -1) -> None:
+        self.posted = 0
+        self.fail_after = fail_after
+
+    def post(self, local: int, remote: int, length: int) -> int:
+        self.posted += 1
+        if 0 <= self.fail_after < self.posted:
+            raise EngineError("injected wire failure")
+        ctypes.memmove(remote, local, length)
+        return self.posted
+
+    def check(self, token: int) -> bool:
+        return True
+
+
+class Side:
+    def __init__(self, name: str, pages: int, item: int, config: RingConfig, delay: float = 0.0) -> None:
+        self.pool = KVPool(pages, 2, item, 0, shared=False)
+        self.ring = np.zeros(config.ring_bytes, dtype=np.uint8)
+        self.notify: Callable[[str, bytes], None] = lambda peer, data: None
+        self.pipe = StagingPipeline(
+            name,
+            int(self.ring.ctypes.data),
+            config,
+            MemcpyCopyEngine(),
+            lambda peer, data: self.notify(peer, data),
+            self.pool.regions,
+            scatter_delay=delay,
+        )
+
+    @property
+    def regions(self) -> RegionSet:
+        return self.pool.regions
+
+
+@pytest.fixture
+def pair_factory() -> Iterator[Callable[..., tuple[Side, Side, Courier, MemcpyLink]]]:
+    made: list[tuple[Side, Side, Courier]] = []
+
+    def make(
+        pages: int = 64,
+        item: int = 4096,
+        ring: int = 64 << 10,
+        chunk: int = 8 << 10,
+        delay: float = 0.0,
+        fail_after: int = -1,
+    ) -> tuple[Side, Side, Courier, MemcpyLink]:
+        config = RingConfig(ring, chunk)
+        a, b = Side("a", pages, item, config), Side("b", pages, item, config, delay)
+        courier = Courier()
+        a.notify = lambda peer, data: courier.q.put((b.pipe.on_notice, "a", data))
+        b.notify = lambda peer, data: courier.q.put((a.pipe.on_notice, "b", data))
+        link = MemcpyLink(fail_after)
+        a.pipe.connect("b", b.pipe.describe(), link)
+        b.pipe.connect("a", a.pipe.describe(), MemcpyLink())
+        a.pool.fill(1)
+        made.append((a, b, courier))
+        return a, b, courier, link
+
+    yield make
+    for a, b, courier in made:
+        a.pipe.close()
+        b.pipe.close()
+        courier.close()
+        a.pool.close()
+        b.pool.close()
+
+
+def _wait(pred: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.001)
+
+
+def _finish(a: Side, b: Side, handles: list[int], courier: Courier) -> None:
+    """Like the endpoint: the receiver looks at its inbound work only after every notice sent
+    before the batches completed has been delivered (the endpoint's "done" follows them)."""
+    for h in handles:
+        _wait(lambda h=h: a.pipe.poll(h))  # type: ignore[misc]
+    courier.q.join()
+    _wait(lambda: b.pipe.inbound_idle("a"))
+
+
+def _quiet(a: Side, b: Side) -> None:
+    _wait(lambda: a.pipe.usage().total == 0 and b.pipe.usage().total == 0)
+
+
+def test_ten_thousand_transfers_leave_no_slot_behind(pair_factory: Any) -> None:
+    a, b, courier, _ = pair_factory(pages=64, item=1024, ring=32 << 10, chunk=4 << 10)
+    rng = np.random.default_rng(5)
+    handles: list[int] = []
+    for i in range(10_000):
+        n = int(rng.integers(1, 4))
+        src = rng.choice(64, n, replace=False)
+        dst = rng.choice(64, n, replace=False)
+        handles.append(a.pipe.submit("b", plan(a.regions.kv, b.regions.kv, src, dst)))
+        if len(handles) == 200:
+            _finish(a, b, handles, courier)
+            handles = []
+        if i == 9_999:
+            _finish(a, b, handles, courier)
+            assert b.pool.page_digests(dst.tolist()) == a.pool.page_digests(src.tolist())
+    _quiet(a, b)
+    assert b.pipe.peak_inbound <= b.pipe.config.slots
+    assert not courier.errors
+
+
+def test_transfer_larger_than_the_ring_streams_through_it(pair_factory: Any) -> None:
+    a, b, courier, _ = pair_factory(pages=64, item=4096, ring=32 << 10, chunk=4 << 10)  # 4 slots each way
+    src, dst = list(range(64)), list(range(63, -1, -1))
+    h = a.pipe.submit("b", plan(a.regions.kv, b.regions.kv, src, dst))  # 512 KiB through 16 KiB
+    _finish(a, b, [h], courier)
+    assert b.pool.page_digests(dst) == a.pool.page_digests(src)
+    _quiet(a, b)
+
+
+def test_slow_receiver_holds_the_sender_by_credits(pair_factory: Any) -> None:
+    a, b, courier, link = pair_factory(pages=32, item=4096, ring=32 << 10, chunk=4 << 10, delay=0.01)
+    h = a.pipe.submit("b", plan(a.regions.kv, b.regions.kv, list(range(32)), list(range(32))))
+    time.sleep(0.1)
+    # After 0.1 s a receiver scattering one chunk per 10 ms has taken about 10 chunks, and the
+    # sender may only be ahead of it by the receiver's 4 slots.
+    assert link.posted <= 4 + 0.1 / 0.01 + 3
+    assert b.pipe.usage().granted + b.pipe.usage().busy <= 4
+    _finish(a, b, [h], courier)
+    assert b.pipe.peak_inbound == 4
+    assert b.pool.page_digests(list(range(32))) == a.pool.page_digests(list(range(32)))
+    _quiet(a, b)
+
+
+def test_abort_mid_stream_returns_every_slot(pair_factory: Any) -> None:
+    a, b, _, _ = pair_factory(pages=64, item=4096, ring=32 << 10, chunk=4 << 10, delay=0.005)
+    h = a.pipe.submit("b", plan(a.regions.kv, b.regions.kv, list(range(64)), list(range(64))))
+    time.sleep(0.03)
+    a.pipe.abort(h)
+    with pytest.raises(TransferAborted):
+        _wait(lambda: a.pipe.poll(h))
+    _quiet(a, b)
+
+
+def test_wire_failure_fails_the_batch_and_returns_slots(pair_factory: Any) -> None:
+    a, b, _, _ = pair_factory(fail_after=3)
+    h = a.pipe.submit("b", plan(a.regions.kv, b.regions.kv, list(range(64)), list(range(64))))
+    with pytest.raises(EngineError, match="injected wire failure"):
+        _wait(lambda: a.pipe.poll(h))
+    _quiet(a, b)
+
+
+def test_disconnect_mid_stream_fails_batches_and_returns_slots(pair_factory: Any) -> None:
+    a, b, _, _ = pair_factory(pages=64, item=4096, ring=32 << 10, chunk=4 << 10, delay=0.005)
+    h = a.pipe.submit("b", plan(a.regions.kv, b.regions.kv, list(range(64)), list(range(64))))
+    time.sleep(0.03)
+    a.pipe.disconnect("b")
+    b.pipe.disconnect("a")
+    with pytest.raises(PeerLost):
+        _wait(lambda: a.pipe.poll(h))
+    _quiet(a, b)
+
+
+def _grant_one(a: Side, b: Side) -> int:
+    b.pipe.on_notice("a", msgpack.packb({"op": "want", "n": 1}))
+    _wait(lambda: b.pipe.usage().granted == 1)
+    return next(iter(b.pipe._in["a"].granted))
+
+
+@pytest.mark.parametrize("bad", ["outside", "ungranted", "past-slot"])
+def test_hostile_chunk_notice_writes_nothing_and_fails_typed(pair_factory: Any, bad: str) -> None:
+    a, b, _, _ = pair_factory()
+    before = b.pool.page_digests(list(range(64)))
+    slot = _grant_one(a, b)
+    dst = np.array([b.regions.kv[0].ptr], dtype=np.uint64)
+    length = np.array([4096], dtype=np.uint64)
+    offset = np.array([0], dtype=np.uint64)
+    if bad == "outside":
+        dst = np.array([b.regions.kv[0].ptr + b.regions.kv[0].length], dtype=np.uint64)
+    elif bad == "ungranted":
+        slot = slot + 1
+    else:
+        offset = np.array([b.pipe.config.chunk_bytes - 100], dtype=np.uint64)
+    msg = {"op": "chunk", "slot": slot, "dst": dst.tobytes(), "len": length.tobytes(), "off": offset.tobytes()}
+    b.pipe.on_notice("a", msgpack.packb(msg))
+    with pytest.raises(ProtocolError, match="bad chunk from a"):
+        b.pipe.inbound_idle("a")
+    time.sleep(0.05)
+    assert b.pool.page_digests(list(range(64))) == before
+    b.pipe.on_notice("a", msgpack.packb({"op": "release", "slots": [s for s in range(8)]}))
+    _quiet(a, b)
+
+
+def test_undecodable_notice_is_a_protocol_error(pair_factory: Any) -> None:
+    _, b, _, _ = pair_factory()
+    with pytest.raises(ProtocolError):
+        b.pipe.on_notice("a", b"\xc1 not msgpack")
+    with pytest.raises(ProtocolError, match="unknown staging notice"):
+        b.pipe.on_notice("a", msgpack.packb({"op": "steal"}))
+
+
+# --- two processes over real Mooncake ------------------------------------------------------------
+
+BIG_PAGES, BIG_LAYERS, BIG_ITEM = 128, 4, 64 << 10  # 32 MiB per side; the ring below is 2 MiB
+RING = {"staging.ring_bytes": str(2 << 20), "staging.chunk_bytes": str(256 << 10)}  # 4 slots each way
+
+
+def _staged_pair(
+    receiver_options: dict[str, str],
+) -> tuple[Endpoint, KVPool, PeerProcess, Any]:
+    pool = KVPool(BIG_PAGES, BIG_LAYERS, BIG_ITEM, 0, shared=False)
+    pool.fill(21)
+    local = Endpoint(
+        pool.regions,
+        pool.layout,
+        drivers={"mooncake-staged": load_driver("mooncake-staged")},
+        name="prefill",
+        driver_options=RING,
+        timeouts=Timeouts(heartbeat_interval=0.2, heartbeat_timeout=2.0, transfer=30.0),
+    )
+    peer = PeerProcess(
+        *("--driver", "mooncake-staged", "--pages", str(BIG_PAGES), "--layers", str(BIG_LAYERS)),
+        *("--item", str(BIG_ITEM), "--aux-slots", "0", "--private", "--name", "decode"),
+        *("--options", json.dumps({**RING, **receiver_options})),
+        *("--timeouts", json.dumps({"heartbeat_interval": 0.2, "heartbeat_timeout": 2.0})),
+    )
+    peer.call("connect", address=local.address)
+    conn = local.accept(10)
+    return local, pool, peer, conn
+
+
+def _usage(local: Endpoint) -> dict[str, int]:
+    return local.drivers["mooncake-staged"].ring_usage()  # type: ignore[attr-defined,no-any-return]
+
+
+def _settled(local: Endpoint, peer: PeerProcess | None) -> None:
+    def quiet() -> bool:
+        mine = _usage(local)
+        theirs = peer.call("ring_usage")["mooncake-staged"] if peer else {"outbound": 0, "granted": 0, "busy": 0}
+        return all(u[k] == 0 for u in (mine, theirs) for k in ("outbound", "granted", "busy"))
+
+    _wait(quiet, 10)
+
+
+@pytest.fixture
+def staged_engines() -> None:
+    require_engines()
+
+
+@pytest.mark.usefixtures("staged_engines")
+@pytest.mark.parametrize("delay", ["0", "0.01"])
+def test_real_mooncake_transfers_larger_than_the_ring_concurrently(delay: str) -> None:
+    """16 requests of 8 MiB each (128 MiB) through a 2 MiB ring, at once; the second run
+    slows the receiver (10 ms per chunk) so credits must hold the sender."""
+    local, pool, peer, conn = _staged_pair({"staging.scatter_delay": delay})
+    try:
+        rng = np.random.default_rng(3)
+        transfers = {}
+        for i in range(16):
+            src = rng.choice(BIG_PAGES, 32, replace=False).tolist()
+            transfers[f"r{i}"] = (src, list(range((i % 4) * 32, (i % 4) * 32 + 32)))
+        # Four rounds of four: destinations of one round never overlap.
+        for round_ in range(4):
+            batch = {t: transfers[t] for t in list(transfers)[round_ * 4 : round_ * 4 + 4]}
+            peer.call("expect", transfers={t: d for t, (_, d) in batch.items()})
+            senders = {t: conn.sender(t) for t in batch}
+            for t, (src, _) in batch.items():
+                while senders[t].state is State.BOOTSTRAPPING:
+                    time.sleep(0.001)
+                senders[t].send(src)
+            for s in senders.values():
+                assert s.wait(60) is State.SUCCESS
+            states = peer.call("wait", tags=list(batch), timeout=60)["states"]
+            assert all(v[0] == "SUCCESS" for v in states.values()), states
+            for _t, (src, dst) in batch.items():
+                assert peer.call("digests", pages=dst)["digests"] == pool.page_digests(src)
+        usage = peer.call("ring_usage")["mooncake-staged"]
+        assert usage["peak_inbound"] <= usage["slots"] == 4
+        _settled(local, peer)
+    finally:
+        peer.close()
+        local.close()
+        pool.close()
+
+
+@pytest.mark.usefixtures("staged_engines")
+def test_real_mooncake_abort_mid_stream_returns_both_rings() -> None:
+    local, pool, peer, conn = _staged_pair({"staging.scatter_delay": "0.01"})
+    try:
+        pages = list(range(BIG_PAGES))
+        peer.call("expect", transfers={"big": pages})
+        t = conn.sender("big")
+        while t.state is State.BOOTSTRAPPING:
+            time.sleep(0.001)
+        t.send(pages)  # 32 MiB at 10 ms per 256 KiB chunk: over a second
+        time.sleep(0.2)
+        t.abort("preempted")
+        state = peer.call("wait", tags=["big"], timeout=5)["states"]["big"]
+        assert state[0] == "FAILED" and "preempted" in state[2]
+        _settled(local, peer)
+    finally:
+        peer.close()
+        local.close()
+        pool.close()
+
+
+@pytest.mark.usefixtures("staged_engines")
+def test_real_mooncake_receiver_killed_mid_stream() -> None:
+    local, pool, peer, conn = _staged_pair({"staging.scatter_delay": "0.01"})
+    try:
+        pages = list(range(BIG_PAGES))
+        peer.call("expect", transfers={"big": pages})
+        t = conn.sender("big")
+        while t.state is State.BOOTSTRAPPING:
+            time.sleep(0.001)
+        t.send(pages)
+        time.sleep(0.2)
+        peer.kill()
+        with pytest.raises((PeerLost, EngineError)):
+            t.wait(10)
+        _settled(local, None)
+    finally:
+        peer.close()
+        local.close()
+        pool.close()
