@@ -52,6 +52,8 @@ class Workload:
     seed: int = 1
     #: Untimed requests first (connections, first-touch page faults); still verified.
     warmup: int = 1
+    #: CUDA device holding both pools (``None``: host memory).
+    device: int | None = None
 
     @property
     def item_len(self) -> int:
@@ -82,10 +84,12 @@ class Workload:
         return sorted(rng.choice(total, n, replace=False).tolist())
 
     def describe(self) -> str:
+        where = "host memory" if self.device is None else f"cuda:{self.device}"
         return (
             f"{self.model}: {self.layers} layers x (K,V), {self.kv_heads} KV heads x {self.head_dim} x "
             f"{8 * self.dtype_bytes}-bit, {self.page_tokens}-token pages; {self.requests} requests x "
-            f"{self.prompt_tokens} tokens = {self.request_bytes / MiB:.0f} MiB each, pages {self.placement}"
+            f"{self.prompt_tokens} tokens = {self.request_bytes / MiB:.0f} MiB each, pages {self.placement}, "
+            f"KV in {where}"
         )
 
 
@@ -182,8 +186,10 @@ class Report:
                     f"  ratio       {f['ratio_end_to_end']:.2f}x end-to-end, {f['ratio_sender']:.2f}x sender "
                     "(kvtransport / raw engine, medians)"
                 )
+        elif self.workload.device is not None:
+            lines.append("  raw engine  not compared for device KV (scripts/gpu-check measures copy bandwidths)")
         else:
-            lines.append(f"  raw engine  {self.driver} offers no raw-engine baseline")
+            lines.append(f"  raw engine  not measured ({self.driver} offers no raw-engine baseline, or --no-baseline)")
         verified = sum(s.ok for s in self.samples)
         total_gib = verified * w.request_bytes / (1 << 30)
         raw_note = ""
@@ -237,7 +243,7 @@ def run(
     timeout: float = 120.0,
 ) -> Report:
     """Run the bench; raises a :class:`KVTransportError` when no driver can serve the pair."""
-    pool = KVPool(workload.pool_pages, workload.regions, workload.item_len, 0, shared=False)
+    pool = KVPool(workload.pool_pages, workload.regions, workload.item_len, 0, shared=False, device=workload.device)
     bar = Progress(workload.requests, progress)
     bar.note(f"filling {workload.pool_pages * workload.item_len * workload.regions / MiB:.0f} MiB of prefill KV")
     pool.fill(workload.seed)
@@ -248,6 +254,7 @@ def run(
         peer = PeerProcess(
             *("--driver", driver or "auto", "--pages", str(workload.pool_pages), "--layers", str(workload.regions)),
             *("--item", str(workload.item_len), "--aux-slots", "0", "--private", "--name", "decode"),
+            *(("--device", str(workload.device)) if workload.device is not None else ()),
             timeout=timeout,
         )
         try:
@@ -266,7 +273,9 @@ def run(
             {c.driver: c.reason for c in decision.candidates if c.outcome != "chosen"},
             raw_engine=False,
         )
-        raw_cls = raw_engine_of(endpoint.classes[decision.driver]) if baseline else None
+        # Raw engines are compared on host KV; device KV is measured against copy bandwidths by
+        # scripts/gpu-check instead (a raw engine may not register device memory at all).
+        raw_cls = raw_engine_of(endpoint.classes[decision.driver]) if baseline and workload.device is None else None
         if raw_cls is not None:
             info = peer.call("raw_open", driver=decision.driver, timeout=timeout)["info"]
             raw = raw_cls(pool.regions, endpoint.host)

@@ -237,6 +237,7 @@ def _add_bench(sub: Any) -> None:
     p.add_argument("--pool-factor", type=int, default=w.pool_factor, help="pool size in requests' worth of pages")
     p.add_argument("--seed", type=int, default=w.seed)
     p.add_argument("--warmup", type=int, default=w.warmup, help="untimed (but verified) requests first")
+    p.add_argument("--device", type=int, default=None, help="KV in device memory of this CUDA device")
     p.add_argument("--no-baseline", action="store_true", help="skip the raw-engine comparison")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any one step may take")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -259,6 +260,7 @@ def bench_cmd(args: argparse.Namespace) -> int:
         placement=args.placement,
         seed=args.seed,
         warmup=max(0, args.warmup),
+        device=args.device,
         model="custom" if (args.layers, args.kv_heads, args.head_dim) != (32, 8, 128) else "Llama-3-8B",
     )
     # Mooncake logs every set-up step at INFO; keep the report readable (MC_LOG_LEVEL=INFO

@@ -115,7 +115,9 @@ class Region:
 
 
 def _check_disjoint(regions: Sequence[Region]) -> None:
-    by_start = sorted(regions, key=lambda r: (r.kind, r.ptr))
+    # Host memory sorts before device memory (-1 before device ordinals): KV on a GPU with aux
+    # slots in host memory, as SGLang lays them out, is the common case.
+    by_start = sorted(regions, key=lambda r: (-1 if r.kind.device is None else r.kind.device, r.ptr))
     for before, after in itertools.pairwise(by_start):
         if before.kind == after.kind and after.ptr < before.end:
             raise MemoryLayoutError(

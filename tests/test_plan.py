@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtransport.errors import InvalidPages, MemoryLayoutError
-from kvtransport.memory import HOST, Region, RegionSet
+from kvtransport.memory import HOST, MemoryKind, Region, RegionSet
 from kvtransport.plan import check_runs_within, plan
 
 
@@ -121,3 +121,22 @@ def test_regions_from_torch_tensors() -> None:
     assert rs.aux[0].item_len == 64
     with pytest.raises(MemoryLayoutError, match="contiguous"):
         RegionSet.from_tensors([k.transpose(0, 1)])
+
+
+def test_device_kv_with_host_aux_is_a_valid_region_set() -> None:
+    """SGLang's layout: KV on the GPU, aux slots in host memory (mixed kinds must sort)."""
+    gpu = MemoryKind(0)
+    rs = RegionSet.from_kv_args(
+        [1 << 30, (1 << 30) + 4096],
+        [4096, 4096],
+        [1024, 1024],
+        kind=gpu,
+        aux_data_ptrs=[1 << 20],
+        aux_data_lens=[256],
+        aux_item_lens=[64],
+    )
+    assert rs.kv_kind == gpu and rs.aux[0].kind == HOST
+    # The same numbers in two address spaces do not overlap; within one they do.
+    RegionSet(kv=(Region(4096, 100, gpu, 10),), aux=(Region(4096, 100, HOST, 10),))
+    with pytest.raises(MemoryLayoutError, match="overlap"):
+        RegionSet(kv=(Region(4096, 100, gpu, 10), Region(4100, 100, gpu, 10)), aux=(Region(8192, 10, HOST, 10),))

@@ -15,8 +15,8 @@ supply a ``conformance_driver`` fixture.
 Each test runs a real endpoint in this process (the prefill side, sending) and another in a
 child process (:mod:`kvtransport.testing.peer`, the decode side, receiving), over the real
 control channel on loopback, with the driver forced on both, and verifies every byte by
-per-page digests. Tests are gated by the capabilities the driver declares (host memory here),
-not by its name.
+per-page digests. Tests are gated by the capabilities the driver declares (host memory, or
+device memory with ``DriverUnderTest(name, device=0)`` on a CUDA host), not by its name.
 """
 
 from __future__ import annotations
@@ -60,14 +60,17 @@ class DriverUnderTest:
 
     name: str
     options: dict[str, str] = field(default_factory=dict)
+    #: CUDA device for both sides' KV (``None``: host memory, the CPU suite).
+    device: int | None = None
 
     def classes(self) -> dict[str, type[KVTransport]]:
         cls: type[KVTransport] = FakeDriver if self.name == "fake" else load_driver(self.name)
         return {self.name: cls}
 
-    def serves_host_memory(self) -> bool:
+    def serves_memory(self) -> bool:
+        family = "host" if self.device is None else "cuda"
         caps = self.classes()[self.name].capabilities
-        return "host" in caps.reads and "host" in caps.writes
+        return family in caps.reads and family in caps.writes
 
 
 @dataclass
@@ -80,9 +83,12 @@ class Pair:
 
 @pytest.fixture
 def pair(conformance_driver: DriverUnderTest) -> Iterator[Pair]:
-    if not conformance_driver.serves_host_memory():
-        pytest.skip(f"{conformance_driver.name} does not declare host memory; the CPU suite needs it")
-    pool = KVPool(PAGES, LAYERS, ITEM, AUX)
+    device = conformance_driver.device
+    if not conformance_driver.serves_memory():
+        where = "host memory" if device is None else "device memory"
+        pytest.skip(f"{conformance_driver.name} does not declare {where}")
+    # The fake driver maps the peer's buffers, so host KV lives in /dev/shm.
+    pool = KVPool(PAGES, LAYERS, ITEM, AUX, device=device)
     pool.fill(seed=1234)
     local = Endpoint(
         pool.regions,
@@ -109,6 +115,7 @@ def pair(conformance_driver: DriverUnderTest) -> Iterator[Pair]:
         json.dumps(conformance_driver.options),
         "--timeouts",
         json.dumps({"heartbeat_interval": 0.2, "heartbeat_timeout": 2.0}),
+        *(("--device", str(device)) if device is not None else ()),
     )
     try:
         decision = peer.call("connect", address=local.address)["decision"]

@@ -47,8 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeouts", default="{}")
     p.add_argument("--name", default="peer")
     p.add_argument("--private", action="store_true", help="private memory instead of /dev/shm (real engines)")
+    p.add_argument("--device", type=int, default=None, help="KV in device memory of this CUDA device")
     args = p.parse_args(argv)
-    pool = KVPool(args.pages, args.layers, args.item, args.aux_slots, shared=not args.private)
+    pool = KVPool(args.pages, args.layers, args.item, args.aux_slots, shared=not args.private, device=args.device)
     if args.seed:
         pool.fill(args.seed)
     endpoint = Endpoint(

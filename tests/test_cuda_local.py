@@ -1,0 +1,86 @@
+"""``cuda-local``'s host-side logic, which runs without a GPU: translating peer addresses
+through the opened IPC mappings, and the aux notice (host-memory slots carried by value)
+checked against the receiver's regions before anything is written. The device path itself is
+covered by tests/test_gpu.py on a CUDA host."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import msgpack
+import numpy as np
+import pytest
+
+from kvtransport.errors import ProtocolError
+from kvtransport.memory import MemoryKind, RegionSet
+from kvtransport.registry import load_driver
+from kvtransport_cuda.local import _Peer
+
+
+class _Context:
+    endpoint_id = "test"
+    host = "127.0.0.1"
+    options: Mapping[str, str] = {}
+
+    def send_notice(self, peer: str, payload: bytes) -> None:
+        raise AssertionError("not expected")
+
+
+def test_peer_addresses_translate_into_the_mappings_and_host_runs_are_flagged() -> None:
+    peer = _Peer(stream=None)
+    peer.add(0x10000, 0x1000, 0x90000)  # peer region 1 mapped here at 0x90000
+    peer.add(0x20000, 0x2000, 0x70000)
+    dst = np.array([0x10000, 0x10FFF, 0x20010, 0x30000, 0x5], dtype=np.uint64)
+    mapped, hit = peer.translate(dst)
+    assert hit.tolist() == [True, True, True, False, False]
+    assert mapped[:3].tolist() == [0x90000, 0x90FFF, 0x70010]
+
+
+def _receiver(aux: np.ndarray) -> object:
+    cls = load_driver("cuda-local")
+    driver = cls(_Context())
+    kv = np.zeros(4096, dtype=np.uint8)
+    driver._regions = RegionSet.from_kv_args(  # type: ignore[attr-defined]
+        [int(kv.ctypes.data)],
+        [4096],
+        [1024],
+        kind=MemoryKind(0),
+        aux_data_ptrs=[int(aux.ctypes.data)],
+        aux_data_lens=[aux.nbytes],
+        aux_item_lens=[64],
+    )
+    return driver
+
+
+def test_aux_notice_writes_the_bytes_into_the_aux_slot() -> None:
+    aux = np.zeros(256, dtype=np.uint8)
+    driver = _receiver(aux)
+    dst = np.array([aux.ctypes.data + 64], dtype=np.uint64)
+    notice = {"op": "aux", "dst": dst.tobytes(), "len": np.array([64], np.uint64).tobytes(), "data": bytes(range(64))}
+    driver.on_notice("p", msgpack.packb(notice))  # type: ignore[attr-defined]
+    assert aux[64:128].tolist() == list(range(64)) and not aux[:64].any() and not aux[128:].any()
+
+
+@pytest.mark.parametrize("bad", ["outside", "kv-region", "short-data", "not-msgpack"])
+def test_bad_aux_notice_is_refused_and_writes_nothing(bad: str) -> None:
+    aux = np.zeros(256, dtype=np.uint8)
+    driver = _receiver(aux)
+    dst = aux.ctypes.data + (256 if bad == "outside" else 0)
+    if bad == "kv-region":  # device KV must never be written from a notice
+        dst = driver._regions.kv[0].ptr  # type: ignore[attr-defined]
+    data = bytes(10) if bad == "short-data" else bytes(64)
+    payload = (
+        b"\xc1"
+        if bad == "not-msgpack"
+        else msgpack.packb(
+            {
+                "op": "aux",
+                "dst": np.array([dst], np.uint64).tobytes(),
+                "len": np.array([64], np.uint64).tobytes(),
+                "data": data,
+            }
+        )
+    )
+    with pytest.raises(ProtocolError, match="bad aux notice"):
+        driver.on_notice("p", payload)  # type: ignore[attr-defined]
+    assert not aux.any()
