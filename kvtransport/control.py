@@ -57,10 +57,11 @@ class ControlChannel:
         host_port = listen.rsplit(":", 1)
         if host_port[-1] == "0":
             port = self._router.bind_to_random_port(host_port[0])
-            self.address = f"{host_port[0]}:{port}"
         else:
             self._router.bind(listen)
-            self.address = listen
+            port = int(host_port[-1])
+        # What peers dial: a wildcard bind advertises this machine's address instead.
+        self.address = f"tcp://{advertised_host(listen)}:{port}"
         wake_addr = f"inproc://kvtransport-wake-{uuid.uuid4().hex}"
         self._wake_rx = self._ctx.socket(zmq.PAIR)
         self._wake_rx.bind(wake_addr)

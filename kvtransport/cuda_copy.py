@@ -227,3 +227,22 @@ class CudaCopyEngine:
             self.cuda.unpin(ptr)
         self._pinned.clear()
         self.cuda.release()
+
+
+CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2
+CU_MEMORYTYPE_DEVICE = 2
+
+
+def is_device_pointer(ptr: int) -> bool:
+    """Whether ``ptr`` is CUDA device memory (``False`` for host memory, and without CUDA)."""
+    try:
+        lib: Any = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    if lib.cuInit(0) != CUDA_SUCCESS:
+        return False
+    kind = ctypes.c_uint()
+    lib.cuPointerGetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
+    rc = lib.cuPointerGetAttribute(ctypes.byref(kind), CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr)
+    return rc == CUDA_SUCCESS and kind.value == CU_MEMORYTYPE_DEVICE
+

@@ -51,6 +51,9 @@ from .wire import Message, decode, encode
 
 log = logging.getLogger(__name__)
 
+#: Early aborts remembered per connection (oldest forgotten first).
+MAX_EARLY_ABORTS = 4096
+
 
 class State(enum.IntEnum):
     """Transfer states; the values equal SGLang's ``KVPoll``."""
@@ -204,6 +207,9 @@ class Connection:
     last_seen: float = field(default_factory=time.monotonic)
     transfers: dict[str, Transfer] = field(default_factory=dict)
     early_expects: dict[str, Message] = field(default_factory=dict)
+    #: Tags the peer aborted before this side created their transfer (tag -> reason), so a
+    #: transfer created afterwards fails at once instead of waiting for its timeout.
+    early_aborts: dict[str, str] = field(default_factory=dict)
 
     def expect(self, tag: str, dst_pages: Any, *, aux: int | None = None) -> Transfer:
         """Receiver: pages of transfer ``tag`` go to ``dst_pages`` (and aux slot ``aux``)."""
@@ -376,6 +382,14 @@ class Endpoint:
                 raise ConnectError(f"no peer connected within {timeout} s")
             return self._incoming.pop(0)
 
+    def announced(self, tag: str) -> Connection | None:
+        """The live connection whose receiver announced pages for ``tag`` (a sender that
+        serves many receivers learns here which one a request belongs to), or ``None`` yet."""
+        for conn in list(self.connections.values()):
+            if conn.alive and conn.decision is not None and (tag in conn.early_expects or tag in conn.early_aborts):
+                return conn
+        return None
+
     def close(self) -> None:
         """Tell peers, fail what is in flight, release every driver. Idempotent."""
         if self._closed:
@@ -447,6 +461,13 @@ class Endpoint:
         conn.transfers[transfer.tag] = transfer
         if not conn.alive:
             transfer._set(State.FAILED, conn.error or PeerLost(f"peer {conn.peer_label} is gone"))
+            return False
+        reason = conn.early_aborts.pop(transfer.tag, None)
+        if reason is not None:
+            transfer._set(
+                State.FAILED,
+                TransferAborted(f"transfer {transfer.tag!r} aborted by peer {conn.peer_label}: {reason}"),
+            )
             return False
         return True
 
@@ -608,6 +629,9 @@ class Endpoint:
                 )
             else:
                 conn.early_expects.pop(msg["tag"], None)
+                conn.early_aborts[msg["tag"]] = str(msg["reason"])
+                while len(conn.early_aborts) > MAX_EARLY_ABORTS:
+                    conn.early_aborts.pop(next(iter(conn.early_aborts)))
         elif kind == "notice":
             if conn.driver is None:
                 raise ProtocolError("notice before the driver was connected")

@@ -1,4 +1,5 @@
-"""Drive a :mod:`kvtransport.testing.peer` process from a test: spawn, command, kill."""
+"""Drive a :mod:`kvtransport.testing.peer` process (or another module speaking its JSON-lines
+protocol) from a test: spawn, command, kill."""
 
 from __future__ import annotations
 
@@ -13,9 +14,15 @@ from typing import Any
 class PeerProcess:
     """A peer endpoint in a child process; every exchange has a timeout."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None, timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        *args: str,
+        env: dict[str, str] | None = None,
+        timeout: float = 60.0,
+        module: str = "kvtransport.testing.peer",
+    ) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvtransport.testing.peer", *args],
+            [sys.executable, "-m", module, *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -1,0 +1,396 @@
+"""SGLang transfer backend: the four classes SGLang's disaggregation scheduler drives, built on
+kvtransport's endpoint, so that any kvtransport driver (negotiated per peer pair) moves SGLang's
+KV cache.
+
+Written against SGLang 0.5.23's ``sglang.srt.disaggregation.base.conn``. Enabling it in SGLang
+is a few lines in ``get_kv_class`` (see docs/sglang.md)::
+
+    from kvtransport.integrations.sglang import (
+        KVTransportKVBootstrapServer, KVTransportKVManager, KVTransportKVReceiver, KVTransportKVSender)
+
+How the pieces map:
+
+- one :class:`KVTransportKVManager` per rank opens one :class:`~kvtransport.endpoint.Endpoint`
+  over the rank's ``KVArgs`` (one item = one page of one buffer; aux slots; state buffers);
+- prefill ranks register their endpoint address with the :class:`KVTransportKVBootstrapServer`
+  of their instance; a decode rank's receiver looks its prefill peer up there (same TP rank and
+  the prefill DP rank it was given), connects once per peer and reuses the connection;
+- a request's bootstrap room is the transfer tag: the decode receiver announces the pages
+  (``send_metadata``), the prefill sender finds the connection that announced its room and
+  writes each chunk as the scheduler hands it over, the aux slot with the last chunk;
+- ``poll`` returns kvtransport's state, whose values are SGLang's ``KVPoll``; on failure
+  ``failure_exception`` raises :class:`KVTransferError` with the typed reason (peer lost,
+  abort, timeout, layout mismatch).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+try:
+    from sglang.srt.disaggregation.base.conn import (
+        BaseKVBootstrapServer,
+        BaseKVManager,
+        BaseKVReceiver,
+        BaseKVSender,
+        KVArgs,
+        KVPoll,
+        KVTransferMetric,
+    )
+except ImportError as exc:  # pragma: no cover - exercised in a process without SGLang
+    raise ImportError(
+        "kvtransport.integrations.sglang needs SGLang's disaggregation classes "
+        f"(sglang==0.5.23: pip install 'sglang==0.5.23'); importing them failed: {exc}"
+    ) from exc
+
+from ..endpoint import Connection, Endpoint, State, Timeouts, Transfer
+from ..errors import ConnectError, KVTransportError, LayoutMismatch, TransferAborted, TransferTimeout
+from ..memory import HOST, KVLayout, MemoryKind, RegionSet
+from .bootstrap import BootstrapClient, BootstrapServer
+
+log = logging.getLogger(__name__)
+
+SGLANG_VERSION = "0.5.23"
+DEFAULT_BOOTSTRAP_PORT = 8998
+
+__all__ = [
+    "KVTransferError",
+    "KVTransportKVBootstrapServer",
+    "KVTransportKVManager",
+    "KVTransportKVReceiver",
+    "KVTransportKVSender",
+]
+
+
+class KVTransferError(KVTransportError):
+    """What ``failure_exception`` raises: SGLang's fields (room, reason) over a kvtransport error."""
+
+    def __init__(self, bootstrap_room: int, failure_reason: str, cause: BaseException | None = None) -> None:
+        super().__init__(f"KV transfer of room {bootstrap_room} failed: {failure_reason}")
+        self.bootstrap_room = bootstrap_room
+        self.failure_reason = failure_reason
+        self.cause = cause
+
+
+def _mode(disaggregation_mode: Any) -> str:
+    value = str(getattr(disaggregation_mode, "value", disaggregation_mode)).lower()
+    if value not in ("prefill", "decode"):
+        raise KVTransportError(f"kvtransport serves prefill and decode ranks, not {disaggregation_mode!r}")
+    return value
+
+
+def kv_memory(args: KVArgs, server_args: Any) -> MemoryKind:
+    """Where the KV buffers live: ``cuda:<gpu_id>`` when the pointers are device memory."""
+    if getattr(server_args, "device", "cuda") == "cpu" or not args.kv_data_ptrs:
+        return HOST
+    from ..cuda_copy import is_device_pointer
+
+    return MemoryKind(int(args.gpu_id)) if is_device_pointer(int(args.kv_data_ptrs[0])) else HOST
+
+
+def regions_of(args: KVArgs, kind: MemoryKind) -> RegionSet:
+    """``KVArgs`` as regions: KV (one item = one page), aux slots (host), state buffers."""
+
+    def flat(name: str) -> list[int]:
+        value = getattr(args, name, None) or []
+        return [int(x) for group in value for x in (group if isinstance(group, list | tuple) else [group])]
+
+    return RegionSet.from_kv_args(
+        [int(p) for p in args.kv_data_ptrs],
+        [int(n) for n in args.kv_data_lens],
+        [int(n) for n in args.kv_item_lens],
+        kind=kind,
+        aux_data_ptrs=[int(p) for p in getattr(args, "aux_data_ptrs", [])],
+        aux_data_lens=[int(n) for n in getattr(args, "aux_data_lens", [])],
+        aux_item_lens=[int(n) for n in getattr(args, "aux_item_lens", [])],
+        state_data_ptrs=flat("state_data_ptrs"),
+        state_data_lens=flat("state_data_lens"),
+        state_item_lens=flat("state_item_lens"),
+    )
+
+
+class KVTransportKVManager(BaseKVManager):
+    """One rank's endpoint, its bootstrap registration (prefill) and its peer connections
+    (decode)."""
+
+    def __init__(
+        self,
+        args: KVArgs,
+        disaggregation_mode: Any,
+        server_args: Any,
+        is_mla_backend: bool | None = False,
+    ) -> None:
+        self.kv_args = args
+        self.mode = _mode(disaggregation_mode)
+        self.server_args = server_args
+        self.tp_rank = int(args.engine_rank)
+        self.tp_size = int(getattr(server_args, "tp_size", 1) or 1)
+        self.dp_rank = int(getattr(args, "system_dp_rank", 0) or 0)
+        host = str(getattr(server_args, "host", "") or "127.0.0.1")
+        self.bootstrap_port = int(getattr(server_args, "disaggregation_bootstrap_port", DEFAULT_BOOTSTRAP_PORT))
+        self.bootstrap_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        memory = kv_memory(args, server_args)
+        regions = regions_of(args, memory)
+        layout = KVLayout(
+            page_size=int(args.page_size),
+            dtype=str(getattr(args, "kv_cache_dtype_str", "") or "unknown"),
+            num_layers=len(args.kv_data_ptrs) // (1 if is_mla_backend else 2) or 1,
+            kv_item_lens=tuple(int(n) for n in args.kv_item_lens),
+            memory=memory,
+            kv_split="mla" if is_mla_backend else "kv",
+            num_kv_heads=int(getattr(args, "kv_head_num", 0) or 0),
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            aux_item_lens=tuple(int(n) for n in getattr(args, "aux_item_lens", [])),
+        )
+        self.timeouts = Timeouts.from_env()
+        self.endpoint = Endpoint(
+            regions,
+            layout,
+            listen=f"tcp://{host}:0",
+            name=f"sglang-{self.mode}-dp{self.dp_rank}-tp{self.tp_rank}",
+            timeouts=self.timeouts,
+        )
+        self._peers: dict[tuple[str, int], Connection] = {}
+        self._peers_lock = threading.Lock()
+        if self.mode == "prefill":
+            self.register_to_bootstrap()
+
+    def register_to_bootstrap(self) -> None:
+        """Prefill: publish this rank's endpoint under (dp, tp) at the instance's bootstrap server."""
+        BootstrapClient(f"{self.bootstrap_host}:{self.bootstrap_port}").register(
+            {
+                "address": self.endpoint.address,
+                "tp_rank": self.tp_rank,
+                "tp_size": self.tp_size,
+                "dp_rank": self.dp_rank,
+                "endpoint": self.endpoint.name,
+            }
+        )
+
+    def connection_to(self, bootstrap_addr: str, prefill_dp_rank: int) -> Connection:
+        """Decode: the connection to the prefill rank serving this rank, made once and reused."""
+        key = (bootstrap_addr, prefill_dp_rank)
+        with self._peers_lock:
+            conn = self._peers.get(key)
+            if conn is not None and conn.alive:
+                return conn
+            route = BootstrapClient(bootstrap_addr).lookup(prefill_dp_rank, self.tp_rank, self.timeouts.bootstrap)
+            if route["tp_size"] != self.tp_size:
+                raise LayoutMismatch(
+                    f"prefill runs TP={route['tp_size']}, this decode rank TP={self.tp_size}: kvtransport's "
+                    "SGLang backend needs equal TP sizes on both sides (heterogeneous TP is not supported yet)"
+                )
+            conn = self.endpoint.connect(route["address"], self.timeouts.connect)
+            self._peers[key] = conn
+            return conn
+
+    def teardown(self) -> None:
+        self.endpoint.close()
+
+    close = teardown
+
+
+class _Failure:
+    """A transfer's first error, kept for ``failure_exception``."""
+
+    def __init__(self) -> None:
+        self.error: KVTransportError | None = None
+
+    def set(self, error: KVTransportError) -> None:
+        self.error = self.error or error
+
+
+def _poll_of(transfer: Transfer | None, failure: _Failure, before: int) -> int:
+    if failure.error is not None:
+        return int(KVPoll.Failed)
+    if transfer is None:
+        return before
+    if transfer.state is State.FAILED:
+        failure.set(transfer.error or KVTransportError("transfer failed"))
+    return int(transfer.state)
+
+
+def _raise(room: int, failure: _Failure, transfer: Transfer | None) -> None:
+    error = failure.error or (transfer.error if transfer is not None else None)
+    reason = f"{type(error).__name__}: {error}" if error else "the transfer failed"
+    raise KVTransferError(room, reason, error)
+
+
+class KVTransportKVSender(BaseKVSender):
+    """Prefill side of one request (bootstrap room)."""
+
+    def __init__(
+        self,
+        mgr: KVTransportKVManager,
+        bootstrap_addr: str,
+        bootstrap_room: int,
+        req_has_disagg_prefill_dp_rank: bool = False,
+    ) -> None:
+        self.mgr = mgr
+        self.bootstrap_addr = bootstrap_addr
+        self.room = int(bootstrap_room)
+        self.tag = str(self.room)
+        self.transfer: Transfer | None = None
+        self.failure = _Failure()
+        self.num_kv_indices: int | None = None
+        self.aux_index: int | None = None
+        self.sent = 0
+        self._queued: list[tuple[np.ndarray[Any, Any], bool, int | None]] = []
+        self._created = time.monotonic()
+
+    def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
+        self.num_kv_indices = int(num_kv_indices)
+        self.aux_index = None if aux_index is None else int(aux_index)
+
+    def _bind(self) -> None:
+        if self.transfer is None and self.failure.error is None:
+            conn = self.mgr.endpoint.announced(self.tag)
+            if conn is not None:
+                self.transfer = conn.sender(self.tag)
+            elif time.monotonic() - self._created > self.mgr.timeouts.bootstrap:
+                self.failure.set(
+                    TransferTimeout(
+                        f"no decode rank announced room {self.room} within {self.mgr.timeouts.bootstrap:g} s"
+                    )
+                )
+
+    def _flush(self) -> None:
+        if self.transfer is None or self.transfer.state is State.BOOTSTRAPPING:
+            return
+        while self._queued and self.failure.error is None:
+            pages, last, aux = self._queued.pop(0)
+            try:
+                self.transfer.send(pages, last=last, aux=aux)
+            except KVTransportError as exc:
+                self.failure.set(exc)
+                self.transfer.abort(f"prefill could not send: {exc}")
+
+    def send(self, kv_indices: Any, state_indices: list[Any] | None = None, num_kv_tokens: int | None = None) -> None:
+        if self.failure.error is not None:
+            return
+        if state_indices and any(s is not None and len(s) for s in state_indices):
+            self.failure.set(KVTransportError("state buffers (mamba, SWA, ...) are not transferred by kvtransport yet"))
+            if self.transfer is not None:
+                self.transfer.abort("prefill cannot send state buffers")
+            return
+        pages = np.asarray(kv_indices, dtype=np.int64)
+        self.sent += int(pages.size)
+        if self.num_kv_indices is None:
+            self.failure.set(KVTransportError(f"send() on room {self.room} before init()"))
+            return
+        last = self.sent >= self.num_kv_indices
+        self._queued.append((pages, last, self.aux_index if last else None))
+        self._bind()
+        self._flush()
+
+    def poll(self) -> int:
+        self._bind()
+        self._flush()
+        state = _poll_of(self.transfer, self.failure, int(KVPoll.Bootstrapping))
+        if state == int(KVPoll.Failed) and self.transfer is not None and not self.transfer.state.final:
+            self.transfer.abort(str(self.failure.error))
+        return state
+
+    def failure_exception(self) -> None:
+        _raise(self.room, self.failure, self.transfer)
+
+    def abort(self) -> None:
+        if self.transfer is not None:
+            self.transfer.abort("aborted by the prefill scheduler")
+        self.failure.set(TransferAborted(f"room {self.room} aborted by the prefill scheduler"))
+
+    def clear(self) -> None:
+        self._queued.clear()
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        t = self.transfer
+        if t is None:
+            return KVTransferMetric()
+        latency = t.finished - t.started if t.state is State.SUCCESS and t.started else None
+        return KVTransferMetric(transfer_latency_s=latency, transfer_total_bytes=t.bytes or None)
+
+
+class KVTransportKVReceiver(BaseKVReceiver):
+    """Decode side of one request (bootstrap room)."""
+
+    def __init__(self, mgr: KVTransportKVManager, bootstrap_addr: str, bootstrap_room: int | None = None) -> None:
+        self.mgr = mgr
+        self.bootstrap_addr = bootstrap_addr
+        self.room = int(bootstrap_room or 0)
+        self.tag = str(self.room)
+        self.conn: Connection | None = None
+        self.transfer: Transfer | None = None
+        self.failure = _Failure()
+
+    def init(self, prefill_dp_rank: int = 0) -> None:
+        try:
+            self.conn = self.mgr.connection_to(self.bootstrap_addr, int(prefill_dp_rank or 0))
+        except KVTransportError as exc:
+            self.failure.set(exc)
+
+    def send_metadata(
+        self,
+        kv_indices: Any,
+        aux_index: int | None = None,
+        state_indices: list[Any] | None = None,
+        decode_prefix_len: int | None = None,
+        destination: Any = None,
+    ) -> None:
+        if self.failure.error is not None:
+            return
+        if self.conn is None:
+            self.failure.set(ConnectError(f"send_metadata() on room {self.room} before a successful init()"))
+            return
+        unsupported = ""
+        if state_indices and any(s is not None and len(s) for s in state_indices):
+            unsupported = "state buffers (mamba, SWA, ...)"
+        elif decode_prefix_len:
+            unsupported = "a decode-side prefix (decode_prefix_len > 0)"
+        elif destination is not None and str(getattr(destination, "value", destination)) == "host":
+            unsupported = "host KV destinations"
+        if unsupported:
+            self.failure.set(KVTransportError(f"kvtransport's SGLang backend does not support {unsupported} yet"))
+            return
+        try:
+            self.transfer = self.conn.expect(self.tag, np.asarray(kv_indices, dtype=np.int64), aux=aux_index)
+        except KVTransportError as exc:
+            self.failure.set(exc)
+
+    def poll(self) -> int:
+        if self.transfer is None and self.failure.error is None:
+            if self.conn is None:
+                return int(KVPoll.Bootstrapping)
+            if not self.conn.alive:
+                self.failure.set(self.conn.error or ConnectError(f"connection for room {self.room} closed"))
+            else:
+                return int(KVPoll.WaitingForInput)
+        return _poll_of(self.transfer, self.failure, int(KVPoll.WaitingForInput))
+
+    def failure_exception(self) -> None:
+        _raise(self.room, self.failure, self.transfer)
+
+    def abort(self) -> None:
+        if self.transfer is not None:
+            self.transfer.abort("aborted by the decode scheduler")
+        self.failure.set(TransferAborted(f"room {self.room} aborted by the decode scheduler"))
+
+    def clear(self) -> None:
+        self.transfer = None if self.transfer is None or self.transfer.state.final else self.transfer
+
+
+class KVTransportKVBootstrapServer(BaseKVBootstrapServer):
+    """The instance's registry of prefill rank endpoints (HTTP, see
+    :mod:`kvtransport.integrations.bootstrap`)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.server = BootstrapServer(host, port)
+        self.host, self.port = self.server.host, self.server.port
+
+    def close(self) -> None:
+        self.server.close()

@@ -1,0 +1,131 @@
+"""A prefill rank of SGLang's disaggregation, in its own process, driven by JSON lines: the
+real ``KVArgs`` and the kvtransport backend classes, called the way SGLang's prefill scheduler
+calls them (``Sender(mgr, addr, room)``, ``poll`` until WaitingForInput, ``init``, ``send`` in
+chunks, ``poll`` until Success or Failed). The first line out is ``{"address": bootstrap}``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from types import SimpleNamespace
+from typing import Any
+
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
+
+from kvtransport.integrations.sglang import (
+    KVTransportKVBootstrapServer,
+    KVTransportKVManager,
+    KVTransportKVSender,
+)
+from kvtransport.testing.kv import KVPool
+
+
+def kv_args(pool: KVPool, rank: int = 0) -> KVArgs:
+    args = KVArgs()
+    args.engine_rank = rank
+    args.kv_data_ptrs = [b.ptr for b in pool.buffers]
+    args.kv_data_lens = [b.size for b in pool.buffers]
+    args.kv_item_lens = [pool.item_len] * len(pool.buffers)
+    args.aux_data_ptrs = [b.ptr for b in pool.aux]
+    args.aux_data_lens = [b.size for b in pool.aux]
+    args.aux_item_lens = [pool.aux_item_len] * len(pool.aux)
+    args.state_data_ptrs, args.state_data_lens, args.state_item_lens = [], [], []
+    args.page_size = 16
+    args.kv_cache_dtype_str = "bfloat16"
+    args.gpu_id = 0
+    args.kv_head_num = 8
+    args.system_dp_rank = 0
+    return args
+
+
+def server_args(port: int, tp_size: int = 1) -> SimpleNamespace:
+    return SimpleNamespace(host="127.0.0.1", disaggregation_bootstrap_port=port, tp_size=tp_size, device="cpu")
+
+
+def run_scheduler(
+    mgr: KVTransportKVManager, requests: list[dict[str, Any]], wait: bool, timeout: float
+) -> dict[str, Any]:
+    """The prefill scheduler's loop: poll each sender, send its chunks once it waits for
+    input, then poll until every request concluded."""
+    senders = {}
+    for r in requests:
+        s = KVTransportKVSender(mgr, f"127.0.0.1:{mgr.bootstrap_port}", r["room"])
+        senders[r["room"]] = (s, r)
+    sent: set[int] = set()
+    states: dict[int, list[Any]] = {}
+    deadline = time.monotonic() + timeout
+    while len(states) < len(senders) and time.monotonic() < deadline:
+        for room, (s, r) in senders.items():
+            if room in states:
+                continue
+            state = s.poll()
+            if state == KVPoll.WaitingForInput and room not in sent:
+                if r.get("abort"):
+                    s.abort()
+                else:
+                    s.init(sum(len(c) for c in r["chunks"]), r.get("aux"))
+                    for chunk in r["chunks"]:
+                        s.send(chunk)
+                sent.add(room)
+                if not wait:
+                    states[room] = ["STARTED", ""]
+            elif state in (KVPoll.Success, KVPoll.Failed):
+                error = ""
+                if state == KVPoll.Failed:
+                    try:
+                        s.failure_exception()
+                    except Exception as exc:  # noqa: BLE001 - reported to the test
+                        error = f"{type(exc).__name__}: {exc}"
+                states[room] = ["SUCCESS" if state == KVPoll.Success else "FAILED", error]
+                metric = s.get_transfer_metric()
+                states[room].append(metric.transfer_total_bytes)
+        time.sleep(0.001)
+    for room in senders:
+        states.setdefault(room, ["TIMEOUT", ""])
+    return {"states": {str(k): v for k, v in states.items()}}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--pages", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--item", type=int, default=4096)
+    p.add_argument("--aux-slots", type=int, default=16)
+    p.add_argument("--tp-size", type=int, default=1)
+    args = p.parse_args()
+    pool = KVPool(args.pages, args.layers, args.item, args.aux_slots, shared=False)
+    pool.fill(seed=99)
+    server = KVTransportKVBootstrapServer("127.0.0.1", 0)
+    mgr = KVTransportKVManager(kv_args(pool), "prefill", server_args(server.port, args.tp_size))
+    print(json.dumps({"address": f"127.0.0.1:{server.port}", "name": mgr.endpoint.name}), flush=True)
+    try:
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            try:
+                op = cmd["cmd"]
+                if op == "send":
+                    result = run_scheduler(mgr, cmd["requests"], cmd.get("wait", True), cmd.get("timeout", 60))
+                elif op == "digests":
+                    result = {"digests": pool.page_digests(cmd["pages"])}
+                elif op == "aux_digest":
+                    result = {"digest": pool.aux_digest(cmd["slot"])}
+                elif op == "close":
+                    print(json.dumps({"ok": True}), flush=True)
+                    break
+                else:
+                    raise ValueError(f"unknown command {op!r}")
+            except Exception as exc:  # noqa: BLE001
+                result = {"error": type(exc).__name__, "message": traceback.format_exc()}
+            print(json.dumps(result), flush=True)
+    finally:
+        mgr.teardown()
+        server.close()
+        pool.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

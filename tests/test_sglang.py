@@ -1,0 +1,238 @@
+"""The SGLang backend against SGLang's real base classes (sglang==0.5.23 installed with
+--no-deps): a prefill rank in a child process (tests/sglang_rank.py, which also runs the
+bootstrap server) and a decode rank here, replaying the schedulers' call sequences over real
+drivers on host memory, with the KV and aux bytes verified on the decode side."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+
+from .conftest import require_engines
+
+sglang_conn = pytest.importorskip("sglang.srt.disaggregation.base.conn", reason="sglang==0.5.23 not installed")
+KVPoll = sglang_conn.KVPoll
+
+from kvtransport.integrations.sglang import (  # noqa: E402 - needs SGLang, checked just above
+    KVTransferError,
+    KVTransportKVManager,
+    KVTransportKVReceiver,
+    KVTransportKVSender,
+)
+from kvtransport.testing.kv import KVPool  # noqa: E402
+from kvtransport.testing.remote import PeerProcess  # noqa: E402
+
+from .sglang_rank import kv_args, server_args  # noqa: E402
+
+PAGES, LAYERS, ITEM, AUX = 256, 4, 4096, 16
+FAST = {"KVTRANSPORT_HEARTBEAT_INTERVAL": "0.2", "KVTRANSPORT_HEARTBEAT_TIMEOUT": "2"}
+
+
+def test_the_backend_subclasses_sglangs_own_classes() -> None:
+    base = sglang_conn
+    assert issubclass(KVTransportKVManager, base.BaseKVManager)
+    assert issubclass(KVTransportKVSender, base.BaseKVSender)
+    assert issubclass(KVTransportKVReceiver, base.BaseKVReceiver)
+    from kvtransport.integrations.sglang import KVTransportKVBootstrapServer
+
+    assert issubclass(KVTransportKVBootstrapServer, base.BaseKVBootstrapServer)
+    # Nothing abstract left: SGLang can instantiate every class.
+    for cls in (KVTransportKVManager, KVTransportKVSender, KVTransportKVReceiver, KVTransportKVBootstrapServer):
+        assert not getattr(cls, "__abstractmethods__", None), cls
+
+
+def test_importing_without_sglang_names_the_package_and_version() -> None:
+    code = "import sys; sys.modules['sglang'] = None; import kvtransport.integrations.sglang"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode != 0
+    assert "ImportError" in proc.stderr and "sglang==0.5.23" in proc.stderr
+
+
+@dataclass
+class Ranks:
+    prefill: PeerProcess
+    decode: KVTransportKVManager
+    pool: KVPool
+    bootstrap: str
+
+    def receiver(self, room: int) -> KVTransportKVReceiver:
+        r = KVTransportKVReceiver(self.decode, self.bootstrap, room)
+        r.init(0)
+        return r
+
+
+def _until(r: Any, states: set[int], timeout: float = 30.0) -> int:
+    deadline = time.monotonic() + timeout
+    while (state := r.poll()) not in states:
+        assert time.monotonic() < deadline, f"stuck in {state}"
+        time.sleep(0.002)
+    return int(state)
+
+
+@pytest.fixture(params=["nixl-ucx", "mooncake-gdr"])
+def ranks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Ranks]:
+    require_engines()
+    driver = str(request.param)
+    env = {"KVTRANSPORT_DRIVER": driver, **FAST, **getattr(request, "param_env", {})}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    import os
+
+    prefill = PeerProcess(
+        "--pages",
+        str(PAGES),
+        "--layers",
+        str(LAYERS),
+        "--item",
+        str(ITEM),
+        "--aux-slots",
+        str(AUX),
+        module="tests.sglang_rank",
+        env={**os.environ, **env},
+    )
+    pool = KVPool(PAGES, LAYERS, ITEM, AUX, shared=False)
+    try:
+        mgr = KVTransportKVManager(kv_args(pool), "decode", server_args(0))
+    except Exception:
+        prefill.close()
+        pool.close()
+        raise
+    try:
+        yield Ranks(prefill, mgr, pool, prefill.address)
+    finally:
+        prefill.close()
+        mgr.teardown()
+        pool.close()
+
+
+def _check_bytes(r: Ranks, src: list[int], dst: list[int]) -> None:
+    assert r.pool.page_digests(dst) == r.prefill.call("digests", pages=src)["digests"]
+
+
+def test_single_request_with_aux(ranks: Ranks) -> None:
+    rx = ranks.receiver(7)
+    assert _until(rx, {KVPoll.WaitingForInput}) == KVPoll.WaitingForInput
+    assert rx.mgr.endpoint.connections  # one connection to the prefill rank
+    dst, src = list(range(100, 140)), list(range(0, 40))
+    rx.send_metadata(np.array(dst, dtype=np.int32), aux_index=3)
+    out = ranks.prefill.call("send", requests=[{"room": 7, "chunks": [src], "aux": 11}])["states"]
+    assert out["7"][0] == "SUCCESS", out
+    assert out["7"][2] == 40 * LAYERS * ITEM + 64  # the transfer metric counts KV and aux bytes
+    assert _until(rx, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
+    _check_bytes(ranks, src, dst)
+    assert ranks.pool.aux_digest(3) == ranks.prefill.call("aux_digest", slot=11)["digest"]
+
+
+def test_sixty_four_concurrent_requests_chunked_with_aux(ranks: Ranks) -> None:
+    rng = np.random.default_rng(64)
+    free = rng.permutation(PAGES).tolist()
+    requests, receivers, expect = [], {}, {}
+    for room in range(1000, 1064):
+        n = int(rng.integers(1, 4))
+        dst, free = free[:n], free[n:]
+        src = rng.choice(PAGES, n, replace=False).tolist()
+        cut = sorted(rng.choice(range(1, n + 1), min(2, n), replace=False).tolist()) if n > 1 else [n]
+        chunks = [src[a:b] for a, b in zip([0, *cut], [*cut, n], strict=False) if b > a] or [src]
+        rx = ranks.receiver(room)
+        _until(rx, {KVPoll.WaitingForInput})
+        aux = room % AUX
+        rx.send_metadata(np.array(dst, dtype=np.int32), aux_index=aux)
+        receivers[room] = rx
+        expect[room] = (src, dst, aux, (room * 7) % AUX)
+        requests.append({"room": room, "chunks": chunks, "aux": (room * 7) % AUX})
+    out = ranks.prefill.call("send", requests=requests, timeout=90)["states"]
+    assert all(v[0] == "SUCCESS" for v in out.values()), out
+    for room, rx in receivers.items():
+        assert _until(rx, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
+        src, dst, _, _ = expect[room]
+        _check_bytes(ranks, src, dst)
+    # Aux slots are shared by rooms here (64 rooms, 16 slots): the last writer wins; check one
+    # room per slot that nobody overwrote after it.
+    last_room_per_slot = {expect[room][2]: room for room in sorted(expect)}
+    for slot, room in last_room_per_slot.items():
+        assert ranks.pool.aux_digest(slot) == ranks.prefill.call("aux_digest", slot=expect[room][3])["digest"]
+
+
+def test_abort_from_decode_reaches_prefill(ranks: Ranks) -> None:
+    rx = ranks.receiver(21)
+    _until(rx, {KVPoll.WaitingForInput})
+    rx.send_metadata(np.array([1, 2, 3], dtype=np.int32), aux_index=0)
+    rx.abort()
+    assert rx.poll() == KVPoll.Failed
+    with pytest.raises(KVTransferError, match="aborted by the decode scheduler"):
+        rx.failure_exception()
+    out = ranks.prefill.call("send", requests=[{"room": 21, "chunks": [[4, 5, 6]], "aux": 1}], timeout=10)["states"]
+    assert out["21"][0] == "FAILED" and "aborted by the decode scheduler" in out["21"][1], out
+
+
+def test_abort_from_prefill_reaches_decode(ranks: Ranks) -> None:
+    rx = ranks.receiver(22)
+    _until(rx, {KVPoll.WaitingForInput})
+    rx.send_metadata(np.array([1, 2, 3], dtype=np.int32), aux_index=0)
+    out = ranks.prefill.call("send", requests=[{"room": 22, "chunks": [[4, 5, 6]], "abort": True}], timeout=10)
+    assert out["states"]["22"][0] == "FAILED"
+    assert _until(rx, {KVPoll.Success, KVPoll.Failed}, 5) == KVPoll.Failed
+    with pytest.raises(KVTransferError, match=r"TransferAborted.*aborted by the prefill scheduler"):
+        rx.failure_exception()
+
+
+def test_prefill_killed_mid_transfer_fails_decode_with_peer_lost(ranks: Ranks) -> None:
+    rooms = list(range(30, 38))
+    receivers = {}
+    for i, room in enumerate(rooms):
+        rx = ranks.receiver(room)
+        _until(rx, {KVPoll.WaitingForInput})
+        rx.send_metadata(np.arange(i * 32, i * 32 + 32, dtype=np.int32), aux_index=0)
+        receivers[room] = rx
+    # The prefill scheduler starts every request but only one is given chunks before it dies.
+    ranks.prefill.call("send", requests=[{"room": rooms[0], "chunks": [list(range(16))]}], wait=False)
+    start = time.monotonic()
+    ranks.prefill.kill()
+    for rx in receivers.values():
+        assert _until(rx, {KVPoll.Success, KVPoll.Failed}, 10) == KVPoll.Failed
+    assert time.monotonic() - start < 6
+    with pytest.raises(KVTransferError, match="PeerLost"):
+        receivers[rooms[-1]].failure_exception()
+
+
+def test_decode_waiting_timeout(ranks: Ranks, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode rank announced its pages; the prefill never sends: Failed with a timeout
+    after KVTRANSPORT_WAITING_TIMEOUT (+ the transfer timeout on the receiving side)."""
+    monkeypatch.setenv("KVTRANSPORT_WAITING_TIMEOUT", "0.5")
+    monkeypatch.setenv("KVTRANSPORT_TRANSFER_TIMEOUT", "0.5")
+    pool = KVPool(PAGES, LAYERS, ITEM, AUX, shared=False)
+    mgr = KVTransportKVManager(kv_args(pool), "decode", server_args(0))
+    try:
+        rx = KVTransportKVReceiver(mgr, ranks.bootstrap, 40)
+        rx.init(0)
+        _until(rx, {KVPoll.WaitingForInput})
+        rx.send_metadata(np.array([5], dtype=np.int32), aux_index=0)
+        start = time.monotonic()
+        assert _until(rx, {KVPoll.Success, KVPoll.Failed}, 10) == KVPoll.Failed
+        assert 0.9 <= time.monotonic() - start < 5
+        with pytest.raises(KVTransferError, match="TransferTimeout"):
+            rx.failure_exception()
+    finally:
+        mgr.teardown()
+        pool.close()
+
+
+def test_different_tp_sizes_are_refused_clearly(ranks: Ranks) -> None:
+    pool = KVPool(PAGES, LAYERS, ITEM, AUX, shared=False)
+    mgr = KVTransportKVManager(kv_args(pool), "decode", server_args(0, tp_size=2))
+    try:
+        rx = KVTransportKVReceiver(mgr, ranks.bootstrap, 50)
+        rx.init(0)
+        assert rx.poll() == KVPoll.Failed
+        with pytest.raises(KVTransferError, match="prefill runs TP=1, this decode rank TP=2"):
+            rx.failure_exception()
+    finally:
+        mgr.teardown()
+        pool.close()
