@@ -245,4 +245,3 @@ def is_device_pointer(ptr: int) -> bool:
     lib.cuPointerGetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
     rc = lib.cuPointerGetAttribute(ctypes.byref(kind), CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr)
     return rc == CUDA_SUCCESS and kind.value == CU_MEMORYTYPE_DEVICE
-

@@ -26,7 +26,7 @@ from .registry import ENV_DRIVER
 log = logging.getLogger(__name__)
 
 #: Tie-break order when two drivers offer the same bandwidth; unknown names come after.
-BUILTIN_PREFERENCE = ("cuda-local", "mooncake-gdr", "nixl-ucx", "mooncake-staged")
+BUILTIN_PREFERENCE = ("cuda-local", "mooncake-gdr", "nixl-ucx", "mooncake-staged", "nixl-staged")
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,10 @@ from kvtransport.registry import Policy
 from kvtransport_cuda.local import CudaLocal
 from kvtransport_mooncake.gdr import MooncakeGDR
 from kvtransport_mooncake.staged import MooncakeStaged
+from kvtransport_nixl.staged import NixlStaged
 from kvtransport_nixl.ucx import NixlUCX
 
-FIRST_PARTY = {cls.name: cls for cls in (CudaLocal, MooncakeGDR, MooncakeStaged, NixlUCX)}
+FIRST_PARTY = {cls.name: cls for cls in (CudaLocal, MooncakeGDR, MooncakeStaged, NixlUCX, NixlStaged)}
 
 
 def host(host_id: str, *, gpus: int = 0, gdr: bool = False, rdma: bool = False) -> HostInfo:
@@ -75,6 +76,16 @@ def statuses(
         )
         out["mooncake-gdr"] = out["mooncake-staged"] = missing
     out["nixl-ucx"] = (
+        DriverStatus(
+            True,
+            "NIXL",
+            memory=("host", "cuda") if gpu else ("host",),
+            info={"backend": "UCX", "ucx_tls": ucx_tls},
+        )
+        if nixl
+        else DriverStatus(False, "engine not installed", fix="pip install kvtransport-nixl")
+    )
+    out["nixl-staged"] = (
         DriverStatus(
             True,
             "NIXL",

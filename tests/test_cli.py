@@ -66,7 +66,9 @@ def test_negotiate_forced_but_unusable_fails_with_the_reason() -> None:
 
 
 def test_negotiate_with_nothing_allowed_fails_listing_reasons() -> None:
-    out = run_cli("negotiate", env={"KVTRANSPORT_EXCLUDE": "cuda-local,mooncake-gdr,mooncake-staged,nixl-ucx"})
+    out = run_cli(
+        "negotiate", env={"KVTRANSPORT_EXCLUDE": "cuda-local,mooncake-gdr,mooncake-staged,nixl-staged,nixl-ucx"}
+    )
     assert out.returncode != 0
     assert "no driver can move KV" in out.stderr and "excluded by KVTRANSPORT_EXCLUDE" in out.stderr
 

@@ -1,6 +1,7 @@
-"""The conformance suite against ``mooncake-staged`` on the real engine, with host KV: the
+"""The conformance suite against the staged drivers on the real engines, with host KV: the
 whole staging pipeline (ring, credits, gather, wire, scatter) runs with the memcpy copy engine
-and Mooncake moves the chunks between two processes; every byte verified."""
+and Mooncake (``mooncake-staged``) or NIXL/UCX (``nixl-staged``) moves the chunks between two
+processes; every byte verified."""
 
 from __future__ import annotations
 
@@ -12,16 +13,19 @@ from kvtransport.testing.conformance import DriverUnderTest
 
 from .conftest import require_engines
 
+TINY = {"staging.ring_bytes": str(1 << 20), "staging.chunk_bytes": str(64 << 10)}
+
 
 @pytest.fixture(
     scope="module",
-    params=[{}, {"staging.ring_bytes": str(1 << 20), "staging.chunk_bytes": str(64 << 10)}],
-    ids=["default-ring", "tiny-ring"],
+    params=[("mooncake-staged", {}), ("mooncake-staged", TINY), ("nixl-staged", TINY)],
+    ids=["mooncake-default-ring", "mooncake-tiny-ring", "nixl-tiny-ring"],
 )
 def conformance_driver(request: pytest.FixtureRequest) -> DriverUnderTest:
-    """Once with the default 256 MiB ring, once with 8 slots of 64 KiB each way, so that 100
-    concurrent transfers and every multi-page one must stream through the ring on credits."""
+    """The default 256 MiB ring, and 8 slots of 64 KiB each way, so that 100 concurrent
+    transfers and every multi-page one must stream through the ring on credits."""
     require_engines()
-    status = load_driver("mooncake-staged").probe()
+    name, options = request.param
+    status = load_driver(name).probe()
     assert status.available and "host" in status.memory, status
-    return DriverUnderTest("mooncake-staged", options=dict(request.param))
+    return DriverUnderTest(name, options=dict(options))

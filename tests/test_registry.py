@@ -25,7 +25,7 @@ from kvtransport.registry import Policy, list_drivers, load_driver, unknown_env_
 
 from .conftest import run_cli
 
-FIRST_PARTY = {"cuda-local", "mooncake-gdr", "mooncake-staged", "nixl-ucx"}
+FIRST_PARTY = {"cuda-local", "mooncake-gdr", "mooncake-staged", "nixl-staged", "nixl-ucx"}
 
 
 def test_first_party_drivers_are_listed_from_their_own_distributions() -> None:
@@ -125,7 +125,7 @@ def test_unknown_driver_name_suggests_the_close_one() -> None:
         Policy.from_env({"KVTRANSPORT_DRIVER": "nixl-ucz"})
     text = str(info.value)
     assert "No such driver: 'nixl-ucz'. Did you mean 'nixl-ucx'?" in text
-    assert "Installed: cuda-local, mooncake-gdr, mooncake-staged, nixl-ucx" in text
+    assert "Installed: cuda-local, mooncake-gdr, mooncake-staged, nixl-staged, nixl-ucx" in text
     with pytest.raises(NoSuchDriver, match="KVTRANSPORT_EXCLUDE"):
         Policy.from_env({"KVTRANSPORT_EXCLUDE": "nixl-ucx,mooncake"})
 

@@ -3,8 +3,8 @@
 In-process tests wire two real pipelines together with a memcpy link and an in-order notice
 courier, to drive the credit logic hard (10,000 transfers, a slow receiver, aborts,
 disconnects, hostile notices). The two-process tests run the same pipeline inside
-``mooncake-staged`` over the real Mooncake engine, with a ring much smaller than the
-transfers, and check the bytes and that every ring slot comes back."""
+``mooncake-staged`` (real Mooncake) and ``nixl-staged`` (real NIXL/UCX), with a ring much
+smaller than the transfers, and check the bytes and that every ring slot comes back."""
 
 from __future__ import annotations
 
@@ -314,7 +314,11 @@ BIG_PAGES, BIG_LAYERS, BIG_ITEM = 128, 4, 64 << 10  # 32 MiB per side; the ring 
 RING = {"staging.ring_bytes": str(2 << 20), "staging.chunk_bytes": str(256 << 10)}  # 4 slots each way
 
 
+STAGED = ["mooncake-staged", "nixl-staged"]
+
+
 def _staged_pair(
+    driver: str,
     receiver_options: dict[str, str],
 ) -> tuple[Endpoint, KVPool, PeerProcess, Any]:
     pool = KVPool(BIG_PAGES, BIG_LAYERS, BIG_ITEM, 0, shared=False)
@@ -322,13 +326,13 @@ def _staged_pair(
     local = Endpoint(
         pool.regions,
         pool.layout,
-        drivers={"mooncake-staged": load_driver("mooncake-staged")},
+        drivers={driver: load_driver(driver)},
         name="prefill",
         driver_options=RING,
         timeouts=Timeouts(heartbeat_interval=0.2, heartbeat_timeout=2.0, transfer=30.0),
     )
     peer = PeerProcess(
-        *("--driver", "mooncake-staged", "--pages", str(BIG_PAGES), "--layers", str(BIG_LAYERS)),
+        *("--driver", driver, "--pages", str(BIG_PAGES), "--layers", str(BIG_LAYERS)),
         *("--item", str(BIG_ITEM), "--aux-slots", "0", "--private", "--name", "decode"),
         *("--options", json.dumps({**RING, **receiver_options})),
         *("--timeouts", json.dumps({"heartbeat_interval": 0.2, "heartbeat_timeout": 2.0})),
@@ -339,13 +343,16 @@ def _staged_pair(
 
 
 def _usage(local: Endpoint) -> dict[str, int]:
-    return local.drivers["mooncake-staged"].ring_usage()  # type: ignore[attr-defined,no-any-return]
+    (driver,) = local.drivers.values()
+    return driver.ring_usage()  # type: ignore[attr-defined,no-any-return]
 
 
 def _settled(local: Endpoint, peer: PeerProcess | None) -> None:
+    (name,) = local.drivers
+
     def quiet() -> bool:
         mine = _usage(local)
-        theirs = peer.call("ring_usage")["mooncake-staged"] if peer else {"outbound": 0, "granted": 0, "busy": 0}
+        theirs = peer.call("ring_usage")[name] if peer else {"outbound": 0, "granted": 0, "busy": 0}
         return all(u[k] == 0 for u in (mine, theirs) for k in ("outbound", "granted", "busy"))
 
     _wait(quiet, 10)
@@ -357,11 +364,12 @@ def staged_engines() -> None:
 
 
 @pytest.mark.usefixtures("staged_engines")
+@pytest.mark.parametrize("driver", STAGED)
 @pytest.mark.parametrize("delay", ["0", "0.01"])
-def test_real_mooncake_transfers_larger_than_the_ring_concurrently(delay: str) -> None:
-    """16 requests of 8 MiB each (128 MiB) through a 2 MiB ring, at once; the second run
-    slows the receiver (10 ms per chunk) so credits must hold the sender."""
-    local, pool, peer, conn = _staged_pair({"staging.scatter_delay": delay})
+def test_real_engine_transfers_larger_than_the_ring_concurrently(driver: str, delay: str) -> None:
+    """16 requests of 8 MiB each (128 MiB) through a 2 MiB ring, four at a time; the second
+    run slows the receiver (10 ms per chunk) so credits must hold the sender."""
+    local, pool, peer, conn = _staged_pair(driver, {"staging.scatter_delay": delay})
     try:
         rng = np.random.default_rng(3)
         transfers = {}
@@ -383,7 +391,7 @@ def test_real_mooncake_transfers_larger_than_the_ring_concurrently(delay: str) -
             assert all(v[0] == "SUCCESS" for v in states.values()), states
             for _t, (src, dst) in batch.items():
                 assert peer.call("digests", pages=dst)["digests"] == pool.page_digests(src)
-        usage = peer.call("ring_usage")["mooncake-staged"]
+        usage = peer.call("ring_usage")[driver]
         assert usage["peak_inbound"] <= usage["slots"] == 4
         _settled(local, peer)
     finally:
@@ -393,8 +401,9 @@ def test_real_mooncake_transfers_larger_than_the_ring_concurrently(delay: str) -
 
 
 @pytest.mark.usefixtures("staged_engines")
-def test_real_mooncake_abort_mid_stream_returns_both_rings() -> None:
-    local, pool, peer, conn = _staged_pair({"staging.scatter_delay": "0.01"})
+@pytest.mark.parametrize("driver", STAGED)
+def test_real_engine_abort_mid_stream_returns_both_rings(driver: str) -> None:
+    local, pool, peer, conn = _staged_pair(driver, {"staging.scatter_delay": "0.01"})
     try:
         pages = list(range(BIG_PAGES))
         peer.call("expect", transfers={"big": pages})
@@ -414,8 +423,9 @@ def test_real_mooncake_abort_mid_stream_returns_both_rings() -> None:
 
 
 @pytest.mark.usefixtures("staged_engines")
-def test_real_mooncake_receiver_killed_mid_stream() -> None:
-    local, pool, peer, conn = _staged_pair({"staging.scatter_delay": "0.01"})
+@pytest.mark.parametrize("driver", STAGED)
+def test_real_engine_receiver_killed_mid_stream(driver: str) -> None:
+    local, pool, peer, conn = _staged_pair(driver, {"staging.scatter_delay": "0.01"})
     try:
         pages = list(range(BIG_PAGES))
         peer.call("expect", transfers={"big": pages})

@@ -109,7 +109,8 @@ class NixlDataPath(KVTransport):
 
     # -- data path -----------------------------------------------------------------------------
 
-    def open(self, regions: RegionSet) -> bytes:
+    def _start_agent(self) -> str:
+        """Create this endpoint's agent and backend; returns the agent's name."""
         if self._agent is not None:
             raise DriverError(f"{self.name}: open() called twice")
         facts = probe_nixl()
@@ -129,6 +130,17 @@ class NixlDataPath(KVTransport):
             lambda: self._agent.create_backend(facts.backend, dict(facts.backend_params)),
             DriverUnavailable,
         )
+        return name
+
+    def _add_remote(self, meta: Any) -> str:
+        """Load a peer agent's metadata; returns the peer agent's name."""
+        if not isinstance(meta, bytes):
+            raise DriverError(f"{self.name}: the peer's connection info carries no NIXL agent metadata")
+        agent = self._call("loading the peer's agent metadata", lambda: self._agent.add_remote_agent(meta), DriverError)
+        return agent.decode() if isinstance(agent, bytes) else str(agent)
+
+    def open(self, regions: RegionSet) -> bytes:
+        name = self._start_agent()
         kind = regions.kv_kind
         descs = [(r.ptr, r.length, _device_id(r.kind), "") for r in regions.all()]
         self._registered = self._call(
@@ -155,8 +167,7 @@ class NixlDataPath(KVTransport):
             raise DriverError(
                 f"{self.name}: the peer registered {mem} memory but describes its KV as {peer_regions.kv_kind}"
             )
-        agent = self._call("loading the peer's agent metadata", lambda: self._agent.add_remote_agent(meta), DriverError)
-        self._peers[peer] = _Peer(agent.decode() if isinstance(agent, bytes) else str(agent), mem, device)
+        self._peers[peer] = _Peer(self._add_remote(meta), mem, device)
 
     def submit(self, peer: str, runs: Runs) -> int:
         target = self._peers.get(peer)

@@ -1,0 +1,255 @@
+"""``nixl-staged``: KV through the core's bounded host staging ring, with NIXL/UCX moving the
+chunks between rings.
+
+For device KV where UCX cannot move GPU memory well (a wheel without CUDA transports, no GDR),
+and the proof that :mod:`kvtransport.staging` works over any host-memory engine: the ring is
+private host memory registered with the NIXL agent as ``DRAM``; KV itself is never registered.
+For host KV the offer ranks below ``nixl-ucx`` (staging only adds two copies there).
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+from dataclasses import replace
+from typing import Any, ClassVar
+
+import msgpack
+import numpy as np
+
+from kvtransport.driver import (
+    DRIVER_API_VERSION,
+    Capabilities,
+    DriverContext,
+    DriverStatus,
+    Offer,
+    PeerView,
+    Rejection,
+    TransferPath,
+)
+from kvtransport.errors import DriverError, EngineError
+from kvtransport.memory import RegionSet
+from kvtransport.plan import Runs
+from kvtransport.probe import probe_host
+from kvtransport.staging import (
+    ENV_CHUNK_BYTES,
+    ENV_RING_BYTES,
+    OPT_SCATTER_DELAY,
+    CopyEngine,
+    MemcpyCopyEngine,
+    RingConfig,
+    StagingPipeline,
+)
+
+from .data_path import NixlDataPath
+from .engine_probe import ENV_VARS, probe_nixl
+from .ucx import _RDMA_TLS, _SHM_TLS, RDMA_GBPS, SHM_GBPS, TCP_GBPS, _pair_allows
+
+PCIE_GBPS = 20.0
+PIPELINE_EFFICIENCY = 0.8
+
+
+class NixlStaged(NixlDataPath):
+    name: ClassVar[str] = "nixl-staged"
+    api_version: ClassVar[int] = DRIVER_API_VERSION
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        reads=frozenset({"host", "cuda"}), writes=frozenset({"host", "cuda"}), two_sided=True
+    )
+    env_vars: ClassVar[tuple[str, ...]] = (*ENV_VARS, ENV_RING_BYTES, ENV_CHUNK_BYTES)
+    raw_engine: ClassVar[str] = "kvtransport_nixl.raw:RawNixl"
+
+    @classmethod
+    def probe(cls) -> DriverStatus:
+        facts = probe_nixl()
+        if not facts.status.available:
+            return facts.status
+        if "DRAM_SEG" not in facts.mem_types:
+            return replace(
+                facts.status, available=False, reason=f"the {facts.backend} backend cannot register host memory"
+            )
+        host = probe_host()
+        note = "" if host.cuda_devices else f"no CUDA device on this host ({host.cuda_note or 'none visible'})"
+        return replace(
+            facts.status,
+            memory=("host",) if note else ("host", "cuda"),
+            memory_notes={"cuda": note} if note else {},
+            info={"module": facts.module, "backend": facts.backend},
+        )
+
+    @classmethod
+    def offer(cls, local: PeerView, remote: PeerView) -> Offer | Rejection:
+        if local.status is None or remote.status is None:
+            return Rejection("not installed on both sides")
+        backends = {local.status.info.get("backend", "UCX"), remote.status.info.get("backend", "UCX")}
+        if len(backends) > 1:
+            return Rejection(f"NIXL backends differ between the peers: {', '.join(sorted(backends))}")
+        if local.host.host_id == remote.host.host_id and _pair_allows(local, remote, _SHM_TLS):
+            wire, via = SHM_GBPS, "UCX shared memory"
+        elif local.host.rdma_devices and remote.host.rdma_devices and _pair_allows(local, remote, _RDMA_TLS):
+            wire, via = RDMA_GBPS, "UCX over RDMA"
+        elif _pair_allows(local, remote, {"tcp"}):
+            wire, via = TCP_GBPS, "UCX over TCP"
+        else:
+            return Rejection("UCX_TLS on one side leaves no transport UCX could use for this pair")
+        if not (local.kv_memory.is_cuda or remote.kv_memory.is_cuda):
+            return Offer(
+                TransferPath.SHM if "shared" in via else TransferPath.TCP,
+                round(wire * PIPELINE_EFFICIENCY, 2),
+                f"host KV through staging rings, {via} (two extra copies; nixl-ucx writes it directly)",
+            )
+        gbps = round(min(PCIE_GBPS, wire) * PIPELINE_EFFICIENCY, 2)
+        return Offer(TransferPath.PCIE_STAGED, gbps, f"device->host ring->{via}->host ring->device")
+
+    # -- data path ---------------------------------------------------------------------------
+
+    def __init__(self, context: DriverContext) -> None:
+        super().__init__(context)
+        self._pipeline: StagingPipeline | None = None
+        self._ring_map: mmap.mmap | None = None
+        self._ring_view: Any = None
+        self._ring_reg: Any = None
+        self._remote: dict[str, str] = {}
+        # The pipeline's wire threads and the I/O thread share the agent; NIXL's default
+        # thread-sync mode (without a listener thread) is "none", so calls are serialised here.
+        self.agent_lock = threading.Lock()
+
+    @property
+    def pipeline(self) -> StagingPipeline:
+        if self._pipeline is None:
+            raise DriverError(f"{self.name}: used before open()")
+        return self._pipeline
+
+    def open(self, regions: RegionSet) -> bytes:
+        config = RingConfig.from_env(options=self.context.options)
+        name = self._start_agent()
+        self._ring_map = mmap.mmap(-1, config.ring_bytes)
+        self._ring_view = np.frombuffer(self._ring_map, dtype=np.uint8)
+        ring = int(self._ring_view.ctypes.data)
+        self._ring_reg = self._call(
+            f"registration of the {config.ring_bytes}-byte staging ring",
+            lambda: self._agent.register_memory([(ring, config.ring_bytes, 0, "")], "DRAM"),
+        )
+        copy = self._copy_engine(regions, ring, config.ring_bytes)
+        delay = float(self.context.options.get(OPT_SCATTER_DELAY, "0") or 0)
+        self._pipeline = StagingPipeline(
+            self.name, ring, config, copy, self.context.send_notice, regions, scatter_delay=delay
+        )
+        meta = self._call("metadata export", self._agent.get_agent_metadata)
+        info = msgpack.packb({"agent": name, "meta": meta, "ring": self._pipeline.describe()})
+        assert isinstance(info, bytes)
+        return info
+
+    @staticmethod
+    def _copy_engine(regions: RegionSet, ring: int, size: int) -> CopyEngine:
+        if regions.kv_kind.device is None:
+            return MemcpyCopyEngine()
+        from kvtransport.cuda_copy import CudaCopyEngine
+
+        cuda = CudaCopyEngine(regions.kv_kind.device)
+        cuda.pin(ring, size)
+        return cuda
+
+    def connect(self, peer: str, info: bytes, peer_regions: RegionSet) -> None:
+        try:
+            doc = msgpack.unpackb(info)
+            meta, ring = doc["meta"], dict(doc["ring"])
+        except Exception as exc:
+            raise DriverError(f"{self.name}: the peer's connection info is not a staged NIXL export: {exc}") from exc
+        with self.agent_lock:
+            remote = self._add_remote(meta)
+        self._remote[peer] = remote
+        self.pipeline.connect(peer, ring, _NixlLink(self, remote))
+
+    def submit(self, peer: str, runs: Runs) -> int:
+        return self.pipeline.submit(peer, runs)
+
+    def poll(self, handle: int) -> bool:
+        return self.pipeline.poll(handle)
+
+    def abort(self, handle: int) -> None:
+        self.pipeline.abort(handle)
+
+    def on_notice(self, peer: str, payload: bytes) -> None:
+        self.pipeline.on_notice(peer, payload)
+
+    def inbound_idle(self, peer: str) -> bool:
+        return self.pipeline.inbound_idle(peer)
+
+    def ring_usage(self) -> dict[str, int]:
+        usage = self.pipeline.usage()
+        return {
+            "outbound": usage.outbound,
+            "granted": usage.granted,
+            "busy": usage.busy,
+            "slots": self.pipeline.config.slots,
+            "peak_inbound": self.pipeline.peak_inbound,
+        }
+
+    def disconnect(self, peer: str) -> None:
+        if self._pipeline is not None:
+            self._pipeline.disconnect(peer)
+        remote = self._remote.pop(peer, None)
+        if remote is not None and self._agent is not None:
+            with self.agent_lock:
+                try:
+                    self._agent.remove_remote_agent(remote)
+                except Exception:  # noqa: BLE001 - the peer may be gone already
+                    pass
+
+    def close(self) -> None:
+        if self._agent is None:
+            return
+        if self._pipeline is not None:
+            self._pipeline.close()  # joins the stages: nothing touches the ring after this
+            self._pipeline = None
+        for peer in list(self._remote):
+            self.disconnect(peer)
+        with self.agent_lock:
+            if self._ring_reg is not None:
+                try:
+                    self._agent.deregister_memory(self._ring_reg)
+                except Exception:  # noqa: BLE001
+                    pass
+            self._agent = None
+        self._ring_view = None
+        if self._ring_map is not None:
+            try:
+                self._ring_map.close()
+            except BufferError:  # a view is still alive; the OS unmaps it at exit
+                pass
+            self._ring_map = None
+
+
+class _NixlLink:
+    """One chunk per NIXL WRITE; completion read from the transfer state."""
+
+    def __init__(self, driver: NixlStaged, remote: str) -> None:
+        self.driver, self.remote = driver, remote
+
+    def post(self, local: int, remote: int, length: int) -> Any:
+        d = self.driver
+        with d.agent_lock:
+            agent = d._agent
+            if agent is None:
+                raise EngineError(f"{d.name}: closed")
+            src = agent.get_xfer_descs([(local, length, 0)], "DRAM")
+            dst = agent.get_xfer_descs([(remote, length, 0)], "DRAM")
+            handle = agent.initialize_xfer("WRITE", src, dst, self.remote)
+            if agent.transfer(handle) == "ERR":
+                agent.release_xfer_handle(handle)
+                raise EngineError(f"{d.name}: NIXL refused a {length}-byte WRITE to {self.remote}")
+        return handle
+
+    def check(self, handle: Any) -> bool:
+        d = self.driver
+        with d.agent_lock:
+            agent = d._agent
+            if agent is None:
+                raise EngineError(f"{d.name}: closed")
+            state = agent.check_xfer_state(handle)
+            if state == "PROC":
+                return False
+            agent.release_xfer_handle(handle)
+        if state != "DONE":
+            raise EngineError(f"{d.name}: NIXL reported an error for a chunk WRITE to {self.remote}")
+        return True
