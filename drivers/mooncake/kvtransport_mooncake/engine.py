@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +26,8 @@ DEFAULT_RPC_PORTS = (15000, 17000)
 #: Descriptors per engine batch. Mooncake 0.3.x over TCP rejects a whole batch once it holds
 #: more than about 2,000-4,000 descriptors (measured: 2,048 x 32 KiB pass, 4,096 fail).
 DEFAULT_MAX_BATCH = 1024
+#: Sleep between completion checks of posted requests.
+POLL_S = 0.0002
 
 
 def max_batch() -> int:
@@ -118,19 +121,33 @@ class Engine:
             )
         self._registered.extend(p for p, _ in fresh)
 
-    def write(self, session: str, src: list[int], dst: list[int], lengths: list[int]) -> None:
-        """Write every descriptor, in engine batches of at most ``max_batch``; blocks."""
-        step = self.max_batch
-        for i in range(0, len(src), step):
-            rc = self.engine.batch_transfer_sync_write(
-                session, src[i : i + step], dst[i : i + step], lengths[i : i + step]
-            )
-            if rc != 0:
-                raise EngineError(
-                    f"{self.driver}: Mooncake batch write of {len(src[i : i + step])} descriptors "
-                    f"({sum(lengths[i : i + step])} bytes) to {session} failed with {rc} over {self.protocol}; "
-                    "the engine's log (stderr) has the cause"
-                )
+    def write_polled(self, session: str, src: list[int], dst: list[int], lengths: list[int], window: int) -> None:
+        """Write every descriptor as its own request, at most ``window`` in flight, polling
+        completion with short sleeps; blocks until all are written, raises on the first failure.
+
+        Same result as :meth:`write`, without Mooncake's spinning wait (a core per waiting
+        caller) and without batch-size limits."""
+        pending: list[int] = []
+        i = 0
+        try:
+            while i < len(src) or pending:
+                while i < len(src) and len(pending) < window:
+                    pending.append(self.post(session, src[i], dst[i], lengths[i]))
+                    i += 1
+                still = [b for b in pending if not self.check(b)]
+                if len(still) == len(pending):
+                    time.sleep(POLL_S)
+                pending = still
+        finally:
+            for b in pending:  # drain what was posted before a failure, never leave it running
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    try:
+                        if self.check(b):
+                            break
+                    except EngineError:
+                        break
+                    time.sleep(POLL_S)
 
     def post(self, session: str, src: int, dst: int, length: int) -> int:
         """Start one write and return its batch id; never waits."""
