@@ -41,7 +41,8 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
-from .errors import ConfigError, EngineError, KVTransportError, PeerLost, ProtocolError, TransferAborted
+from .driver import KVTransport
+from .errors import ConfigError, DriverError, EngineError, KVTransportError, PeerLost, ProtocolError, TransferAborted
 from .memory import RegionSet
 from .plan import Runs, check_runs_within
 
@@ -649,3 +650,69 @@ class StagingPipeline:
             self._notify(peer, data)
         except Exception as exc:  # noqa: BLE001 - the peer is going; disconnect cleans up
             log.debug("%s: notice to %s not sent: %s", self.name, peer, exc)
+
+
+# --- what every staged driver shares ---------------------------------------------------------
+
+
+class StagedTransport(KVTransport):
+    """Base of a staged driver: the pipeline's half of the SPI. A subclass allocates a ring its
+    engine can write, calls :meth:`start_pipeline`, and connects peers with a :class:`WireLink`;
+    ``submit``, ``poll``, ``abort``, ``on_notice`` and ``inbound_idle`` are the pipeline's."""
+
+    _pipeline: StagingPipeline | None = None
+
+    @property
+    def pipeline(self) -> StagingPipeline:
+        if self._pipeline is None:
+            raise DriverError(f"{self.name}: used before open()")
+        return self._pipeline
+
+    def start_pipeline(self, ring_ptr: int, config: RingConfig, regions: RegionSet) -> StagingPipeline:
+        """The pipeline over ``ring_ptr``, with the copy engine ``regions`` need (CUDA streams
+        for device KV, the ring page-locked; memcpy for host KV)."""
+        copy: CopyEngine
+        if regions.kv_kind.device is None:
+            copy = MemcpyCopyEngine()
+        else:
+            from .cuda_copy import CudaCopyEngine
+
+            cuda = CudaCopyEngine(regions.kv_kind.device)
+            cuda.pin(ring_ptr, config.ring_bytes)
+            copy = cuda
+        delay = float(self.context.options.get(OPT_SCATTER_DELAY, "0") or 0)
+        self._pipeline = StagingPipeline(
+            self.name, ring_ptr, config, copy, self.context.send_notice, regions, scatter_delay=delay
+        )
+        return self._pipeline
+
+    def stop_pipeline(self) -> None:
+        if self._pipeline is not None:
+            self._pipeline.close()
+            self._pipeline = None
+
+    def submit(self, peer: str, runs: Runs) -> int:
+        return self.pipeline.submit(peer, runs)
+
+    def poll(self, handle: int) -> bool:
+        return self.pipeline.poll(handle)
+
+    def abort(self, handle: int) -> None:
+        self.pipeline.abort(handle)
+
+    def on_notice(self, peer: str, payload: bytes) -> None:
+        self.pipeline.on_notice(peer, payload)
+
+    def inbound_idle(self, peer: str) -> bool:
+        return self.pipeline.inbound_idle(peer)
+
+    def ring_usage(self) -> dict[str, int]:
+        """Slots in use (outbound, granted, busy) and the inbound peak, for tests and diagnosis."""
+        usage = self.pipeline.usage()
+        return {
+            "outbound": usage.outbound,
+            "granted": usage.granted,
+            "busy": usage.busy,
+            "slots": self.pipeline.config.slots,
+            "peak_inbound": self.pipeline.peak_inbound,
+        }

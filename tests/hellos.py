@@ -75,17 +75,8 @@ def statuses(
             fix="pip install 'kvtransport-mooncake[cpu]'",
         )
         out["mooncake-gdr"] = out["mooncake-staged"] = missing
-    out["nixl-ucx"] = (
-        DriverStatus(
-            True,
-            "NIXL",
-            memory=("host", "cuda") if gpu else ("host",),
-            info={"backend": "UCX", "ucx_tls": ucx_tls},
-        )
-        if nixl
-        else DriverStatus(False, "engine not installed", fix="pip install kvtransport-nixl")
-    )
-    out["nixl-staged"] = (
+    # nixl-staged reports what nixl-ucx reports: both are the NIXL probe on this host.
+    out["nixl-ucx"] = out["nixl-staged"] = (
         DriverStatus(
             True,
             "NIXL",

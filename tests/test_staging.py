@@ -22,7 +22,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtransport.endpoint import Endpoint, State, Timeouts
+from kvtransport.endpoint import Endpoint, State, Timeouts, Transfer
 from kvtransport.errors import ConfigError, EngineError, PeerLost, ProtocolError, TransferAborted
 from kvtransport.memory import RegionSet
 from kvtransport.plan import Runs, plan
@@ -400,18 +400,25 @@ def test_real_engine_transfers_larger_than_the_ring_concurrently(driver: str, de
         pool.close()
 
 
+def _big_transfer_in_flight(driver: str) -> tuple[Endpoint, KVPool, PeerProcess, Transfer]:
+    """32 MiB streaming through the 2 MiB ring to a receiver slowed to 10 ms per chunk: it is
+    still in flight for over a second."""
+    local, pool, peer, conn = _staged_pair(driver, {"staging.scatter_delay": "0.01"})
+    pages = list(range(BIG_PAGES))
+    peer.call("expect", transfers={"big": pages})
+    t = conn.sender("big")
+    while t.state is State.BOOTSTRAPPING:
+        time.sleep(0.001)
+    t.send(pages)
+    time.sleep(0.2)
+    return local, pool, peer, t
+
+
 @pytest.mark.usefixtures("staged_engines")
 @pytest.mark.parametrize("driver", STAGED)
 def test_real_engine_abort_mid_stream_returns_both_rings(driver: str) -> None:
-    local, pool, peer, conn = _staged_pair(driver, {"staging.scatter_delay": "0.01"})
+    local, pool, peer, t = _big_transfer_in_flight(driver)
     try:
-        pages = list(range(BIG_PAGES))
-        peer.call("expect", transfers={"big": pages})
-        t = conn.sender("big")
-        while t.state is State.BOOTSTRAPPING:
-            time.sleep(0.001)
-        t.send(pages)  # 32 MiB at 10 ms per 256 KiB chunk: over a second
-        time.sleep(0.2)
         t.abort("preempted")
         state = peer.call("wait", tags=["big"], timeout=5)["states"]["big"]
         assert state[0] == "FAILED" and "preempted" in state[2]
@@ -425,15 +432,8 @@ def test_real_engine_abort_mid_stream_returns_both_rings(driver: str) -> None:
 @pytest.mark.usefixtures("staged_engines")
 @pytest.mark.parametrize("driver", STAGED)
 def test_real_engine_receiver_killed_mid_stream(driver: str) -> None:
-    local, pool, peer, conn = _staged_pair(driver, {"staging.scatter_delay": "0.01"})
+    local, pool, peer, t = _big_transfer_in_flight(driver)
     try:
-        pages = list(range(BIG_PAGES))
-        peer.call("expect", transfers={"big": pages})
-        t = conn.sender("big")
-        while t.state is State.BOOTSTRAPPING:
-            time.sleep(0.001)
-        t.send(pages)
-        time.sleep(0.2)
         peer.kill()
         with pytest.raises((PeerLost, EngineError)):
             t.wait(10)

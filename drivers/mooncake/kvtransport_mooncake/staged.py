@@ -20,7 +20,6 @@ from kvtransport.driver import (
     Capabilities,
     DriverContext,
     DriverStatus,
-    KVTransport,
     Offer,
     PeerView,
     Rejection,
@@ -28,17 +27,8 @@ from kvtransport.driver import (
 )
 from kvtransport.errors import DriverError, EngineError, KVTransportError
 from kvtransport.memory import RegionSet
-from kvtransport.plan import Runs
 from kvtransport.probe import probe_host
-from kvtransport.staging import (
-    ENV_CHUNK_BYTES,
-    ENV_RING_BYTES,
-    OPT_SCATTER_DELAY,
-    CopyEngine,
-    MemcpyCopyEngine,
-    RingConfig,
-    StagingPipeline,
-)
+from kvtransport.staging import ENV_CHUNK_BYTES, ENV_RING_BYTES, RingConfig, StagedTransport
 
 from .base import protocol_mismatch
 from .engine import Engine
@@ -53,7 +43,7 @@ PCIE_GBPS = 20.0
 PIPELINE_EFFICIENCY = 0.8
 
 
-class MooncakeStaged(KVTransport):
+class MooncakeStaged(StagedTransport):
     name: ClassVar[str] = "mooncake-staged"
     api_version: ClassVar[int] = DRIVER_API_VERSION
     capabilities: ClassVar[Capabilities] = Capabilities(
@@ -103,15 +93,8 @@ class MooncakeStaged(KVTransport):
     def __init__(self, context: DriverContext) -> None:
         super().__init__(context)
         self._engine: Engine | None = None
-        self._pipeline: StagingPipeline | None = None
         self._ring = (0, 0)
         self._sessions: dict[str, str] = {}
-
-    @property
-    def pipeline(self) -> StagingPipeline:
-        if self._pipeline is None:
-            raise DriverError(f"{self.name}: used before open()")
-        return self._pipeline
 
     def open(self, regions: RegionSet) -> bytes:
         if self._engine is not None:
@@ -126,33 +109,18 @@ class MooncakeStaged(KVTransport):
                     f"(allocate_managed_buffer returned 0); lower {ENV_RING_BYTES}"
                 )
             self._ring = (ring, config.ring_bytes)
-            copy = self._copy_engine(regions, ring, config.ring_bytes)
         except KVTransportError:
             if self._ring[0]:
                 engine.engine.free_managed_buffer(*self._ring)
             engine.close()
             raise
         self._engine = engine
-        delay = float(self.context.options.get(OPT_SCATTER_DELAY, "0") or 0)
-        self._pipeline = StagingPipeline(
-            self.name, ring, config, copy, self.context.send_notice, regions, scatter_delay=delay
-        )
+        self.start_pipeline(ring, config, regions)
         info = msgpack.packb(
             {"session": engine.session, "protocol": engine.protocol, "ring": self._pipeline.describe()}
         )
         assert isinstance(info, bytes)
         return info
-
-    @staticmethod
-    def _copy_engine(regions: RegionSet, ring: int, size: int) -> CopyEngine:
-        kind = regions.kv_kind
-        if kind.device is None:
-            return MemcpyCopyEngine()
-        from kvtransport.cuda_copy import CudaCopyEngine
-
-        cuda = CudaCopyEngine(kind.device)
-        cuda.pin(ring, size)
-        return cuda
 
     def connect(self, peer: str, info: bytes, peer_regions: RegionSet) -> None:
         engine = self._engine
@@ -171,32 +139,6 @@ class MooncakeStaged(KVTransport):
         self.pipeline.connect(peer, ring, _MooncakeLink(engine, session))
         self._sessions[peer] = session
 
-    def ring_usage(self) -> dict[str, int]:
-        """Slots in use (outbound, granted, busy) and the inbound peak, for tests and diagnosis."""
-        usage = self.pipeline.usage()
-        return {
-            "outbound": usage.outbound,
-            "granted": usage.granted,
-            "busy": usage.busy,
-            "slots": self.pipeline.config.slots,
-            "peak_inbound": self.pipeline.peak_inbound,
-        }
-
-    def submit(self, peer: str, runs: Runs) -> int:
-        return self.pipeline.submit(peer, runs)
-
-    def poll(self, handle: int) -> bool:
-        return self.pipeline.poll(handle)
-
-    def abort(self, handle: int) -> None:
-        self.pipeline.abort(handle)
-
-    def on_notice(self, peer: str, payload: bytes) -> None:
-        self.pipeline.on_notice(peer, payload)
-
-    def inbound_idle(self, peer: str) -> bool:
-        return self.pipeline.inbound_idle(peer)
-
     def disconnect(self, peer: str) -> None:
         self._sessions.pop(peer, None)
         if self._pipeline is not None:
@@ -205,9 +147,7 @@ class MooncakeStaged(KVTransport):
     def close(self) -> None:
         if self._engine is None:
             return
-        if self._pipeline is not None:
-            self._pipeline.close()
-            self._pipeline = None
+        self.stop_pipeline()  # joins the stages: nothing touches the ring after this
         try:
             self._engine.engine.free_managed_buffer(*self._ring)
         except Exception as exc:  # noqa: BLE001 - best effort at shutdown

@@ -29,17 +29,8 @@ from kvtransport.driver import (
 )
 from kvtransport.errors import DriverError, EngineError
 from kvtransport.memory import RegionSet
-from kvtransport.plan import Runs
 from kvtransport.probe import probe_host
-from kvtransport.staging import (
-    ENV_CHUNK_BYTES,
-    ENV_RING_BYTES,
-    OPT_SCATTER_DELAY,
-    CopyEngine,
-    MemcpyCopyEngine,
-    RingConfig,
-    StagingPipeline,
-)
+from kvtransport.staging import ENV_CHUNK_BYTES, ENV_RING_BYTES, RingConfig, StagedTransport
 
 from .data_path import NixlDataPath
 from .engine_probe import ENV_VARS, probe_nixl
@@ -49,7 +40,7 @@ PCIE_GBPS = 20.0
 PIPELINE_EFFICIENCY = 0.8
 
 
-class NixlStaged(NixlDataPath):
+class NixlStaged(StagedTransport, NixlDataPath):
     name: ClassVar[str] = "nixl-staged"
     api_version: ClassVar[int] = DRIVER_API_VERSION
     capabilities: ClassVar[Capabilities] = Capabilities(
@@ -104,7 +95,6 @@ class NixlStaged(NixlDataPath):
 
     def __init__(self, context: DriverContext) -> None:
         super().__init__(context)
-        self._pipeline: StagingPipeline | None = None
         self._ring_map: mmap.mmap | None = None
         self._ring_view: Any = None
         self._ring_reg: Any = None
@@ -112,12 +102,6 @@ class NixlStaged(NixlDataPath):
         # The pipeline's wire threads and the I/O thread share the agent; NIXL's default
         # thread-sync mode (without a listener thread) is "none", so calls are serialised here.
         self.agent_lock = threading.Lock()
-
-    @property
-    def pipeline(self) -> StagingPipeline:
-        if self._pipeline is None:
-            raise DriverError(f"{self.name}: used before open()")
-        return self._pipeline
 
     def open(self, regions: RegionSet) -> bytes:
         config = RingConfig.from_env(options=self.context.options)
@@ -129,25 +113,11 @@ class NixlStaged(NixlDataPath):
             f"registration of the {config.ring_bytes}-byte staging ring",
             lambda: self._agent.register_memory([(ring, config.ring_bytes, 0, "")], "DRAM"),
         )
-        copy = self._copy_engine(regions, ring, config.ring_bytes)
-        delay = float(self.context.options.get(OPT_SCATTER_DELAY, "0") or 0)
-        self._pipeline = StagingPipeline(
-            self.name, ring, config, copy, self.context.send_notice, regions, scatter_delay=delay
-        )
+        pipeline = self.start_pipeline(ring, config, regions)
         meta = self._call("metadata export", self._agent.get_agent_metadata)
-        info = msgpack.packb({"agent": name, "meta": meta, "ring": self._pipeline.describe()})
+        info = msgpack.packb({"agent": name, "meta": meta, "ring": pipeline.describe()})
         assert isinstance(info, bytes)
         return info
-
-    @staticmethod
-    def _copy_engine(regions: RegionSet, ring: int, size: int) -> CopyEngine:
-        if regions.kv_kind.device is None:
-            return MemcpyCopyEngine()
-        from kvtransport.cuda_copy import CudaCopyEngine
-
-        cuda = CudaCopyEngine(regions.kv_kind.device)
-        cuda.pin(ring, size)
-        return cuda
 
     def connect(self, peer: str, info: bytes, peer_regions: RegionSet) -> None:
         try:
@@ -159,31 +129,6 @@ class NixlStaged(NixlDataPath):
             remote = self._add_remote(meta)
         self._remote[peer] = remote
         self.pipeline.connect(peer, ring, _NixlLink(self, remote))
-
-    def submit(self, peer: str, runs: Runs) -> int:
-        return self.pipeline.submit(peer, runs)
-
-    def poll(self, handle: int) -> bool:
-        return self.pipeline.poll(handle)
-
-    def abort(self, handle: int) -> None:
-        self.pipeline.abort(handle)
-
-    def on_notice(self, peer: str, payload: bytes) -> None:
-        self.pipeline.on_notice(peer, payload)
-
-    def inbound_idle(self, peer: str) -> bool:
-        return self.pipeline.inbound_idle(peer)
-
-    def ring_usage(self) -> dict[str, int]:
-        usage = self.pipeline.usage()
-        return {
-            "outbound": usage.outbound,
-            "granted": usage.granted,
-            "busy": usage.busy,
-            "slots": self.pipeline.config.slots,
-            "peak_inbound": self.pipeline.peak_inbound,
-        }
 
     def disconnect(self, peer: str) -> None:
         if self._pipeline is not None:
@@ -199,9 +144,7 @@ class NixlStaged(NixlDataPath):
     def close(self) -> None:
         if self._agent is None:
             return
-        if self._pipeline is not None:
-            self._pipeline.close()  # joins the stages: nothing touches the ring after this
-            self._pipeline = None
+        self.stop_pipeline()  # joins the stages: nothing touches the ring after this
         for peer in list(self._remote):
             self.disconnect(peer)
         with self.agent_lock:
