@@ -9,6 +9,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+# These machines are shared and noisy: a slow example generation is not a failure of the code
+# under test, and timing is never what a property test asserts.
+settings.register_profile("kvtransport", suppress_health_check=[HealthCheck.too_slow], deadline=None)
+settings.load_profile("kvtransport")
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGINS = Path(__file__).resolve().parent / "plugins"
