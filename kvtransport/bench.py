@@ -102,6 +102,8 @@ class Sample:
     raw_s: float = 0.0
     ok: bool = False
     raw_ok: bool | None = None
+    compare_s: float = 0.0
+    compare_ok: bool | None = None
 
 
 @dataclass
@@ -114,10 +116,12 @@ class Report:
     rejected: dict[str, str]
     raw_engine: bool
     samples: list[Sample] = field(default_factory=list)
+    #: A second kvtransport driver measured on the same requests (``--compare``).
+    compare: str | None = None
 
     @property
     def integrity_ok(self) -> bool:
-        return bool(self.samples) and all(s.ok and s.raw_ok is not False for s in self.samples)
+        return bool(self.samples) and all(_sample_ok(s) for s in self.samples)
 
     def _gbps(self, seconds: float) -> float:
         return self.workload.request_bytes / seconds / 1e9 if seconds > 0 else 0.0
@@ -139,6 +143,11 @@ class Report:
             "end_to_end": stats([s.end_to_end_s for s in self.samples]),
             "sender": stats([s.sender_s for s in self.samples]),
         }
+        if self.compare:
+            out["compare"] = stats([s.compare_s for s in self.samples])
+            other = out["compare"].get("median_gbps", 0.0)
+            if other:
+                out["ratio_compare"] = round(out["end_to_end"]["median_gbps"] / other, 3)
         if self.raw_engine:
             out["raw"] = stats([s.raw_s for s in self.samples])
             raw = out["raw"].get("median_gbps", 0.0)
@@ -151,6 +160,7 @@ class Report:
         return {
             "workload": asdict(self.workload) | {"request_bytes": self.workload.request_bytes},
             "driver": self.driver,
+            "compare": self.compare,
             "path": self.path,
             "estimate_gbps": self.estimate_gbps,
             "reason": self.reason,
@@ -160,6 +170,7 @@ class Report:
                 "ok": self.integrity_ok,
                 "requests_verified": sum(s.ok for s in self.samples),
                 "raw_requests_verified": sum(bool(s.raw_ok) for s in self.samples),
+                "compare_requests_verified": sum(bool(s.compare_ok) for s in self.samples),
                 "bytes_verified": sum(s.ok for s in self.samples) * self.workload.request_bytes,
             },
             "requests": [asdict(s) for s in self.samples],
@@ -179,6 +190,12 @@ class Report:
 
         lines.append(row("end-to-end", f["end_to_end"]) + "   (send() -> decode Success)")
         lines.append(row("sender", f["sender"]) + "   (send() -> prefill Success)")
+        if "compare" in f:
+            lines.append(row(str(self.compare)[:11], f["compare"]) + "   (end-to-end, same requests)")
+            if "ratio_compare" in f:
+                lines.append(
+                    f"  ratio       {f['ratio_compare']:.2f}x end-to-end ({self.driver} / {self.compare}, medians)"
+                )
         if "raw" in f:
             lines.append(row("raw engine", f["raw"]) + "   (same descriptors, engine API directly)")
             if "ratio_end_to_end" in f:
@@ -195,6 +212,8 @@ class Report:
         raw_note = ""
         if self.raw_engine:
             raw_note = f"; raw engine {sum(bool(s.raw_ok) for s in self.samples)}/{len(self.samples)}"
+        if self.compare:
+            raw_note += f"; {self.compare} {sum(bool(s.compare_ok) for s in self.samples)}/{len(self.samples)}"
         lines.append(
             f"  integrity   {'OK' if self.integrity_ok else 'FAILED'}: {verified}/{len(self.samples)} requests, "
             f"{total_gib:.2f} GiB checked page by page (crc32 on both ends){raw_note}"
@@ -241,27 +260,17 @@ def run(
     baseline: bool = True,
     progress: TextIO | None = None,
     timeout: float = 120.0,
+    compare: str | None = None,
 ) -> Report:
     """Run the bench; raises a :class:`KVTransportError` when no driver can serve the pair."""
     pool = KVPool(workload.pool_pages, workload.regions, workload.item_len, 0, shared=False, device=workload.device)
     bar = Progress(workload.requests, progress)
     bar.note(f"filling {workload.pool_pages * workload.item_len * workload.regions / MiB:.0f} MiB of prefill KV")
     pool.fill(workload.seed)
-    endpoint = Endpoint(pool.regions, pool.layout, drivers=_classes(driver), name="prefill")
-    peer: PeerProcess | None = None
+    pairs: list[tuple[Endpoint, PeerProcess | None]] = []
     raw: RawEngine | None = None
     try:
-        peer = PeerProcess(
-            *("--driver", driver or "auto", "--pages", str(workload.pool_pages), "--layers", str(workload.regions)),
-            *("--item", str(workload.item_len), "--aux-slots", "0", "--private", "--name", "decode"),
-            *(("--device", str(workload.device)) if workload.device is not None else ()),
-            timeout=timeout,
-        )
-        try:
-            peer.call("connect", address=endpoint.address, timeout=timeout)
-        except RuntimeError as exc:
-            raise NegotiationError(f"decode side could not connect: {exc}") from None
-        conn = endpoint.accept(timeout)
+        endpoint, peer, conn = _open_pair(pool, workload, driver, timeout, pairs)
         assert conn.decision is not None and conn.peer_regions is not None
         decision = conn.decision
         report = Report(
@@ -272,7 +281,9 @@ def run(
             decision.reason,
             {c.driver: c.reason for c in decision.candidates if c.outcome != "chosen"},
             raw_engine=False,
+            compare=compare,
         )
+        other = _open_pair(pool, workload, compare, timeout, pairs) if compare else None
         # Raw engines are compared on host KV; device KV is measured against copy bandwidths by
         # scripts/gpu-check instead (a raw engine may not register device memory at all).
         raw_cls = raw_engine_of(endpoint.classes[decision.driver]) if baseline and workload.device is None else None
@@ -287,14 +298,18 @@ def run(
             runs = plan(pool.regions.kv, conn.peer_regions.kv, src, dst, max_run_bytes=endpoint.max_run_bytes)
             sample = Sample(i, len(runs))
             expected = pool.page_digests(src)
-            order = ["kvtransport", "raw"] if i % 2 == 0 else ["raw", "kvtransport"]
-            for which in order:
+            order = ["kvtransport", "compare", "raw"]
+            for which in order if i % 2 == 0 else order[::-1]:
                 if which == "kvtransport":
                     _via_kvtransport(sample, conn, peer, src, dst, expected, timeout)
-                elif raw is not None:
+                elif which == "compare" and other is not None:
+                    probe = Sample(i, len(runs))
+                    _via_kvtransport(probe, other[2], other[1], src, dst, expected, timeout)
+                    sample.compare_s, sample.compare_ok = probe.end_to_end_s, probe.ok
+                elif which == "raw" and raw is not None:
                     _via_raw(sample, raw, runs, peer, dst, expected, timeout)
             if i < 0:
-                if not (sample.ok and sample.raw_ok is not False):
+                if not _sample_ok(sample):
                     report.samples.append(sample)  # a corrupted warm-up fails the run too
                 continue
             report.samples.append(sample)
@@ -303,10 +318,39 @@ def run(
     finally:
         if raw is not None:
             raw.close()
-        if peer is not None:
-            peer.close()
-        endpoint.close()
+        for ep, peer_process in pairs:
+            if peer_process is not None:
+                peer_process.close()
+            ep.close()
         pool.close()
+
+
+def _sample_ok(s: Sample) -> bool:
+    return s.ok and s.raw_ok is not False and s.compare_ok is not False
+
+
+def _open_pair(
+    pool: KVPool,
+    workload: Workload,
+    driver: str | None,
+    timeout: float,
+    opened: list[tuple[Endpoint, PeerProcess | None]],
+) -> tuple[Endpoint, PeerProcess, Connection]:
+    """A prefill endpoint over ``pool`` and a decode endpoint in a child process, connected."""
+    endpoint = Endpoint(pool.regions, pool.layout, drivers=_classes(driver), name="prefill")
+    opened.append((endpoint, None))
+    peer = PeerProcess(
+        *("--driver", driver or "auto", "--pages", str(workload.pool_pages), "--layers", str(workload.regions)),
+        *("--item", str(workload.item_len), "--aux-slots", "0", "--private", "--name", "decode"),
+        *(("--device", str(workload.device)) if workload.device is not None else ()),
+        timeout=timeout,
+    )
+    opened[-1] = (endpoint, peer)
+    try:
+        peer.call("connect", address=endpoint.address, timeout=timeout)
+    except RuntimeError as exc:
+        raise NegotiationError(f"decode side could not connect: {exc}") from None
+    return endpoint, peer, endpoint.accept(timeout)
 
 
 def _via_kvtransport(

@@ -239,6 +239,7 @@ def _add_bench(sub: Any) -> None:
     p.add_argument("--warmup", type=int, default=w.warmup, help="untimed (but verified) requests first")
     p.add_argument("--device", type=int, default=None, help="KV in device memory of this CUDA device")
     p.add_argument("--no-baseline", action="store_true", help="skip the raw-engine comparison")
+    p.add_argument("--compare", metavar="DRIVER", help="also measure this driver on the same requests")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any one step may take")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=bench_cmd)
@@ -268,7 +269,12 @@ def bench_cmd(args: argparse.Namespace) -> int:
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     with native_stdout_to_stderr():
         report = run(
-            workload, driver=args.driver, baseline=not args.no_baseline, progress=sys.stderr, timeout=args.timeout
+            workload,
+            driver=args.driver,
+            baseline=not args.no_baseline,
+            progress=sys.stderr,
+            timeout=args.timeout,
+            compare=args.compare,
         )
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))

@@ -103,3 +103,13 @@ def test_workload_sizes_follow_the_model() -> None:
     assert w.item_len == 32 * 1024
     assert w.request_bytes == 512 * 1024 * 1024
     assert w.pages_per_request == 256 and w.regions == 64
+
+
+def test_bench_compares_a_staged_driver_with_the_driver_it_stages_over() -> None:
+    require_engines()
+    proc = run_cli("bench", *SMALL, "--driver", "mooncake-staged", "--compare", "mooncake-gdr", timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert (report["driver"], report["compare"]) == ("mooncake-staged", "mooncake-gdr")
+    assert report["integrity"]["compare_requests_verified"] == 3
+    assert report["figures"]["compare"]["median_gbps"] > 0 and report["figures"]["ratio_compare"] > 0
