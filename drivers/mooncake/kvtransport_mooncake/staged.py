@@ -109,6 +109,16 @@ class MooncakeStaged(StagedTransport):
                     f"(allocate_managed_buffer returned 0); lower {ENV_RING_BYTES}"
                 )
             self._ring = (ring, config.ring_bytes)
+            if regions.kv_kind.is_cuda:
+                from kvtransport.cuda_copy import is_device_pointer
+
+                # Mooncake allocates managed buffers with the protocol's allocator; the ring
+                # must be host memory (an nvlink allocator would hand out device memory).
+                if is_device_pointer(ring):
+                    raise EngineError(
+                        f"{self.name}: Mooncake's managed buffer is device memory under protocol "
+                        f"{engine.protocol}; the staging ring must be host memory"
+                    )
         except KVTransportError:
             if self._ring[0]:
                 engine.engine.free_managed_buffer(*self._ring)
