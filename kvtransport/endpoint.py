@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 
 #: Early aborts remembered per connection (oldest forgotten first).
 MAX_EARLY_ABORTS = 4096
+#: Announcements kept per connection for transfers the sender has not created yet.
+MAX_EARLY_EXPECTS = 65536
 
 
 class State(enum.IntEnum):
@@ -88,6 +90,9 @@ class Timeouts:
     transfer: float = 60.0
     heartbeat_interval: float = 0.5
     heartbeat_timeout: float = 3.0
+    #: How long a finished transfer stays filed under its tag (so late messages about it are
+    #: recognised) before the endpoint forgets it; the caller's reference stays valid.
+    retain_finished: float = 5.0
 
     @classmethod
     def from_env(cls) -> Timeouts:
@@ -185,6 +190,8 @@ class Transfer:
         if state.final:
             self.finished = self._since
             self._final.set()
+            endpoint = self.connection.endpoint
+            endpoint._finished.append((self._since + endpoint.timeouts.retain_finished, self))
         return True
 
 
@@ -309,6 +316,7 @@ class Endpoint:
         self._warned_routes: set[Route] = set()
         self._last_ping = 0.0
         self._notices: collections.deque[tuple[str, bytes]] = collections.deque()
+        self._finished: collections.deque[tuple[float, Transfer]] = collections.deque()
         self._closed = False
         self._channel = ControlChannel(listen, self._on_frame, self._on_tick)
         self.address = self._channel.address
@@ -613,8 +621,12 @@ class Endpoint:
             self._on_expect(conn, msg)
         elif kind == "done":
             t = conn.transfers.get(msg["tag"])
-            if t is None or t.role != "recv":
-                raise ProtocolError(f"done for unknown transfer {msg['tag']!r}")
+            if t is None:
+                # A transfer this side already failed and forgot (timeout, abort): a benign race.
+                log.debug("done for %r from %s, which is no longer tracked", msg["tag"], conn.peer_label)
+                return
+            if t.role != "recv":
+                raise ProtocolError(f"done for transfer {msg['tag']!r}, which this side sends")
             t.bytes = int(msg["bytes"])
             t.peer_done = True
             self._finish_receive(conn, t)
@@ -734,6 +746,15 @@ class Endpoint:
         t = conn.transfers.get(tag)
         if t is None:
             conn.early_expects[tag] = msg
+            if len(conn.early_expects) > MAX_EARLY_EXPECTS:
+                dropped = next(iter(conn.early_expects))
+                conn.early_expects.pop(dropped)
+                log.warning(
+                    "%s announced more than %d transfers nobody sends; forgetting the oldest (%r)",
+                    conn.peer_label,
+                    MAX_EARLY_EXPECTS,
+                    dropped,
+                )
             return
         if t.role != "send" or t.dst_pages is not None:
             self._channel.send(conn.route, encode("abort", tag=tag, reason="duplicate announcement"))
@@ -772,8 +793,18 @@ class Endpoint:
         self._by_route.pop(conn.route, None)
         self._channel.disconnect(conn.route)
 
+    def _forget_finished(self, now: float) -> None:
+        """Drop transfers that finished ``retain_finished`` ago, so a long-running endpoint does
+        not grow with every request it ever served."""
+        while self._finished and self._finished[0][0] <= now:
+            _, t = self._finished.popleft()
+            conn = t.connection
+            if conn.transfers.get(t.tag) is t:
+                del conn.transfers[t.tag]
+
     def _on_tick(self) -> None:
         now = time.monotonic()
+        self._forget_finished(now)
         ping_due = now - self._last_ping >= self.timeouts.heartbeat_interval
         if ping_due:
             self._last_ping = now

@@ -265,3 +265,22 @@ def test_two_sided_receiver_succeeds_only_after_its_inbound_work() -> None:
         assert time.monotonic() - sent_at >= 0.2, "receiver reported Success before its copy-in drained"
         assert b.drivers["fake-two-sided"].notices, "the notice never reached the receiving driver"
         assert b_pool.page_digests([4, 5]) == a_pool.page_digests([0, 1])
+
+
+def test_finished_transfers_are_forgotten_and_tags_can_be_reused() -> None:
+    """A long-running endpoint (a serving engine) must not keep every request it ever moved."""
+    timeouts = Timeouts(heartbeat_interval=0.2, heartbeat_timeout=2.0, retain_finished=0.1)
+    with endpoints(timeouts=timeouts) as (_, _, send_conn, recv_conn, _, _):
+        for round_ in range(2):  # the same tags twice: the second round only works if forgotten
+            receivers = [recv_conn.expect(f"t{i}", [i]) for i in range(50)]
+            senders = [send_conn.sender(f"t{i}") for i in range(50)]
+            for t in senders:
+                ready(t)
+                t.send([i % 8 for i in range(1)])
+            for t in senders + receivers:
+                assert t.wait(5) is State.SUCCESS, round_
+            deadline = time.monotonic() + 3
+            while (send_conn.transfers or recv_conn.transfers) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert not send_conn.transfers and not recv_conn.transfers
+            assert senders[0].state is State.SUCCESS  # the caller's objects stay valid
