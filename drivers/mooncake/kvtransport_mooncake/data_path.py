@@ -98,14 +98,7 @@ class MooncakeDataPath(KVTransport):
         src, dst, lengths = runs.src.tolist(), runs.dst.tolist(), runs.length.tolist()
         cancelled = threading.Event()
 
-        def run() -> None:
-            step = engine.max_batch
-            for i in range(0, len(src), step):
-                if cancelled.is_set():
-                    return
-                engine.write_polled(session, src[i : i + step], dst[i : i + step], lengths[i : i + step], step)
-
-        future = self._pool.submit(run)
+        future = self._pool.submit(engine.write_polled, session, src, dst, lengths, engine.max_batch, cancelled)
         self._running.add(future)
         future.add_done_callback(self._running.discard)
         self._next += 1

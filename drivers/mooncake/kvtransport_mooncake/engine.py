@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -121,29 +122,48 @@ class Engine:
             )
         self._registered.extend(p for p, _ in fresh)
 
-    def write_polled(self, session: str, src: list[int], dst: list[int], lengths: list[int], window: int) -> None:
+    def write_polled(
+        self,
+        session: str,
+        src: list[int],
+        dst: list[int],
+        lengths: list[int],
+        window: int,
+        stop: threading.Event | None = None,
+    ) -> None:
         """Write every descriptor as its own request, at most ``window`` in flight, polling
-        completion with short sleeps; blocks until all are written, raises on the first failure.
+        completion with short sleeps; blocks until all are written (or, once ``stop`` is set,
+        until what was posted has finished), raises on the first failure.
 
-        Same result as :meth:`write`, without Mooncake's spinning wait (a core per waiting
-        caller) and without batch-size limits."""
+        Mooncake's own batch calls spin a core per waiting caller and reject batches above a
+        few thousand descriptors; this does neither."""
         pending: list[int] = []
         i = 0
         try:
-            while i < len(src) or pending:
-                while i < len(src) and len(pending) < window:
+            while pending or (i < len(src) and not (stop and stop.is_set())):
+                while i < len(src) and len(pending) < window and not (stop and stop.is_set()):
                     pending.append(self.post(session, src[i], dst[i], lengths[i]))
                     i += 1
-                still = [b for b in pending if not self.check(b)]
+                still: list[int] = []
+                for n, batch in enumerate(pending):
+                    try:
+                        done = self.check(batch)
+                    except EngineError:
+                        # ``check`` released this batch id and those found done before it; the
+                        # ones still running and those not looked at yet are drained below.
+                        pending = still + pending[n + 1 :]
+                        raise
+                    if not done:
+                        still.append(batch)
                 if len(still) == len(pending):
                     time.sleep(POLL_S)
                 pending = still
         finally:
-            for b in pending:  # drain what was posted before a failure, never leave it running
+            for batch in pending:  # never leave posted writes behind a failure
                 deadline = time.monotonic() + 30
                 while time.monotonic() < deadline:
                     try:
-                        if self.check(b):
+                        if self.check(batch):
                             break
                     except EngineError:
                         break
