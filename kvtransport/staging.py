@@ -691,6 +691,10 @@ class StagedTransport(KVTransport):
             self._pipeline.close()
             self._pipeline = None
 
+    def disconnect(self, peer: str) -> None:
+        if self._pipeline is not None:
+            self._pipeline.disconnect(peer)
+
     def submit(self, peer: str, runs: Runs) -> int:
         return self.pipeline.submit(peer, runs)
 

@@ -5,6 +5,7 @@ drivers on host memory, with the KV and aux bytes verified on the decode side.""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -80,10 +81,9 @@ def _until(r: Any, states: set[int], timeout: float = 30.0) -> int:
 def ranks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Ranks]:
     require_engines()
     driver = str(request.param)
-    env = {"KVTRANSPORT_DRIVER": driver, **FAST, **getattr(request, "param_env", {})}
+    env = {"KVTRANSPORT_DRIVER": driver, **FAST}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    import os
 
     prefill = PeerProcess(
         "--pages",

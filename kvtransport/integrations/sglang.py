@@ -381,7 +381,8 @@ class KVTransportKVReceiver(BaseKVReceiver):
         self.failure.set(TransferAborted(f"room {self.room} aborted by the decode scheduler"))
 
     def clear(self) -> None:
-        self.transfer = None if self.transfer is None or self.transfer.state.final else self.transfer
+        if self.transfer is not None and self.transfer.state.final:
+            self.transfer = None
 
 
 class KVTransportKVBootstrapServer(BaseKVBootstrapServer):

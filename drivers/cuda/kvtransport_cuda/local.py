@@ -241,24 +241,23 @@ class _Peer:
 
     stream: Any
     opened: dict[int, int] = field(default_factory=dict)  # peer allocation base -> mapped here
-    starts: list[int] = field(default_factory=list)
-    lengths: list[int] = field(default_factory=list)
-    mapped: list[int] = field(default_factory=list)
+    starts: np.ndarray[Any, Any] = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
+    ends: np.ndarray[Any, Any] = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
+    mapped: np.ndarray[Any, Any] = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
 
     def add(self, ptr: int, length: int, mapped: int) -> None:
-        self.starts.append(ptr)
-        self.lengths.append(length)
-        self.mapped.append(mapped)
+        """File one peer region (at connect time; kept sorted for :meth:`translate`)."""
+        order = np.argsort(np.append(self.starts, np.uint64(ptr)), kind="stable")
+        self.starts = np.append(self.starts, np.uint64(ptr))[order]
+        self.ends = np.append(self.ends, np.uint64(ptr + length))[order]
+        self.mapped = np.append(self.mapped, np.uint64(mapped))[order]
 
     def translate(self, dst: np.ndarray[Any, np.dtype[np.uint64]]) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
         """(addresses in this process, which runs hit device regions) for peer addresses."""
-        order = np.argsort(np.array(self.starts, dtype=np.uint64))
-        starts = np.array(self.starts, dtype=np.uint64)[order]
-        ends = starts + np.array(self.lengths, dtype=np.uint64)[order]
-        mapped = np.array(self.mapped, dtype=np.uint64)[order]
-        i = np.searchsorted(starts, dst, side="right") - 1
+        if not self.starts.size:
+            return dst, np.zeros(dst.shape, dtype=bool)
+        i = np.searchsorted(self.starts, dst, side="right") - 1
         valid = i >= 0
         i = np.where(valid, i, 0)
-        hit = valid & (dst < ends[i]) if starts.size else np.zeros(dst.shape, dtype=bool)
-        out = np.where(hit, mapped[i] + (dst - starts[i]), np.uint64(0)) if starts.size else dst
-        return out, hit
+        hit = valid & (dst < self.ends[i])
+        return np.where(hit, self.mapped[i] + (dst - self.starts[i]), np.uint64(0)), hit

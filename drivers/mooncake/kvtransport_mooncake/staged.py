@@ -94,7 +94,6 @@ class MooncakeStaged(StagedTransport):
         super().__init__(context)
         self._engine: Engine | None = None
         self._ring = (0, 0)
-        self._sessions: dict[str, str] = {}
 
     def open(self, regions: RegionSet) -> bytes:
         if self._engine is not None:
@@ -147,12 +146,6 @@ class MooncakeStaged(StagedTransport):
             raise DriverError(f"{self.name}: the peer's engine runs {protocol}, this one {engine.protocol}")
 
         self.pipeline.connect(peer, ring, _MooncakeLink(engine, session))
-        self._sessions[peer] = session
-
-    def disconnect(self, peer: str) -> None:
-        self._sessions.pop(peer, None)
-        if self._pipeline is not None:
-            self._pipeline.disconnect(peer)
 
     def close(self) -> None:
         if self._engine is None:

@@ -34,7 +34,7 @@ from kvtransport.staging import ENV_CHUNK_BYTES, ENV_RING_BYTES, RingConfig, Sta
 
 from .data_path import NixlDataPath
 from .engine_probe import ENV_VARS, probe_nixl
-from .ucx import _RDMA_TLS, _SHM_TLS, RDMA_GBPS, SHM_GBPS, TCP_GBPS, _pair_allows
+from .ucx import NO_TRANSPORT, host_wire
 
 PCIE_GBPS = 20.0
 PIPELINE_EFFICIENCY = 0.8
@@ -74,22 +74,18 @@ class NixlStaged(StagedTransport, NixlDataPath):
         backends = {local.status.info.get("backend", "UCX"), remote.status.info.get("backend", "UCX")}
         if len(backends) > 1:
             return Rejection(f"NIXL backends differ between the peers: {', '.join(sorted(backends))}")
-        if local.host.host_id == remote.host.host_id and _pair_allows(local, remote, _SHM_TLS):
-            wire, via = SHM_GBPS, "UCX shared memory"
-        elif local.host.rdma_devices and remote.host.rdma_devices and _pair_allows(local, remote, _RDMA_TLS):
-            wire, via = RDMA_GBPS, "UCX over RDMA"
-        elif _pair_allows(local, remote, {"tcp"}):
-            wire, via = TCP_GBPS, "UCX over TCP"
-        else:
-            return Rejection("UCX_TLS on one side leaves no transport UCX could use for this pair")
+        wire = host_wire(local, remote)  # the rings are host memory, whatever the KV is
+        if wire is None:
+            return Rejection(NO_TRANSPORT)
+        path, gbps, via = wire
         if not (local.kv_memory.is_cuda or remote.kv_memory.is_cuda):
             return Offer(
-                TransferPath.SHM if "shared" in via else TransferPath.TCP,
-                round(wire * PIPELINE_EFFICIENCY, 2),
+                path,
+                round(gbps * PIPELINE_EFFICIENCY, 2),
                 f"host KV through staging rings, {via} (two extra copies; nixl-ucx writes it directly)",
             )
-        gbps = round(min(PCIE_GBPS, wire) * PIPELINE_EFFICIENCY, 2)
-        return Offer(TransferPath.PCIE_STAGED, gbps, f"device->host ring->{via}->host ring->device")
+        staged = round(min(PCIE_GBPS, gbps) * PIPELINE_EFFICIENCY, 2)
+        return Offer(TransferPath.PCIE_STAGED, staged, f"device->host ring->{via}->host ring->device")
 
     # -- data path ---------------------------------------------------------------------------
 
@@ -131,8 +127,7 @@ class NixlStaged(StagedTransport, NixlDataPath):
         self.pipeline.connect(peer, ring, _NixlLink(self, remote))
 
     def disconnect(self, peer: str) -> None:
-        if self._pipeline is not None:
-            self._pipeline.disconnect(peer)
+        super().disconnect(peer)
         remote = self._remote.pop(peer, None)
         if remote is not None and self._agent is not None:
             with self.agent_lock:

@@ -60,6 +60,24 @@ def _pair_allows(local: PeerView, remote: PeerView, family: set[str]) -> bool:
     return all(allows(view.status.info.get("ucx_tls", "") if view.status else "", family) for view in (local, remote))
 
 
+def host_wire(
+    local: PeerView, remote: PeerView, *, shared_memory: bool = True
+) -> tuple[TransferPath, float, str] | None:
+    """The transport UCX would take for host memory between the pair (path, GB/s, why):
+    shared memory on one host (unless ``shared_memory`` is off), RDMA when both have NICs,
+    TCP otherwise; ``None`` when ``UCX_TLS`` leaves none of them."""
+    if shared_memory and local.host.host_id == remote.host.host_id and _pair_allows(local, remote, _SHM_TLS):
+        return TransferPath.SHM, SHM_GBPS, "UCX shared memory between processes of one host"
+    if local.host.rdma_devices and remote.host.rdma_devices and _pair_allows(local, remote, _RDMA_TLS):
+        return TransferPath.RDMA, RDMA_GBPS, "UCX over RDMA"
+    if _pair_allows(local, remote, {"tcp"}):
+        return TransferPath.TCP, TCP_GBPS, "UCX over TCP (no shared memory or RDMA path)"
+    return None
+
+
+NO_TRANSPORT = "UCX_TLS on one side leaves no transport UCX could use for this pair"
+
+
 class NixlUCX(NixlDataPath):
     name: ClassVar[str] = "nixl-ucx"
     api_version: ClassVar[int] = DRIVER_API_VERSION
@@ -111,15 +129,16 @@ class NixlUCX(NixlDataPath):
             and _pair_allows(local, remote, _CUDA_IPC_TLS)
         ):
             return Offer(TransferPath.NVLINK, CUDA_IPC_GBPS, "UCX cuda_ipc between processes of one host")
-        if same_host and not device and _pair_allows(local, remote, _SHM_TLS):
-            return Offer(TransferPath.SHM, SHM_GBPS, "UCX shared memory between processes of one host")
+        # Shared memory carries host memory only; device memory goes over RDMA or TCP.
+        wire = host_wire(local, remote, shared_memory=not device)
+        if wire is None:
+            return Rejection(NO_TRANSPORT)
+        path, gbps, note = wire
         gdr = all(
             view.host.gdr_for(view.kv_memory.device)[0] for view in (local, remote) if view.kv_memory.device is not None
         )
-        factor = 1.0 if gdr else NO_GDR_FACTOR
-        why = "" if gdr else "; device memory bounced through host by UCX (no GPUDirect RDMA)"
-        if local.host.rdma_devices and remote.host.rdma_devices and _pair_allows(local, remote, _RDMA_TLS):
-            return Offer(TransferPath.RDMA, RDMA_GBPS * factor, "UCX over RDMA" + why)
-        if _pair_allows(local, remote, {"tcp"}):
-            return Offer(TransferPath.TCP, TCP_GBPS * factor, "UCX over TCP (no shared memory or RDMA path)" + why)
-        return Rejection("UCX_TLS on one side leaves no transport UCX could use for this pair")
+        if gdr:
+            return Offer(path, gbps, note)
+        return Offer(
+            path, gbps * NO_GDR_FACTOR, note + "; device memory bounced through host by UCX (no GPUDirect RDMA)"
+        )
