@@ -5,20 +5,24 @@ zmq sockets are not thread-safe, so other threads never touch them: they queue c
 :meth:`ControlChannel.call_soon`, and a socket pair wakes the loop. The loop hands every
 received frame to the endpoint's handler with the route it came from; routes are opaque keys
 (``("in", identity)`` for peers that connected to us, ``("out", address)`` for peers we
-connected to).
+connected to, one DEALER and route per connection).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
-import queue
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 import zmq
+
+from .errors import ConfigError, KVTransportError
+from .timers import TimerHeap
 
 log = logging.getLogger(__name__)
 
@@ -42,24 +46,43 @@ def advertised_host(listen: str) -> str:
         return "127.0.0.1"
 
 
+class ChannelDown(KVTransportError):
+    """The I/O thread is not running (closed, or stopped by a fault)."""
+
+
 class ControlChannel:
+    """Sockets, queued calls and timers, all run by one I/O thread.
+
+    Each loop pass: run queued calls, receive at most ``frames_per_pass`` frames per socket,
+    run due timers, then block in ``poll`` until a frame, a call or the next timer. No pass can
+    starve the timers (heartbeats go out under a flood), and an idle channel wakes for nothing.
+    """
+
     def __init__(
         self,
         listen: str,
         on_frame: Callable[[Route, bytes], None],
-        on_tick: Callable[[], None],
-        tick_s: float = 0.005,
+        *,
+        max_message_bytes: int,
+        frames_per_pass: int = 256,
+        max_queued_calls: int = 65536,
+        on_crash: Callable[[BaseException], None] | None = None,
     ) -> None:
         self._ctx = zmq.Context()
-        self._router = self._ctx.socket(zmq.ROUTER)
-        self._router.setsockopt(zmq.LINGER, 0)
+        self._max_message_bytes = max_message_bytes
+        self._router = self._socket(zmq.ROUTER)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        host_port = listen.rsplit(":", 1)
-        if host_port[-1] == "0":
-            port = self._router.bind_to_random_port(host_port[0])
-        else:
-            self._router.bind(listen)
-            port = int(host_port[-1])
+        try:
+            host_port = listen.rsplit(":", 1)
+            if host_port[-1] == "0":
+                port = self._router.bind_to_random_port(host_port[0])
+            else:
+                self._router.bind(listen)
+                port = int(host_port[-1])
+        except (zmq.ZMQError, ValueError) as exc:
+            self._router.close(0)
+            self._ctx.term()
+            raise ConfigError(f"cannot listen on {listen!r}: {exc}") from exc
         # What peers dial: a wildcard bind advertises this machine's address instead.
         self.address = f"tcp://{advertised_host(listen)}:{port}"
         wake_addr = f"inproc://kvtransport-wake-{uuid.uuid4().hex}"
@@ -67,32 +90,66 @@ class ControlChannel:
         self._wake_rx.bind(wake_addr)
         self._wake_tx = self._ctx.socket(zmq.PAIR)
         self._wake_tx.connect(wake_addr)
+        # One wake-up byte in flight at most: callers set the flag, the loop clears it before
+        # draining, so the pair socket can never fill up (and never raise zmq.Again).
         self._wake_lock = threading.Lock()
+        self._wake_pending = False
+        self._calls: collections.deque[Callable[[], None]] = collections.deque()
+        self._calls_space = threading.Condition(self._wake_lock)
+        self._max_queued_calls = max_queued_calls
         self._dealers: dict[str, zmq.Socket[bytes]] = {}
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
         self._poller.register(self._wake_rx, zmq.POLLIN)
-        self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.timers = TimerHeap()
         self._on_frame = on_frame
-        self._on_tick = on_tick
-        self._tick_ms = max(1, int(tick_s * 1000))
+        self._on_crash = on_crash
+        self._frames_per_pass = frames_per_pass
         self._stop = threading.Event()
+        self._running = True
         self._thread = threading.Thread(target=self._run, name=f"kvtransport-io {self.address}", daemon=True)
         self._thread.start()
 
+    def _socket(self, kind: int) -> zmq.Socket[bytes]:
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        # zmq drops (and disconnects) a peer whose message is larger: nothing oversized is ever
+        # buffered, let alone decoded. A little room for framing.
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes + 1024)
+        return sock
+
     # -- any thread ------------------------------------------------------------------------
 
-    def call_soon(self, fn: Callable[[], None]) -> None:
-        self._calls.put(fn)
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    def call_soon(self, fn: Callable[[], None], timeout: float = 10.0) -> None:
+        """Queue ``fn`` for the I/O thread. When ``max_queued_calls`` are waiting, the caller
+        blocks until there is room (backpressure) and gets :class:`ChannelDown` after
+        ``timeout`` or once the loop has stopped. The I/O thread itself never blocks here."""
+        in_loop = self.in_io_thread()
         with self._wake_lock:
-            if not self._stop.is_set():
+            if not self._running:
+                raise ChannelDown("the endpoint's I/O thread is not running")
+            if not in_loop and len(self._calls) >= self._max_queued_calls:
+                if not self._calls_space.wait_for(
+                    lambda: len(self._calls) < self._max_queued_calls or not self._running, timeout
+                ):
+                    raise ChannelDown(f"the endpoint's I/O thread has {len(self._calls)} calls queued for {timeout} s")
+                if not self._running:
+                    raise ChannelDown("the endpoint's I/O thread is not running")
+            self._calls.append(fn)
+            if not self._wake_pending and not in_loop:
+                self._wake_pending = True
                 self._wake_tx.send(b"", zmq.NOBLOCK)
 
     def in_io_thread(self) -> bool:
         return threading.current_thread() is self._thread
 
     def close(self, final: Callable[[], None] | None = None, timeout: float = 2.0) -> None:
-        if final is not None and self._thread.is_alive():
+        """Run ``final`` on the I/O thread (if it still runs), then stop it. Never raises."""
+        if final is not None and self._running and not self.in_io_thread():
             done = threading.Event()
 
             def run_final() -> None:
@@ -101,23 +158,32 @@ class ControlChannel:
                 finally:
                     done.set()
 
-            self.call_soon(run_final)
-            done.wait(timeout)
+            try:
+                self.call_soon(run_final, timeout=timeout)
+                done.wait(timeout)
+            except ChannelDown:
+                pass
+        self._stop.set()
         with self._wake_lock:
-            self._stop.set()
-            self._wake_tx.send(b"", zmq.NOBLOCK)
-        self._thread.join(timeout)
+            if self._running:
+                try:
+                    self._wake_tx.send(b"", zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+        if not self.in_io_thread():
+            self._thread.join(timeout)
 
     # -- I/O thread only ---------------------------------------------------------------------
 
-    def connect(self, address: str) -> Route:
-        if address not in self._dealers:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
+    def connect(self, address: str, key: str) -> Route:
+        """A DEALER of its own for one outgoing connection (``key``: the connection id), so
+        two connections to one address never share a route."""
+        if key not in self._dealers:
+            sock = self._socket(zmq.DEALER)
             sock.connect(address)
-            self._dealers[address] = sock
+            self._dealers[key] = sock
             self._poller.register(sock, zmq.POLLIN)
-        return ("out", address)
+        return ("out", key)
 
     def disconnect(self, route: Route) -> None:
         if route[0] == "out":
@@ -125,6 +191,10 @@ class ControlChannel:
             if sock is not None:
                 self._poller.unregister(sock)
                 sock.close(0)
+
+    @property
+    def dealer_count(self) -> int:
+        return len(self._dealers)
 
     def send(self, route: Route, data: bytes) -> bool:
         """Send one frame; ``False`` when the peer is gone or its queue is full."""
@@ -142,60 +212,91 @@ class ControlChannel:
             return False
 
     def _run(self) -> None:
+        crash: BaseException | None = None
         try:
             while not self._stop.is_set():
-                events = dict(self._poller.poll(self._tick_ms))
+                delay = self.timers.next_delay(time.monotonic())
+                with self._wake_lock:
+                    if self._calls:
+                        delay = 0.0
+                timeout_ms = -1 if delay is None else int(delay * 1000) + (1 if delay > 0 else 0)
+                events = dict(self._poller.poll(timeout_ms))
                 if self._wake_rx in events:
-                    while self._wake_rx.poll(0):
-                        self._wake_rx.recv()
+                    self._clear_wake()
                 self._drain_calls()
                 if self._router in events:
-                    self._receive_router()
-                for address, sock in list(self._dealers.items()):
-                    if sock in events:
-                        self._receive_dealer(address, sock)
-                self._on_tick()
+                    self._receive(self._router, "in")
+                for key, sock in list(self._dealers.items()):
+                    # A handler may have closed a later dealer during this pass.
+                    if sock in events and self._dealers.get(key) is sock:
+                        self._receive(sock, key)
+                self.timers.run_due(time.monotonic())
             self._drain_calls()
-        except Exception:
-            log.exception("kvtransport I/O loop crashed")
+        except BaseException as exc:
+            crash = exc
+            log.exception("kvtransport I/O loop stopped by a fault")
         finally:
+            with self._wake_lock:
+                self._running = False
+                self._calls_space.notify_all()
+                leftover = len(self._calls)
+                self._calls.clear()
+            if leftover:
+                log.debug("%d queued I/O calls dropped at shutdown", leftover)
+            if crash is not None and self._on_crash is not None:
+                try:
+                    self._on_crash(crash)
+                except Exception:
+                    log.exception("kvtransport crash handler failed")
             for sock in self._dealers.values():
                 sock.close(0)
+            self._dealers.clear()
             self._router.close(0)
             self._wake_rx.close(0)
             with self._wake_lock:
                 self._wake_tx.close(0)
             self._ctx.term()
 
+    def _clear_wake(self) -> None:
+        with self._wake_lock:
+            self._wake_pending = False
+            while self._wake_rx.poll(0):
+                self._wake_rx.recv()
+
     def _drain_calls(self) -> None:
-        while True:
-            try:
-                fn = self._calls.get_nowait()
-            except queue.Empty:
-                return
+        # Only the calls queued when the pass began: a call that queues another (or a flood of
+        # callers) cannot keep the loop from its sockets and timers.
+        with self._wake_lock:
+            n = len(self._calls)
+        for _ in range(n):
+            with self._wake_lock:
+                fn = self._calls.popleft()
+                self._calls_space.notify()
             try:
                 fn()
             except Exception:
                 log.exception("kvtransport I/O call failed")
 
-    def _receive_router(self) -> None:
-        while True:
-            try:
-                frames = self._router.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+    def _receive(self, sock: zmq.Socket[bytes], source: str) -> None:
+        for _ in range(self._frames_per_pass):
+            if sock.closed:
                 return
-            if len(frames) != 2:
-                log.warning("dropping a control message with %d frames (expected 2)", len(frames))
-                continue
-            self._on_frame(("in", frames[0]), frames[1])
-
-    def _receive_dealer(self, address: str, sock: zmq.Socket[bytes]) -> None:
-        while True:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if len(frames) != 1:
-                log.warning("dropping a control message from %s with %d frames", address, len(frames))
-                continue
-            self._on_frame(("out", address), frames[0])
+            if source == "in":
+                if len(frames) != 2:
+                    log.debug("dropping a control message with %d frames (expected 2)", len(frames))
+                    continue
+                route: Route = ("in", frames[0])
+                frame = frames[1]
+            else:
+                if len(frames) != 1:
+                    log.debug("dropping a control message from %s with %d frames", source, len(frames))
+                    continue
+                route, frame = ("out", source), frames[0]
+            try:
+                self._on_frame(route, frame)
+            except Exception:
+                log.exception("kvtransport: handling a control message failed")

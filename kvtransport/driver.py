@@ -19,9 +19,16 @@ Life of a driver instance, driven by the core:
    which path and at what estimated bandwidth;
 3. ``open(regions)`` registers the endpoint's regions once and returns connection info;
 4. ``connect(peer, info, peer_regions)`` once per peer;
-5. ``submit(peer, runs)`` / ``poll(handle)`` for each batch of coalesced runs;
+5. ``submit(peer, runs)`` / ``poll(handle)`` for each batch of coalesced runs; a driver that
+   knows when a batch finishes says so with ``context.completed(handle)`` (and declares
+   ``signals_completion = True``), one that does not is polled with back-off;
 6. ``on_notice(peer, payload)`` on the receiver, for two-sided drivers;
 7. ``abort(handle)``, ``disconnect(peer)``, ``close()``.
+
+Threads (API version 2): ``open`` and ``close`` run on the thread that creates / closes the
+endpoint; every call in between runs on one thread per driver instance, the endpoint's runner
+for it (never the I/O thread), so a driver needs no locks for the core's sake. The context's
+``send_notice``, ``completed`` and ``inbound_progress`` may be called from any thread.
 """
 
 from __future__ import annotations
@@ -39,7 +46,8 @@ if TYPE_CHECKING:
     from .probe import HostInfo
 
 #: Bumped when the SPI changes incompatibly. The registry rejects drivers built for another one.
-DRIVER_API_VERSION = 1
+#: 2: calls on a runner thread, completion signals, ``pending()``, handles released on abort.
+DRIVER_API_VERSION = 2
 
 
 class TransferPath(enum.StrEnum):
@@ -174,7 +182,21 @@ class DriverContext(Protocol):
         ...
 
     def send_notice(self, peer: str, payload: bytes) -> None:
-        """Deliver ``payload`` to the peer driver's ``on_notice`` over the control channel."""
+        """Deliver ``payload`` to the peer driver's ``on_notice`` over the control channel
+        (in order, and before the "done" of any batch reported complete after this call)."""
+
+    def completed(self, handle: int) -> None:
+        """Batch ``handle`` has finished (succeeded or failed): the core polls it now instead
+        of at its next back-off step. Any thread; a signal for an unknown handle is ignored."""
+
+    def inbound_progress(self, peer: str) -> None:
+        """Two-sided receiver: inbound work for ``peer`` moved on; ``inbound_idle`` is asked
+        again now. Any thread."""
+
+    def check_inbound(self, peer: str, dst: Any, length: Any) -> None:
+        """Two-sided receiver: raise :class:`~kvtransport.errors.InvalidPages` unless every piece
+        ``[dst[i], dst[i] + length[i])`` (uint64 arrays) lies in pages or aux slots that a live
+        transfer of ``peer`` announced. Call it before writing anything a peer asked for."""
 
 
 class KVTransport(ABC):
@@ -195,7 +217,16 @@ class KVTransport(ABC):
       :class:`~kvtransport.errors.TransferError` (engine errors mapped, chained with ``from``)
       when the batch failed. A batch MUST NOT be reported done if any part of it failed.
     - Native engine errors MUST be mapped to kvtransport errors inside the driver.
+    - Handles are owned: once ``poll`` has returned ``True`` or raised, or ``abort`` was called,
+      the driver MUST hold nothing for that handle (``pending()`` no longer counts it) and the
+      core never uses it again. ``disconnect(peer)`` MUST fail or release every batch to ``peer``.
+    - ``pending()`` MUST return how many handles the driver still holds (in flight, or finished
+      and not yet polled); the conformance suite checks it returns to zero.
     - ``abort`` and ``close`` MUST NOT block longer than the engine's own cancellation.
+    - ``close`` MUST be idempotent and MUST NOT raise; it releases everything ``open`` acquired.
+      ``open`` that fails MUST release what it acquired before raising.
+    - A two-sided driver MUST check every inbound piece with ``context.check_inbound`` before
+      writing it into KV memory.
     """
 
     name: ClassVar[str]
@@ -203,6 +234,9 @@ class KVTransport(ABC):
     capabilities: ClassVar[Capabilities]
     #: Environment variables the driver reads (so the core does not warn about them).
     env_vars: ClassVar[tuple[str, ...]] = ()
+    #: The driver calls ``context.completed(handle)`` when a batch finishes, so the core need
+    #: not poll it often (it still polls rarely, as a safety net).
+    signals_completion: ClassVar[bool] = False
     #: ``"module:Class"`` of a :class:`~kvtransport.baseline.RawEngine` that drives the same
     #: engine directly, for ``kvtransport bench`` to compare against; empty if none.
     raw_engine: ClassVar[str] = ""
@@ -265,7 +299,11 @@ class KVTransport(ABC):
 
     @abstractmethod
     def abort(self, handle: int) -> None:
-        """Stop a batch; later ``poll`` calls on it raise ``TransferAborted``."""
+        """Stop a batch and forget its handle (the core never polls it again)."""
+
+    @abstractmethod
+    def pending(self) -> int:
+        """Handles this driver still holds: in flight, or finished but not yet polled."""
 
     def disconnect(self, peer: str) -> None:  # noqa: B027 - optional hook
         """Forget ``peer``; its in-flight batches fail."""

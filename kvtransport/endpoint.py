@@ -1,4 +1,4 @@
-"""The user API: :class:`Endpoint`, :class:`Connection`, :class:`Transfer`.
+"""The user API: :class:`Endpoint`, which owns the drivers and the sessions with peers.
 
 One endpoint per serving-engine rank: it registers the KV regions with every usable driver
 once, listens on a control address, and connects to peers. A connection's ``decision`` says
@@ -7,238 +7,84 @@ receiver announces destination pages (:meth:`Connection.expect`), the sender wri
 pages (:meth:`Transfer.send`, in chunks, the last one marked), and both poll a
 :class:`State` that maps one-to-one onto SGLang's ``KVPoll``.
 
-Threading: caller threads validate and plan (bad page indices raise there, synchronously);
-every socket and driver call happens on the endpoint's one I/O thread, which also runs the
-heartbeats and the per-state timeouts.
+Who owns what (docs/architecture.md has the picture):
+
+- the endpoint: drivers and their runners, the control channel, the session tables, limits;
+- a :class:`~kvtransport.session.Session` per peer: its transfers, announcements, liveness;
+- :mod:`~kvtransport.handshake`: parsing and deciding, pure;
+- threads: callers validate and plan; the I/O thread (``control``) runs sockets, timers and
+  every state change; one runner thread per driver (``runner``) makes every driver call.
+
+Any exception while handling one message is contained to that message's transfer or session:
+the loop keeps serving every other peer.
 """
 
 from __future__ import annotations
 
 import collections
-import enum
+import itertools
 import logging
 import os
 import threading
 import time
 import uuid
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
-from .control import ControlChannel, Route, advertised_host
-from .driver import KVTransport
+from .config import Limits, Timeouts
+from .control import ChannelDown, ControlChannel, Route, advertised_host
+from .driver import DriverStatus, KVTransport
 from .errors import (
     ConnectError,
-    DecisionMismatch,
-    InvalidPages,
+    DriverError,
     KVTransportError,
     MemoryLayoutError,
     NegotiationError,
     PeerLost,
     ProtocolError,
     TransferAborted,
-    TransferTimeout,
 )
+from .handshake import check_agreement, decide, label_of, read_peer, regions_from_dict, regions_to_dict
 from .hello import DriverHello, Hello, build_hello, describe_driver, load_drivers
-from .memory import KVLayout, Region, RegionSet
-from .negotiate import Decision, negotiate
-from .plan import Runs, as_pages, check_pages, check_unique, plan
+from .inbound import U64
+from .memory import KVLayout, RegionSet
 from .registry import Policy, warn_unknown_env_vars
-from .wire import Message, decode, encode
+from .runner import DriverRunner
+from .session import Connection, Phase, Session
+from .transfer import State, Transfer
+from .wire import Message, decode, encode, max_message_bytes
 
 log = logging.getLogger(__name__)
 
-#: Early aborts remembered per connection (oldest forgotten first).
-MAX_EARLY_ABORTS = 4096
-#: Announcements kept per connection for transfers the sender has not created yet.
-MAX_EARLY_EXPECTS = 65536
+#: Protocol violations a session may commit before it is closed.
+MAX_STRIKES = 16
+#: Messages kept for an initiator between the welcome and its own driver connect.
+MAX_HELD = 4096
+
+__all__ = [
+    "Connection",
+    "Endpoint",
+    "Limits",
+    "State",
+    "Timeouts",
+    "Transfer",
+    "regions_from_dict",
+    "regions_to_dict",
+]
 
 
-class State(enum.IntEnum):
-    """Transfer states; the values equal SGLang's ``KVPoll``."""
-
-    FAILED = 0
-    BOOTSTRAPPING = 1
-    WAITING_FOR_INPUT = 2
-    TRANSFERRING = 3
-    SUCCESS = 4
-
-    @property
-    def final(self) -> bool:
-        return self in (State.FAILED, State.SUCCESS)
-
-
-def _env_seconds(name: str, default: float) -> float:
-    raw = os.environ.get(name, "")
-    try:
-        return float(raw) if raw else default
-    except ValueError:
-        log.warning("ignoring %s=%r: not a number of seconds", name, raw)
-        return default
-
-
-@dataclass(frozen=True)
-class Timeouts:
-    """Seconds each state may last, and the heartbeat settings (env vars override defaults)."""
-
-    connect: float = 10.0
-    bootstrap: float = 30.0
-    waiting: float = 300.0
-    transfer: float = 60.0
-    heartbeat_interval: float = 0.5
-    heartbeat_timeout: float = 3.0
-    #: How long a finished transfer stays filed under its tag (so late messages about it are
-    #: recognised) before the endpoint forgets it; the caller's reference stays valid.
-    retain_finished: float = 5.0
-
-    @classmethod
-    def from_env(cls) -> Timeouts:
-        d = cls()
-        return cls(
-            connect=d.connect,
-            bootstrap=_env_seconds("KVTRANSPORT_BOOTSTRAP_TIMEOUT", d.bootstrap),
-            waiting=_env_seconds("KVTRANSPORT_WAITING_TIMEOUT", d.waiting),
-            transfer=_env_seconds("KVTRANSPORT_TRANSFER_TIMEOUT", d.transfer),
-            heartbeat_interval=_env_seconds("KVTRANSPORT_HEARTBEAT_INTERVAL", d.heartbeat_interval),
-            heartbeat_timeout=_env_seconds("KVTRANSPORT_HEARTBEAT_TIMEOUT", d.heartbeat_timeout),
-        )
-
-
-def regions_to_dict(regions: RegionSet) -> dict[str, Any]:
-    return {k: [r.to_dict() for r in getattr(regions, k)] for k in ("kv", "aux", "state")}
-
-
-def regions_from_dict(data: Mapping[str, Any]) -> RegionSet:
-    try:
-        return RegionSet(
-            kv=tuple(Region.from_dict(r) for r in data["kv"]),
-            aux=tuple(Region.from_dict(r) for r in data.get("aux", ())),
-            state=tuple(Region.from_dict(r) for r in data.get("state", ())),
-        )
-    except (KeyError, TypeError, MemoryLayoutError) as exc:
-        raise ProtocolError(f"invalid region description from peer: {exc}") from exc
-
-
-class Transfer:
-    """One request's pages over one connection, as the sender or the receiver sees it."""
-
-    def __init__(self, conn: Connection, tag: str, role: str, state: State) -> None:
-        self.connection = conn
-        self.tag = tag
-        self.role = role  # "send" or "recv"
-        self._state = state
-        self._since = time.monotonic()
-        self.error: KVTransportError | None = None
-        self._final = threading.Event()
-        # sender side
-        self.dst_pages: npt.NDArray[np.int64] | None = None
-        self.dst_aux = -1
-        self.sent_pages = 0  # caller thread: pages planned so far
-        self.last_planned = False  # caller thread: the last chunk was planned
-        self.last_sent = False  # I/O thread: the last chunk was submitted
-        self.handles: set[int] = set()
-        self.bytes = 0
-        self.peer_done = False  # receiver: the sender said every byte was written
-        self.started = 0.0
-        self.finished = 0.0
-
-    @property
-    def state(self) -> State:
-        return self._state
-
-    def poll(self) -> State:
-        return self._state
-
-    def __repr__(self) -> str:
-        return f"<Transfer {self.role} {self.tag!r} {self._state.name}>"
-
-    def wait(self, timeout: float | None = None) -> State:
-        """Block until Success or Failed. Raises the transfer's error on failure, and
-        :class:`TransferTimeout` if ``timeout`` passes first (the transfer goes on)."""
-        if not self._final.wait(timeout):
-            raise TransferTimeout(f"transfer {self.tag!r} still {self._state.name} after {timeout} s")
-        if self._state is State.FAILED:
-            assert self.error is not None
-            raise self.error
-        return self._state
-
-    def send(self, src_pages: Any, *, last: bool = True, aux: int | None = None) -> None:
-        """Write the next chunk of source pages (sender). They land on the destination pages
-        the receiver announced, in order. Bad indices raise here; nothing is submitted."""
-        if self.role != "send":
-            raise KVTransportError("send() on a receiving transfer")
-        self.connection.endpoint._send_chunk(self, src_pages, last, aux)
-
-    def abort(self, reason: str = "aborted by the caller") -> None:
-        """Fail this transfer here and at the peer (within the heartbeat tick)."""
-        self.connection.endpoint._call(lambda: self.connection.endpoint._abort(self, reason, notify=True, local=True))
-
-    # -- I/O thread ------------------------------------------------------------------------
-
-    def _set(self, state: State, error: KVTransportError | None = None) -> bool:
-        if self._state.final:
-            return False  # a failed transfer is never reported as a success later
-        self._state = state
-        self._since = time.monotonic()
-        if state is State.TRANSFERRING and not self.started:
-            self.started = self._since
-        if error is not None:
-            self.error = error
-        if state.final:
-            self.finished = self._since
-            self._final.set()
-            endpoint = self.connection.endpoint
-            endpoint._finished.append((self._since + endpoint.timeouts.retain_finished, self))
-        return True
-
-
-@dataclass
-class Connection:
-    """A negotiated link to one peer."""
-
-    endpoint: Endpoint
-    id: str
-    route: Route
-    peer_label: str
-    peer_address: str
-    initiator: bool
-    decision: Decision | None = None
-    peer_regions: RegionSet | None = None
-    driver: KVTransport | None = None
-    ready: threading.Event = field(default_factory=threading.Event)
-    error: KVTransportError | None = None
-    alive: bool = True
-    last_seen: float = field(default_factory=time.monotonic)
-    transfers: dict[str, Transfer] = field(default_factory=dict)
-    early_expects: dict[str, Message] = field(default_factory=dict)
-    #: Tags the peer aborted before this side created their transfer (tag -> reason), so a
-    #: transfer created afterwards fails at once instead of waiting for its timeout.
-    early_aborts: dict[str, str] = field(default_factory=dict)
-
-    def expect(self, tag: str, dst_pages: Any, *, aux: int | None = None) -> Transfer:
-        """Receiver: pages of transfer ``tag`` go to ``dst_pages`` (and aux slot ``aux``)."""
-        return self.endpoint._expect(self, tag, dst_pages, aux)
-
-    def sender(self, tag: str) -> Transfer:
-        """Sender: the transfer ``tag``; it waits for the receiver's announcement."""
-        return self.endpoint._sender(self, tag)
-
-    def transfer(self, tag: str) -> Transfer | None:
-        return self.transfers.get(tag)
-
-    def __repr__(self) -> str:
-        driver = self.decision.driver if self.decision else "?"
-        return f"<Connection {self.id} to {self.peer_label} via {driver}>"
+class EndpointDown(KVTransportError):
+    """The endpoint's I/O thread stopped; every transfer on it failed."""
 
 
 class _Context:
-    """What a driver instance gets from its endpoint."""
+    """What a driver instance gets from its endpoint (see ``DriverContext``)."""
 
-    def __init__(self, endpoint: Endpoint, options: Mapping[str, str]) -> None:
+    def __init__(self, endpoint: Endpoint, name: str, options: Mapping[str, str]) -> None:
         self._endpoint = endpoint
+        self._name = name
         self._options = dict(options)
 
     @property
@@ -254,17 +100,20 @@ class _Context:
         return self._endpoint.host
 
     def send_notice(self, peer: str, payload: bytes) -> None:
-        ep = self._endpoint
-        data = encode("notice", payload=payload)
-        if ep._channel.in_io_thread():
-            ep._flush_notices()
-            ep._send_to_conn_id(peer, data)
-        else:
-            # Queued in order; the I/O thread flushes the queue before it sends any "done", so
-            # a notice a driver's worker sent before reporting a batch complete always reaches
-            # the peer before the "done" that follows that batch.
-            ep._notices.append((peer, data))
-            ep._call(ep._flush_notices)
+        self._endpoint.queue_notice(peer, payload)
+
+    def completed(self, handle: int) -> None:
+        runner = self._endpoint.runners.get(self._name)
+        if runner is not None:
+            runner.signal(("batch", handle))
+
+    def inbound_progress(self, peer: str) -> None:
+        runner = self._endpoint.runners.get(self._name)
+        if runner is not None:
+            runner.signal_prefix(("inbound", peer))
+
+    def check_inbound(self, peer: str, dst: U64, length: U64) -> None:
+        self._endpoint.check_inbound(peer, dst, length)
 
 
 class Endpoint:
@@ -280,6 +129,7 @@ class Endpoint:
         policy: Policy | None = None,
         name: str | None = None,
         timeouts: Timeouts | None = None,
+        limits: Limits | None = None,
         driver_options: Mapping[str, str] | None = None,
         max_run_bytes: int | None = None,
     ) -> None:
@@ -294,6 +144,7 @@ class Endpoint:
         self.layout = layout
         self.name = name or f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.timeouts = timeouts or Timeouts.from_env()
+        self.limits = limits or Limits.from_env()
         self.max_run_bytes = max_run_bytes
         self.host = advertised_host(listen)
         if drivers is None:
@@ -306,20 +157,36 @@ class Endpoint:
         self.policy = policy if policy is not None else Policy.from_env(known=hellos)
         self.classes = classes
         self.drivers: dict[str, KVTransport] = {}
-        self._open_drivers(hellos, driver_options or {})
-        self.hello: Hello = build_hello(self._hellos, layout=layout, policy=self.policy, endpoint=self.name)
-        self._regions_doc = regions_to_dict(regions)
-        self.connections: dict[str, Connection] = {}
-        self._incoming: list[Connection] = []
+        self.runners: dict[str, DriverRunner] = {}
+        self.sessions: dict[str, Session] = {}
+        self._by_route: dict[Route, Session] = {}
+        self._incoming: collections.deque[Session] = collections.deque()
         self._incoming_cv = threading.Condition()
-        self._by_route: dict[Route, Connection] = {}
-        self._warned_routes: set[Route] = set()
-        self._last_ping = 0.0
+        self._warned: collections.OrderedDict[Any, None] = collections.OrderedDict()
         self._notices: collections.deque[tuple[str, bytes]] = collections.deque()
-        self._finished: collections.deque[tuple[float, Transfer]] = collections.deque()
+        self._batch_ids = itertools.count(1)
+        self.early_expects_total = 0
+        self.pending_handshakes = 0
         self._closed = False
-        self._channel = ControlChannel(listen, self._on_frame, self._on_tick)
-        self.address = self._channel.address
+        self._down: KVTransportError | None = None
+        self._open_drivers(hellos, driver_options or {})
+        try:
+            self.hello: Hello = build_hello(self._hellos, layout=layout, policy=self.policy, endpoint=self.name)
+            self._regions_doc = regions_to_dict(regions)
+            self.channel = ControlChannel(
+                listen,
+                self._on_frame,
+                max_message_bytes=max_message_bytes(),
+                frames_per_pass=self.limits.frames_per_pass,
+                max_queued_calls=self.limits.max_queued_calls,
+                on_crash=self._on_crash,
+            )
+        except BaseException:
+            self._close_drivers()
+            raise
+        self.address = self.channel.address
+        for name, driver in self.drivers.items():
+            self.runners[name] = DriverRunner(name, driver, self._post)
         log.debug("endpoint %s listening on %s", self.name, self.address)
 
     # -- set-up ----------------------------------------------------------------------------
@@ -334,21 +201,32 @@ class Endpoint:
             if cls is None or entry.status is None or not entry.status.serves(memory) or not allowed:
                 self._hellos[name] = entry
                 continue
+            driver: KVTransport | None = None
             try:
-                driver = cls(_Context(self, options))
+                driver = cls(_Context(self, name, options))
                 conn = driver.open(self.regions)
-            except KVTransportError as exc:
-                log.warning("driver %s could not open this endpoint's regions: %s", name, exc)
-                self._hellos[name] = _unavailable(entry, f"open() failed: {exc}")
-                continue
             except Exception as exc:
-                log.exception("driver %s crashed in open()", name)
-                self._hellos[name] = _unavailable(entry, f"open() raised {type(exc).__name__}: {exc}")
+                if isinstance(exc, KVTransportError):
+                    log.warning("driver %s could not open this endpoint's regions: %s", name, exc)
+                    reason = f"open() failed: {exc}"
+                else:
+                    log.exception("driver %s crashed in open()", name)
+                    reason = f"open() raised {type(exc).__name__}: {exc}"
+                self._hellos[name] = _unavailable(entry, reason)
+                if driver is not None:
+                    _close_quietly(name, driver)
                 continue
             self.drivers[name] = driver
             self._hellos[name] = DriverHello(
                 name, entry.distribution, entry.api_version, entry.capabilities, entry.status, "", conn
             )
+
+    def _close_drivers(self) -> None:
+        for name, runner in list(self.runners.items()):
+            if not runner.stop():
+                log.warning("driver %s: its thread is still inside the engine; closing it anyway", name)
+        for name, driver in list(self.drivers.items()):
+            _close_quietly(name, driver)
 
     # -- public API --------------------------------------------------------------------------
 
@@ -357,65 +235,97 @@ class Endpoint:
         which driver was chosen and why. Raises on refusal, mismatch or timeout."""
         timeout = self.timeouts.connect if timeout is None else timeout
         conn_id = uuid.uuid4().hex
-        holder: list[Connection] = []
+        started = threading.Event()
+        holder: list[Session | KVTransportError] = []
 
         def start() -> None:
-            route = self._channel.connect(address)
-            conn = Connection(self, conn_id, route, address, address, initiator=True)
-            self.connections[conn_id] = conn
-            self._by_route[route] = conn
-            holder.append(conn)
-            self._channel.send(
-                route, encode("hello", conn=conn_id, hello=self.hello.to_dict(), regions=self._regions_doc)
-            )
+            try:
+                if len(self.sessions) >= self.limits.max_connections:
+                    raise ConnectError(
+                        f"{self.name} already has {len(self.sessions)} connections (KVTRANSPORT_MAX_CONNECTIONS)"
+                    )
+                try:
+                    route = self.channel.connect(address, conn_id)
+                except Exception as exc:
+                    raise ConnectError(f"cannot connect to {address!r}: {exc}") from exc
+                session = Session(self, conn_id, route, address, address, initiator=True)
+                self._file(session)
+                holder.append(session)
+                session.send("hello", conn=conn_id, hello=self.hello.to_dict(), regions=self._regions_doc)
+            except KVTransportError as exc:
+                holder.append(exc)
+            finally:
+                started.set()
 
-        self._call(start)
-        deadline = time.monotonic() + timeout
-        while not holder and time.monotonic() < deadline:
-            time.sleep(0.001)
-        if not holder:
-            raise ConnectError(f"could not start connecting to {address}")
-        conn = holder[0]
-        if not conn.ready.wait(max(0.0, deadline - time.monotonic())):
-            self._call(lambda: self._drop(conn))
+        self.call(start)
+        if not started.wait(timeout) or not holder:
+            raise ConnectError(f"could not start connecting to {address}: the endpoint's I/O thread is busy")
+        if isinstance(holder[0], KVTransportError):
+            raise holder[0]
+        session = holder[0]
+        if not session.ready.wait(max(0.0, timeout)):
+            self.call(lambda: self.end_session(session, ConnectError(f"gave up connecting to {address}"), notify=False))
             raise ConnectError(f"no handshake answer from {address} within {timeout} s (is an endpoint listening?)")
-        if conn.error is not None:
-            raise conn.error
-        return conn
+        if session.phase is not Phase.READY:
+            raise session.error or ConnectError(f"connection to {address} failed")
+        return session.handle
 
     def accept(self, timeout: float | None = None) -> Connection:
         """The next connection a peer opened to this endpoint."""
         with self._incoming_cv:
             if not self._incoming_cv.wait_for(lambda: bool(self._incoming), timeout):
                 raise ConnectError(f"no peer connected within {timeout} s")
-            return self._incoming.pop(0)
+            return self._incoming.popleft().handle
 
     def announced(self, tag: str) -> Connection | None:
         """The live connection whose receiver announced pages for ``tag`` (a sender that
         serves many receivers learns here which one a request belongs to), or ``None`` yet."""
-        for conn in list(self.connections.values()):
-            if conn.alive and conn.decision is not None and (tag in conn.early_expects or tag in conn.early_aborts):
-                return conn
+        for session in list(self.sessions.values()):
+            if session.phase is Phase.READY and (tag in session.early_expects or tag in session.early_aborts):
+                return session.handle
         return None
 
+    @property
+    def connections(self) -> dict[str, Connection]:
+        """A snapshot of the live connections, by id."""
+        return {k: s.handle for k, s in list(self.sessions.items())}
+
+    def stats(self) -> dict[str, int]:
+        """What the endpoint holds now (tests compare it with a baseline; nothing here grows
+        with the number of peers served in the past)."""
+        sessions = list(self.sessions.values())
+        return {
+            "sessions": len(sessions),
+            "routes": len(self._by_route),
+            "incoming": len(self._incoming),
+            "pending_handshakes": self.pending_handshakes,
+            "transfers": sum(len(s.transfers) for s in sessions),
+            "early_expects": self.early_expects_total,
+            "early_aborts": sum(len(s.early_aborts) for s in sessions),
+            "timers": len(self.channel.timers),
+            "dealers": self.channel.dealer_count,
+            "warned": len(self._warned),
+            "watches": sum(r.watching for r in self.runners.values()),
+            "handles": sum(_pending_handles(d) for d in self.drivers.values()),
+        }
+
     def close(self) -> None:
-        """Tell peers, fail what is in flight, release every driver. Idempotent."""
+        """Tell peers, fail what is in flight, release every driver. Idempotent; never raises."""
         if self._closed:
             return
         self._closed = True
 
         def final() -> None:
-            for conn in list(self.connections.values()):
-                if conn.alive:
-                    self._channel.send(conn.route, encode("bye", reason="endpoint closed"))
-                self._fail_connection(conn, TransferAborted(f"endpoint {self.name} closed"), notify=False)
+            for session in list(self.sessions.values()):
+                if session.phase is Phase.READY:
+                    session.send("bye", reason="endpoint closed")
+                self.end_session(session, TransferAborted(f"endpoint {self.name} closed"), notify=False)
 
-        self._channel.close(final)
-        for name, driver in self.drivers.items():
-            try:
-                driver.close()
-            except Exception:
-                log.exception("driver %s failed to close", name)
+        try:
+            self.channel.close(final)
+        except Exception:
+            log.exception("closing the control channel failed")
+        self._close_drivers()
 
     def __enter__(self) -> Endpoint:
         return self
@@ -423,445 +333,362 @@ class Endpoint:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- caller-thread halves of the transfer API --------------------------------------------
+    # -- any thread --------------------------------------------------------------------------
 
-    def _call(self, fn: Any) -> None:
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the I/O thread (soon)."""
         if self._closed:
             raise KVTransportError(f"endpoint {self.name} is closed")
-        self._channel.call_soon(fn)
+        if self._down is not None:
+            raise self._down
+        try:
+            self.channel.call_soon(fn)
+        except ChannelDown as exc:
+            raise self._down or EndpointDown(f"endpoint {self.name}: {exc}") from exc
 
-    def _expect(self, conn: Connection, tag: str, dst_pages: Any, aux: int | None) -> Transfer:
-        pages = as_pages(dst_pages, f"transfer {tag!r} destination")
-        check_pages(pages, self.regions.num_pages, f"transfer {tag!r} destination")
-        check_unique(pages, f"transfer {tag!r} destination")
-        if aux is not None:
-            self._check_aux(aux, self.regions, f"transfer {tag!r} destination aux")
-        transfer = Transfer(conn, tag, "recv", State.WAITING_FOR_INPUT)
+    # Kept for callers of the first API.
+    _call = call
 
-        def announce() -> None:
-            if not self._register(conn, transfer):
-                return
-            self._channel.send(
-                conn.route, encode("expect", tag=tag, pages=pages.tobytes(), aux=-1 if aux is None else int(aux))
-            )
+    def _post(self, fn: Callable[[], None]) -> None:
+        """From a runner thread: a driver call's result, to the I/O thread."""
+        self.channel.call_soon(fn)
 
-        self._call(announce)
-        return transfer
+    def queue_notice(self, peer: str, payload: bytes) -> None:
+        # Queued in order; the I/O thread flushes the queue before it sends any "done", so a
+        # notice a driver sent before reporting a batch complete always reaches the peer before
+        # the "done" that follows that batch.
+        data = encode("notice", payload=payload)
+        self._notices.append((peer, data))
+        if self.channel.in_io_thread():
+            self.flush_notices()
+        else:
+            self.channel.call_soon(self.flush_notices)
 
-    def _sender(self, conn: Connection, tag: str) -> Transfer:
-        transfer = Transfer(conn, tag, "send", State.BOOTSTRAPPING)
+    def check_inbound(self, peer: str, dst: U64, length: U64) -> None:
+        """Driver thread: raise unless every piece lands in pages announced to ``peer``."""
+        from .errors import InvalidPages
 
-        def register() -> None:
-            if not self._register(conn, transfer):
-                return
-            early = conn.early_expects.pop(tag, None)
-            if early is not None:
-                self._on_expect(conn, early)
-
-        self._call(register)
-        return transfer
-
-    def _register(self, conn: Connection, transfer: Transfer) -> bool:
-        """I/O thread: file ``transfer`` under its tag; fail it at once if it cannot proceed."""
-        if transfer.tag in conn.transfers:
-            transfer._set(State.FAILED, KVTransportError(f"tag {transfer.tag!r} is already in use on this connection"))
-            return False
-        conn.transfers[transfer.tag] = transfer
-        if not conn.alive:
-            transfer._set(State.FAILED, conn.error or PeerLost(f"peer {conn.peer_label} is gone"))
-            return False
-        reason = conn.early_aborts.pop(transfer.tag, None)
-        if reason is not None:
-            transfer._set(
-                State.FAILED,
-                TransferAborted(f"transfer {transfer.tag!r} aborted by peer {conn.peer_label}: {reason}"),
-            )
-            return False
-        return True
-
-    def _check_aux(self, index: int, regions: RegionSet, what: str) -> None:
-        if not regions.aux:
-            raise InvalidPages(f"{what}: no aux regions are registered")
-        check_pages(np.array([index], dtype=np.int64), min(r.num_items for r in regions.aux), what)
-
-    def _send_chunk(self, transfer: Transfer, src_pages: Any, last: bool, aux: int | None) -> None:
-        conn = transfer.connection
-        if transfer.state.final:
-            raise transfer.error or KVTransportError(f"transfer {transfer.tag!r} already finished")
-        if transfer.dst_pages is None:
-            raise KVTransportError(
-                f"transfer {transfer.tag!r} is {transfer.state.name}: the receiver has not announced "
-                "its pages yet; poll until WAITING_FOR_INPUT"
-            )
-        if transfer.last_planned:
-            raise KVTransportError(f"transfer {transfer.tag!r}: the last chunk was already sent")
-        assert conn.peer_regions is not None
-        src = as_pages(src_pages, f"transfer {transfer.tag!r} source")
-        start, stop = transfer.sent_pages, transfer.sent_pages + src.size
-        announced = transfer.dst_pages.size
-        if stop > announced or (last and stop != announced):
-            raise InvalidPages(
-                f"transfer {transfer.tag!r}: the receiver announced {announced} pages; this chunk "
-                f"would make {stop}{' (the last chunk must complete them)' if last else ''}"
-            )
-        runs = plan(
-            self.regions.kv, conn.peer_regions.kv, src, transfer.dst_pages[start:stop], max_run_bytes=self.max_run_bytes
-        )
-        if last and aux is not None:
-            if transfer.dst_aux < 0:
-                raise InvalidPages(f"transfer {transfer.tag!r}: aux sent but the receiver announced no aux slot")
-            self._check_aux(aux, self.regions, f"transfer {transfer.tag!r} source aux")
-            runs = Runs.concat([runs, plan(self.regions.aux, conn.peer_regions.aux, [aux], [transfer.dst_aux])])
-        transfer.sent_pages = stop
-        transfer.last_planned = last
-        self._call(lambda: self._submit(transfer, runs, last))
+        session = self.sessions.get(peer)
+        if session is None or session.phase is not Phase.READY:
+            raise InvalidPages(f"inbound data from {peer!r}, which is not connected")
+        guard = session.guard
+        if guard is None:
+            raise InvalidPages(f"inbound data from {session.peer_label}, which was announced nothing")
+        guard.check(np.asarray(dst, dtype=np.uint64), np.asarray(length, dtype=np.uint64), "staged chunk destination")
 
     # -- I/O thread ----------------------------------------------------------------------------
 
-    def _submit(self, transfer: Transfer, runs: Runs, last: bool) -> None:
-        conn = transfer.connection
-        if transfer.state.final:
-            return
-        transfer._set(State.TRANSFERRING)
-        transfer.last_sent = last
-        assert conn.driver is not None
-        if len(runs):
-            try:
-                transfer.handles.add(conn.driver.submit(conn.id, runs))
-            except KVTransportError as exc:
-                self._abort(
-                    transfer, f"{conn.decision.driver if conn.decision else 'driver'}: {exc}", notify=True, error=exc
-                )
-                return
-            transfer.bytes += runs.total_bytes
-        self._progress(transfer)
+    def next_batch_id(self) -> int:
+        return next(self._batch_ids)
 
-    def _progress(self, transfer: Transfer) -> None:
-        conn = transfer.connection
-        assert conn.driver is not None
-        for handle in list(transfer.handles):
-            try:
-                done = conn.driver.poll(handle)
-            except KVTransportError as exc:
-                transfer.handles.discard(handle)
-                self._abort(
-                    transfer, f"{conn.decision.driver if conn.decision else 'driver'}: {exc}", notify=True, error=exc
-                )
-                return
-            if done:
-                transfer.handles.discard(handle)
-        if transfer.last_sent and not transfer.handles and transfer.state is State.TRANSFERRING:
-            self._flush_notices()
-            self._channel.send(conn.route, encode("done", tag=transfer.tag, bytes=transfer.bytes))
-            transfer._set(State.SUCCESS)
-
-    def _abort(
-        self,
-        transfer: Transfer,
-        reason: str,
-        *,
-        notify: bool,
-        local: bool = False,
-        error: KVTransportError | None = None,
-    ) -> None:
-        if transfer.state.final:
-            return
-        conn = transfer.connection
-        for handle in transfer.handles:
-            if conn.driver is not None:
-                try:
-                    conn.driver.abort(handle)
-                except Exception:
-                    log.exception("driver abort failed")
-        transfer.handles.clear()
-        if error is None:
-            error = TransferAborted(f"transfer {transfer.tag!r} aborted {'locally' if local else ''}: {reason}")
-        transfer._set(State.FAILED, error)
-        if notify and conn.alive:
-            self._channel.send(conn.route, encode("abort", tag=transfer.tag, reason=reason))
-
-    def _flush_notices(self) -> None:
+    def flush_notices(self) -> None:
         while self._notices:
             peer, data = self._notices.popleft()
-            self._send_to_conn_id(peer, data)
+            session = self.sessions.get(peer)
+            if session is not None and session.phase is Phase.READY:
+                self.channel.send(session.route, data)
 
-    def _send_to_conn_id(self, conn_id: str, data: bytes) -> None:
-        conn = self.connections.get(conn_id)
-        if conn is not None and conn.alive:
-            self._channel.send(conn.route, data)
+    def _file(self, session: Session) -> None:
+        self.sessions[session.id] = session
+        self._by_route[session.route] = session
+
+    def end_session(self, session: Session, error: KVTransportError, *, notify: bool) -> None:
+        """Close ``session`` and forget it with everything it held."""
+        session.close(error, notify=notify)
+        if self.sessions.get(session.id) is session:
+            del self.sessions[session.id]
+        if self._by_route.get(session.route) is session:
+            del self._by_route[session.route]
+        self.channel.disconnect(session.route)
+        with self._incoming_cv:
+            if session in self._incoming:
+                self._incoming.remove(session)
+
+    def _on_crash(self, exc: BaseException) -> None:
+        """The I/O thread is dying: fail everything so no caller waits for a timeout."""
+        self._down = EndpointDown(f"endpoint {self.name}: its I/O thread stopped ({type(exc).__name__}: {exc})")
+        for session in list(self.sessions.values()):
+            try:
+                self.end_session(session, self._down, notify=False)
+            except Exception:
+                log.exception("failing a session after the I/O thread stopped")
 
     def _on_frame(self, route: Route, frame: bytes) -> None:
-        conn = self._by_route.get(route)
-        if conn is not None:
-            conn.last_seen = time.monotonic()
+        session = self._by_route.get(route)
+        if session is not None:
+            session.last_seen = time.monotonic()
         try:
             msg = decode(frame)
         except ProtocolError as exc:
-            self._warn_once(route, f"bad control message from {self._describe(route)}: {exc}")
+            self._violation(route, session, f"bad control message from {self._describe(route)}: {exc}")
+            return
+        if session is not None and session.held is not None and msg.type not in ("welcome", "refuse", "ping"):
+            # Initiator between welcome and its driver's connect: the acceptor is ready and may
+            # already talk; keep what it says for when this side is ready too.
+            if len(session.held) < MAX_HELD:
+                session.held.append(msg)
+            else:
+                self._violation(
+                    route, session, f"{self._describe(route)} sent {MAX_HELD} messages during the handshake"
+                )
             return
         try:
             if msg.type == "hello":
-                self._on_hello(route, msg)
-            elif conn is None:
+                self._on_hello(route, session, msg)
+            elif session is None:
                 self._warn_once(route, f"{msg.type} message from {self._describe(route)} before any handshake")
             else:
-                self._dispatch(conn, msg)
-        except ProtocolError as exc:
-            self._warn_once(route, f"invalid {msg.type} message from {self._describe(route)}: {exc}")
-
-    def _dispatch(self, conn: Connection, msg: Message) -> None:
-        kind = msg.type
-        if kind == "welcome":
-            self._on_welcome(conn, msg)
-        elif kind == "refuse":
-            conn.error = NegotiationError(f"{conn.peer_address} refused the connection: {msg['reason']}")
-            conn.alive = False
-            conn.ready.set()
-        elif kind == "expect":
-            self._on_expect(conn, msg)
-        elif kind == "done":
-            t = conn.transfers.get(msg["tag"])
-            if t is None:
-                # A transfer this side already failed and forgot (timeout, abort): a benign race.
-                log.debug("done for %r from %s, which is no longer tracked", msg["tag"], conn.peer_label)
-                return
-            if t.role != "recv":
-                raise ProtocolError(f"done for transfer {msg['tag']!r}, which this side sends")
-            t.bytes = int(msg["bytes"])
-            t.peer_done = True
-            self._finish_receive(conn, t)
-        elif kind == "abort":
-            t = conn.transfers.get(msg["tag"])
-            if t is not None:
-                self._abort(
-                    t,
-                    f"aborted by peer {conn.peer_label}: {msg['reason']}",
-                    notify=False,
-                    error=TransferAborted(f"transfer {t.tag!r} aborted by peer {conn.peer_label}: {msg['reason']}"),
+                self._dispatch(session, msg)
+        except KVTransportError as exc:
+            self._violation(route, session, f"invalid {msg.type} message from {self._describe(route)}: {exc}", msg)
+        except Exception as exc:
+            # A bug of ours (or a driver's) on this message: this session can no longer be
+            # trusted to be in a consistent state, every other one can.
+            log.exception("kvtransport: handling a %s message from %s failed", msg.type, self._describe(route))
+            if session is not None:
+                self.end_session(
+                    session, ProtocolError(f"internal error on a {msg.type} message: {type(exc).__name__}"), notify=True
                 )
-            else:
-                conn.early_expects.pop(msg["tag"], None)
-                conn.early_aborts[msg["tag"]] = str(msg["reason"])
-                while len(conn.early_aborts) > MAX_EARLY_ABORTS:
-                    conn.early_aborts.pop(next(iter(conn.early_aborts)))
-        elif kind == "notice":
-            if conn.driver is None:
-                raise ProtocolError("notice before the driver was connected")
-            conn.driver.on_notice(conn.id, msg["payload"])
-        elif kind == "bye":
-            self._fail_connection(
-                conn, PeerLost(f"peer {conn.peer_label} closed its endpoint ({msg['reason']})"), notify=False
+
+    def _violation(self, route: Route, session: Session | None, text: str, msg: Message | None = None) -> None:
+        """A peer broke the protocol: fail the transfer it named, count a strike on its session."""
+        self._warn_once(route, text)
+        if session is None or session.phase is Phase.CLOSED:
+            return
+        tag = msg.fields.get("tag") if msg is not None else None
+        t = session.transfers.get(tag) if isinstance(tag, str) else None
+        if t is not None and not t.state.final:
+            session.abort(t, text, notify=True, error=ProtocolError(text))
+        session.strikes += 1
+        if session.strikes >= MAX_STRIKES:
+            session.send("bye", reason=f"{MAX_STRIKES} protocol violations")
+            self.end_session(
+                session, ProtocolError(f"{session.peer_label}: {MAX_STRIKES} protocol violations"), notify=False
             )
+
+    def _dispatch(self, session: Session, msg: Message) -> None:
+        kind = msg.type
+        if session.phase is Phase.HANDSHAKE:
+            if kind == "welcome" and session.initiator:
+                self._on_welcome(session, msg)
+            elif kind == "refuse" and session.initiator:
+                self.end_session(
+                    session,
+                    NegotiationError(f"{session.peer_address} refused the connection: {msg['reason']}"),
+                    notify=False,
+                )
+            elif kind != "ping":
+                raise ProtocolError(f"{kind} before the handshake finished")
+            return
+        if kind == "expect":
+            session.on_expect(msg)
+        elif kind == "done":
+            session.on_done(msg)
+        elif kind == "abort":
+            session.on_abort(msg)
+        elif kind == "notice":
+            session.on_notice(msg)
+        elif kind == "bye":
+            self.end_session(
+                session, PeerLost(f"peer {session.peer_label} closed its endpoint ({msg['reason']})"), notify=False
+            )
+        elif kind in ("hello", "welcome", "refuse"):
+            raise ProtocolError(f"{kind} on a connection that is already open")
         # "ping" needs nothing beyond last_seen
 
-    def _finish_receive(self, conn: Connection, t: Transfer) -> None:
-        """Success once the bytes are in this KV pool: for a two-sided driver, only after its
-        inbound work (e.g. the copy-in from a staging ring) has drained."""
-        assert conn.driver is not None
-        try:
-            idle = conn.driver.inbound_idle(conn.id)
-        except KVTransportError as exc:
-            # The driver found the peer's inbound data unusable (e.g. a chunk notice pointing
-            # outside this pool): nothing from that peer can be trusted to be in place.
-            self._fail_connection(conn, exc, notify=True)
-            return
-        if idle:
-            t._set(State.SUCCESS)
-        elif t.state is State.WAITING_FOR_INPUT:
-            t._set(State.TRANSFERRING)
+    # -- handshake ---------------------------------------------------------------------------
 
-    def _on_hello(self, route: Route, msg: Message) -> None:
+    def _on_hello(self, route: Route, existing: Session | None, msg: Message) -> None:
         conn_id = msg["conn"]
+
+        def refuse(reason: str) -> None:
+            log.warning("refusing connection from %s: %s", self._describe(route), reason)
+            self.channel.send(route, encode("refuse", conn=conn_id, reason=reason))
+
+        if existing is not None:
+            refuse("this socket already carries a connection")
+            return
+        if conn_id in self.sessions:
+            refuse(f"connection id {conn_id[:16]!r} is in use")
+            return
+        if len(self.sessions) >= self.limits.max_connections:
+            refuse(f"{self.name} has {len(self.sessions)} connections, its limit (KVTRANSPORT_MAX_CONNECTIONS)")
+            return
+        if self.pending_handshakes >= self.limits.max_pending_handshakes:
+            refuse(f"{self.name} is busy with {self.pending_handshakes} handshakes; try again")
+            return
         try:
-            peer_hello = Hello.from_dict(msg["hello"])
-            peer_regions = regions_from_dict(msg["regions"])
-            decision = negotiate(peer_hello, self.hello, self.classes)
+            peer_hello, peer_regions = read_peer(msg["hello"], msg["regions"])
+            decision = decide(peer_hello, self.hello, self.classes)
             driver = self.drivers.get(decision.driver)
             if driver is None:
                 raise NegotiationError(f"{decision.driver} was chosen but is not open on {self.name}")
             peer_info = peer_hello.drivers[decision.driver].conn
-            driver.connect(conn_id, peer_info, peer_regions)
         except KVTransportError as exc:
-            log.warning("refusing connection from %s: %s", self._describe(route), exc)
-            self._channel.send(route, encode("refuse", conn=conn_id, reason=f"{type(exc).__name__}: {exc}"))
+            refuse(f"{type(exc).__name__}: {exc}")
             return
-        conn = Connection(
-            self,
-            conn_id,
-            route,
-            peer_hello.label(),
-            "",
-            initiator=False,
-            decision=decision,
-            peer_regions=peer_regions,
-            driver=driver,
-        )
-        self.connections[conn_id] = conn
-        self._by_route[route] = conn
-        log.info("accepted %s from %s: %s", conn_id[:8], conn.peer_label, decision.summary())
-        self._channel.send(
-            route,
-            encode(
+        session = Session(self, conn_id, route, label_of(peer_hello), "", initiator=False)
+        self._set_driver(session, decision, driver, peer_regions)
+        self._file(session)
+        self.pending_handshakes += 1
+
+        def connected(_: Any, error: KVTransportError | None) -> None:
+            self.pending_handshakes -= 1
+            if session.phase is Phase.CLOSED:
+                return
+            if error is not None:
+                refuse(f"{type(error).__name__}: {error}")
+                self.end_session(session, error, notify=False)
+                return
+            session.send(
                 "welcome",
                 conn=conn_id,
                 hello=self.hello.to_dict(),
                 regions=self._regions_doc,
                 decision=decision.to_dict(),
-            ),
-        )
-        conn.ready.set()
-        with self._incoming_cv:
-            self._incoming.append(conn)
-            self._incoming_cv.notify_all()
+            )
+            self._ready(session)
+            log.info("accepted %s from %s: %s", conn_id[:8], session.peer_label, decision.summary())
+            with self._incoming_cv:
+                self._incoming.append(session)
+                self._incoming_cv.notify_all()
 
-    def _on_welcome(self, conn: Connection, msg: Message) -> None:
+        self._connect_driver(session, peer_info, peer_regions, connected)
+
+    def _on_welcome(self, session: Session, msg: Message) -> None:
+        if session.decision is not None:
+            raise ProtocolError("a second welcome")
         try:
-            peer_hello = Hello.from_dict(msg["hello"])
-            conn.peer_label = peer_hello.label()
-            conn.peer_regions = regions_from_dict(msg["regions"])
-            decision = negotiate(self.hello, peer_hello, self.classes)
-            theirs = msg["decision"]
-            if (theirs.get("driver"), theirs.get("path")) != (decision.driver, decision.path.value):
-                raise DecisionMismatch(
-                    f"{conn.peer_label} chose {theirs.get('driver')} ({theirs.get('path')}), this side "
-                    f"computes {decision.driver} ({decision.path.value}); are both sides running the same "
-                    "kvtransport and driver versions?"
-                )
-            driver = self.drivers[decision.driver]
-            driver.connect(conn.id, peer_hello.drivers[decision.driver].conn, conn.peer_regions)
+            peer_hello, peer_regions = read_peer(msg["hello"], msg["regions"])
+            session.peer_label = label_of(peer_hello)
+            decision = decide(self.hello, peer_hello, self.classes)
+            check_agreement(msg["decision"], decision, session.peer_label)
+            driver = self.drivers.get(decision.driver)
+            if driver is None:
+                raise NegotiationError(f"{decision.driver} was chosen but is not open on {self.name}")
+            peer_info = peer_hello.drivers[decision.driver].conn
         except KVTransportError as exc:
-            conn.error = exc
-            conn.alive = False
-            self._channel.send(conn.route, encode("bye", reason=f"handshake failed: {exc}"))
-        except KeyError as exc:
-            conn.error = NegotiationError(f"handshake with {conn.peer_label} failed: missing {exc}")
-            conn.alive = False
-        else:
-            conn.decision, conn.driver = decision, driver
-            log.info("connected %s to %s: %s", conn.id[:8], conn.peer_label, decision.summary())
-        conn.ready.set()
-
-    def _on_expect(self, conn: Connection, msg: Message) -> None:
-        tag = msg["tag"]
-        t = conn.transfers.get(tag)
-        if t is None:
-            conn.early_expects[tag] = msg
-            if len(conn.early_expects) > MAX_EARLY_EXPECTS:
-                dropped = next(iter(conn.early_expects))
-                conn.early_expects.pop(dropped)
-                log.warning(
-                    "%s announced more than %d transfers nobody sends; forgetting the oldest (%r)",
-                    conn.peer_label,
-                    MAX_EARLY_EXPECTS,
-                    dropped,
-                )
+            session.send("bye", reason=f"handshake failed: {exc}")
+            self.end_session(session, exc, notify=False)
             return
-        if t.role != "send" or t.dst_pages is not None:
-            self._channel.send(conn.route, encode("abort", tag=tag, reason="duplicate announcement"))
+        self._set_driver(session, decision, driver, peer_regions)
+        session.held = []
+
+        def connected(_: Any, error: KVTransportError | None) -> None:
+            held, session.held = session.held or [], None
+            if session.phase is Phase.CLOSED:
+                return
+            if error is not None:
+                session.send("bye", reason=f"handshake failed: {error}")
+                self.end_session(session, error, notify=False)
+                return
+            self._ready(session)
+            log.info("connected %s to %s: %s", session.id[:8], session.peer_label, decision.summary())
+            for early in held:
+                try:
+                    self._dispatch(session, early)
+                except KVTransportError as exc:
+                    self._violation(session.route, session, f"invalid {early.type} message: {exc}", early)
+
+        self._connect_driver(session, peer_info, peer_regions, connected)
+
+    def _set_driver(self, session: Session, decision: Any, driver: KVTransport, peer_regions: RegionSet) -> None:
+        session.decision, session.driver, session.peer_regions = decision, driver, peer_regions
+        session.runner = self.runners[decision.driver]
+        session.two_sided = type(driver).capabilities.two_sided
+
+    def _connect_driver(
+        self,
+        session: Session,
+        info: bytes,
+        peer_regions: RegionSet,
+        then: Callable[[Any, KVTransportError | None], None],
+    ) -> None:
+        """``driver.connect`` on the driver's thread (it may block on the engine), bounded by
+        the connect timeout; ``then`` runs on the I/O thread."""
+        assert session.runner is not None and session.driver is not None
+        driver, conn_id = session.driver, session.id
+        answered = [False]
+
+        def once(result: Any, error: KVTransportError | None) -> None:
+            if not answered[0]:
+                answered[0] = True
+                self.channel.timers.cancel(session.handshake_timer)
+                then(result, error)
+
+        session.handshake_timer = self.channel.timers.call_later(
+            self.timeouts.connect,
+            lambda: once(None, DriverError(f"{driver.name}.connect() took longer than {self.timeouts.connect} s")),
+        )
+        if not isinstance(info, bytes):
+            once(None, ProtocolError("the peer's driver connection info is not bytes"))
             return
-        raw = msg["pages"]
-        assert conn.peer_regions is not None
-        try:
-            if len(raw) % 8:
-                raise InvalidPages(f"page list of {len(raw)} bytes is not a whole number of int64")
-            pages = np.frombuffer(raw, dtype=np.int64).copy()
-            check_pages(pages, conn.peer_regions.num_pages, f"pages announced by {conn.peer_label}")
-            check_unique(pages, f"pages announced by {conn.peer_label}")
-            if msg["aux"] >= 0:
-                self._check_aux(msg["aux"], conn.peer_regions, f"aux slot announced by {conn.peer_label}")
-        except InvalidPages as exc:
-            self._abort(t, str(exc), notify=True, error=exc)
-            return
-        t.dst_pages, t.dst_aux = pages, int(msg["aux"])
-        t._set(State.WAITING_FOR_INPUT)
+        # From here the driver may know the peer: closing the session disconnects it (queued
+        # behind this connect, so it runs after it whatever the order of events).
+        session.connect_queued = True
+        session.runner.call(lambda: driver.connect(conn_id, info, peer_regions), once)
 
-    def _fail_connection(self, conn: Connection, error: KVTransportError, *, notify: bool) -> None:
-        was_alive = conn.alive
-        for t in list(conn.transfers.values()):
-            self._abort(t, str(error), notify=notify, error=error)
-        conn.alive = False
-        conn.error = conn.error or error
-        if was_alive and conn.driver is not None:
-            try:
-                conn.driver.disconnect(conn.id)
-            except Exception:
-                log.exception("driver disconnect failed")
-        conn.ready.set()
+    def _ready(self, session: Session) -> None:
+        session.phase = Phase.READY
+        session.last_seen = time.monotonic()
+        self._schedule_heartbeat(session)
+        session.ready.set()
 
-    def _drop(self, conn: Connection) -> None:
-        self._fail_connection(conn, ConnectError(f"gave up connecting to {conn.peer_address}"), notify=False)
-        self._by_route.pop(conn.route, None)
-        self._channel.disconnect(conn.route)
-
-    def _forget_finished(self, now: float) -> None:
-        """Drop transfers that finished ``retain_finished`` ago, so a long-running endpoint does
-        not grow with every request it ever served."""
-        while self._finished and self._finished[0][0] <= now:
-            _, t = self._finished.popleft()
-            conn = t.connection
-            if conn.transfers.get(t.tag) is t:
-                del conn.transfers[t.tag]
-
-    def _on_tick(self) -> None:
-        now = time.monotonic()
-        self._forget_finished(now)
-        ping_due = now - self._last_ping >= self.timeouts.heartbeat_interval
-        if ping_due:
-            self._last_ping = now
-        for conn in list(self.connections.values()):
-            if not conn.alive or conn.decision is None:
-                continue
-            if now - conn.last_seen > self.timeouts.heartbeat_timeout:
-                self._fail_connection(
-                    conn,
+    def _schedule_heartbeat(self, session: Session) -> None:
+        def beat() -> None:
+            if session.phase is not Phase.READY:
+                return
+            now = time.monotonic()
+            silent = now - session.last_seen
+            if silent > self.timeouts.heartbeat_timeout:
+                self.end_session(
+                    session,
                     PeerLost(
-                        f"peer {conn.peer_label} stopped answering: no message for "
-                        f"{now - conn.last_seen:.1f} s (heartbeat timeout {self.timeouts.heartbeat_timeout} s)"
+                        f"peer {session.peer_label} stopped answering: no message for {silent:.1f} s "
+                        f"(heartbeat timeout {self.timeouts.heartbeat_timeout} s)"
                     ),
                     notify=False,
                 )
-                continue
-            if ping_due:
-                self._channel.send(conn.route, encode("ping", seq=int(now * 1000)))
-            for t in list(conn.transfers.values()):
-                if t.role == "recv" and t.peer_done and not t.state.final:
-                    self._finish_receive(conn, t)
-                elif t.state is State.TRANSFERRING:
-                    self._progress(t)
-                self._check_timeout(t, now)
+                return
+            session.send("ping", seq=int(now * 1000))
+            session.heartbeat = self.channel.timers.call_later(self.timeouts.heartbeat_interval, beat)
 
-    def _check_timeout(self, t: Transfer, now: float) -> None:
-        limits = {
-            State.BOOTSTRAPPING: self.timeouts.bootstrap,
-            State.WAITING_FOR_INPUT: self.timeouts.waiting + (self.timeouts.transfer if t.role == "recv" else 0.0),
-            State.TRANSFERRING: self.timeouts.transfer,
-        }
-        limit = limits.get(t.state)
-        if limit is not None and now - t._since > limit:
-            state = t.state.name
-            self._abort(
-                t,
-                f"timed out in {state} after {limit:g} s",
-                notify=True,
-                error=TransferTimeout(f"transfer {t.tag!r} spent more than {limit:g} s in {state}"),
-            )
+        session.heartbeat = self.channel.timers.call_later(self.timeouts.heartbeat_interval, beat)
+
+    # -- logging -----------------------------------------------------------------------------
 
     def _warn_once(self, route: Route, text: str) -> None:
-        if route not in self._warned_routes:
-            self._warned_routes.add(route)
+        key = route[1] if route[0] == "in" else route
+        if key not in self._warned:
+            self._warned[key] = None
+            while len(self._warned) > self.limits.max_warned_peers:
+                self._warned.popitem(last=False)
             log.warning("%s (further problems from this peer are logged at DEBUG)", text)
         else:
             log.debug("%s", text)
 
     def _describe(self, route: Route) -> str:
-        conn = self._by_route.get(route)
-        if conn is not None:
-            return f"{conn.peer_label}"
-        return route[1] if route[0] == "out" else f"peer {bytes(route[1]).hex()}"
+        session = self._by_route.get(route)
+        if session is not None:
+            return session.peer_label or session.peer_address
+        return str(route[1]) if route[0] == "out" else f"peer {bytes(route[1]).hex()}"
 
 
 def _unavailable(entry: DriverHello, reason: str) -> DriverHello:
-    from .driver import DriverStatus
+    return DriverHello(
+        entry.name, entry.distribution, entry.api_version, entry.capabilities, DriverStatus(False, reason)
+    )
 
-    status = DriverStatus(False, reason)
-    return DriverHello(entry.name, entry.distribution, entry.api_version, entry.capabilities, status)
+
+def _close_quietly(name: str, driver: KVTransport) -> None:
+    try:
+        driver.close()
+    except Exception:
+        log.exception("driver %s failed to close", name)
+
+
+def _pending_handles(driver: KVTransport) -> int:
+    try:
+        return int(driver.pending())
+    except Exception:  # noqa: BLE001 - diagnostics only
+        return -1

@@ -17,7 +17,7 @@ from typing import Any
 
 from .errors import MemoryLayoutError
 
-_CUDA_KIND = re.compile(r"^cuda:(\d+)$")
+_CUDA_KIND = re.compile(r"^cuda:(\d{1,4})$")
 
 
 @dataclass(frozen=True, order=True)
@@ -54,6 +54,10 @@ class MemoryKind:
 
 HOST = MemoryKind(None)
 
+#: No region may end past this address: every address and length the core handles then fits in
+#: int64, and sums of two of them cannot wrap around in uint64.
+MAX_ADDRESS = 1 << 63
+
 
 def cuda(device: int) -> MemoryKind:
     return MemoryKind(device)
@@ -77,6 +81,8 @@ class Region:
             raise MemoryLayoutError(f"{label}: zero or negative length {self.length}")
         if self.item_len <= 0:
             raise MemoryLayoutError(f"{label}: item length must be positive, got {self.item_len}")
+        if self.ptr + self.length > MAX_ADDRESS:
+            raise MemoryLayoutError(f"{label}: ends past 2**63 (pointer {self.ptr:#x}, length {self.length})")
         if self.length % self.item_len:
             raise MemoryLayoutError(
                 f"{label}: item length {self.item_len} does not divide region length "
@@ -103,15 +109,24 @@ class Region:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Region:
         try:
+            if not isinstance(data, Mapping):
+                raise TypeError(f"a region must be a mapping, got {type(data).__name__}")
+            numbers = {k: data[k] for k in ("ptr", "length", "item_len")}
+            for key, value in numbers.items():
+                if not isinstance(value, int) or isinstance(value, bool):
+                    raise TypeError(f"{key} must be an integer, got {type(value).__name__}")
+            name = data.get("name", "")
+            if not isinstance(name, str) or len(name) > 256:
+                raise TypeError("name must be a string of at most 256 characters")
             return cls(
-                ptr=int(data["ptr"]),
-                length=int(data["length"]),
+                ptr=numbers["ptr"],
+                length=numbers["length"],
                 kind=MemoryKind.parse(str(data["kind"])),
-                item_len=int(data["item_len"]),
-                name=str(data.get("name", "")),
+                item_len=numbers["item_len"],
+                name=name,
             )
         except (KeyError, TypeError, ValueError) as exc:
-            raise MemoryLayoutError(f"invalid region description {dict(data)!r}: {exc}") from exc
+            raise MemoryLayoutError(f"invalid region description: {str(exc)[:200]}") from exc
 
 
 def _check_disjoint(regions: Sequence[Region]) -> None:

@@ -175,7 +175,11 @@ def check_runs_within(addrs: U64, lengths: U64, regions: Sequence[Region], what:
     slot = np.searchsorted(starts, addrs, side="right").astype(np.int64) - 1
     inside = slot >= 0
     safe = np.where(inside, slot, 0)
-    inside &= addrs + lengths <= ends[safe]
+    end = ends[safe]
+    # Compared as "length fits in what is left of the region", never as "addr + length <= end":
+    # a peer's address near 2**64 would wrap the sum around in uint64 and pass.
+    inside &= addrs <= end
+    inside &= lengths <= end - np.minimum(addrs, end)
     if not bool(inside.all()):
         k = int(np.flatnonzero(~inside)[0])
         raise InvalidPages(f"{what}: run [{int(addrs[k]):#x}, +{int(lengths[k])}) is outside every registered region")

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
+from .config import ENV_VARS as CONFIG_ENV_VARS
 from .driver import DRIVER_API_VERSION, KVTransport, declared_capabilities
 from .errors import (
     ConfigError,
@@ -48,12 +49,8 @@ CORE_ENV_VARS = frozenset(
         "KVTRANSPORT_LOG_LEVEL",
         "KVTRANSPORT_STAGING_RING_BYTES",
         "KVTRANSPORT_STAGING_CHUNK_BYTES",
-        "KVTRANSPORT_HEARTBEAT_INTERVAL",
-        "KVTRANSPORT_HEARTBEAT_TIMEOUT",
-        "KVTRANSPORT_BOOTSTRAP_TIMEOUT",
-        "KVTRANSPORT_WAITING_TIMEOUT",
-        "KVTRANSPORT_TRANSFER_TIMEOUT",
         "KVTRANSPORT_MAX_MESSAGE_BYTES",
+        *CONFIG_ENV_VARS,
     }
 )
 #: Variables of the first-party drivers, known even when a driver is not installed.

@@ -8,45 +8,66 @@ type and every field before anything else sees the message, and raises only
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 
+from .config import env_int
 from .errors import MessageTooLarge, ProtocolError, VersionMismatch
 from .hello import PROTOCOL_VERSION
 
 #: Default largest control message (a hello with connection info is a few KiB; a destination
 #: announcement for a 128k-token prompt is about 64 KiB).
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
+ENV_MAX_MESSAGE_BYTES = "KVTRANSPORT_MAX_MESSAGE_BYTES"
+
+#: The largest integer any field may carry: everything the protocol counts (bytes, pages, slots)
+#: fits in a signed 62-bit number, so no arithmetic on a checked value can overflow int64/uint64.
+MAX_INT = (1 << 62) - 1
 
 
 def max_message_bytes() -> int:
-    raw = os.environ.get("KVTRANSPORT_MAX_MESSAGE_BYTES", "")
-    return int(raw) if raw.isdigit() and int(raw) > 0 else DEFAULT_MAX_MESSAGE_BYTES
+    return env_int(ENV_MAX_MESSAGE_BYTES, DEFAULT_MAX_MESSAGE_BYTES)
 
+
+@dataclass(frozen=True)
+class Int:
+    """An integer field and its inclusive range."""
+
+    lo: int = 0
+    hi: int = MAX_INT
+
+
+@dataclass(frozen=True)
+class Text:
+    """A string field of at most ``max_len`` characters."""
+
+    max_len: int = 4096
+
+
+Field = type | Int | Text
 
 # Message types and their fields. ``bytes`` fields carry packed int64 page arrays or driver
 # payloads; ``dict`` fields carry documents validated by their own parsers (hello, regions).
-SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
+SCHEMAS: dict[str, dict[str, Field]] = {
     # initiator -> acceptor: open a connection
-    "hello": {"conn": str, "hello": dict, "regions": dict},
+    "hello": {"conn": Text(64), "hello": dict, "regions": dict},
     # acceptor -> initiator: accepted, with the acceptor's hello and the decision it computed
-    "welcome": {"conn": str, "hello": dict, "regions": dict, "decision": dict},
+    "welcome": {"conn": Text(64), "hello": dict, "regions": dict, "decision": dict},
     # acceptor -> initiator: refused, with the reason
-    "refuse": {"conn": str, "reason": str},
-    # receiver -> sender: pages of transfer ``tag`` go to these destination pages
-    "expect": {"tag": str, "pages": bytes, "aux": int},
+    "refuse": {"conn": Text(64), "reason": Text()},
+    # receiver -> sender: pages of transfer ``tag`` go to these destination pages (aux -1: none)
+    "expect": {"tag": Text(256), "pages": bytes, "aux": Int(-1)},
     # sender -> receiver: every byte of ``tag`` is in place
-    "done": {"tag": str, "bytes": int},
+    "done": {"tag": Text(256), "bytes": Int()},
     # either side: the transfer failed or was aborted
-    "abort": {"tag": str, "reason": str},
+    "abort": {"tag": Text(256), "reason": Text()},
     # driver-to-driver payload for two-sided drivers
     "notice": {"payload": bytes},
-    "ping": {"seq": int},
-    "bye": {"reason": str},
+    "ping": {"seq": Int()},
+    "bye": {"reason": Text()},
 }
 
 
@@ -68,6 +89,10 @@ def encode(kind: str, **fields: Any) -> bytes:
     extra = set(fields) - set(schema)
     if missing or extra:
         raise ValueError(f"{kind}: missing {sorted(missing)}, unexpected {sorted(extra)}")
+    for name, spec in schema.items():
+        if isinstance(spec, Text) and isinstance(fields[name], str) and len(fields[name]) > spec.max_len:
+            # Reasons quote peers and engines; cut them rather than fail to report the failure.
+            fields[name] = fields[name][: spec.max_len - 3] + "..."
     data = msgpack.packb({"v": PROTOCOL_VERSION, "t": kind, **fields}, use_bin_type=True)
     assert isinstance(data, bytes)
     limit = max_message_bytes()
@@ -88,24 +113,37 @@ def decode(data: bytes, *, limit: int | None = None) -> Message:
     if not isinstance(obj, dict):
         raise ProtocolError(f"message must be a map, got {type(obj).__name__}")
     version = obj.get("v")
-    if version != PROTOCOL_VERSION:
-        raise VersionMismatch(f"message protocol version {version!r}, expected {PROTOCOL_VERSION}")
+    if version != PROTOCOL_VERSION or isinstance(version, bool):
+        raise VersionMismatch(f"message protocol version {_short(version)}, expected {PROTOCOL_VERSION}")
     kind = obj.get("t")
     schema = SCHEMAS.get(kind) if isinstance(kind, str) else None
     if schema is None:
-        raise ProtocolError(f"unknown message type {kind!r}")
+        raise ProtocolError(f"unknown message type {_short(kind)}")
     fields = {k: v for k, v in obj.items() if k not in ("v", "t")}
     if set(fields) != set(schema):
-        raise ProtocolError(f"{kind} message fields {sorted(map(str, fields))} do not match {sorted(schema)}")
-    for name, expected in schema.items():
-        value = fields[name]
-        # bool is an int subclass in Python; a peer sending true for a count is malformed.
-        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-            raise ProtocolError(f"{kind}.{name} must be {_type_name(expected)}, got {type(value).__name__}")
+        raise ProtocolError(f"{kind} message fields {_short(sorted(map(str, fields)))} do not match {sorted(schema)}")
+    for name, spec in schema.items():
+        _check_field(str(kind), name, spec, fields[name])
     return Message(str(kind), fields)
 
 
-def _type_name(expected: type | tuple[type, ...]) -> str:
-    if isinstance(expected, tuple):
-        return " or ".join(t.__name__ for t in expected)
-    return expected.__name__
+def _check_field(kind: str, name: str, spec: Field, value: Any) -> None:
+    if isinstance(spec, Int):
+        # bool is an int subclass in Python; a peer sending true for a count is malformed.
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ProtocolError(f"{kind}.{name} must be an integer, got {type(value).__name__}")
+        if not spec.lo <= value <= spec.hi:
+            raise ProtocolError(f"{kind}.{name}={_short(value)} is outside [{spec.lo}, {spec.hi}]")
+    elif isinstance(spec, Text):
+        if not isinstance(value, str):
+            raise ProtocolError(f"{kind}.{name} must be a string, got {type(value).__name__}")
+        if len(value) > spec.max_len:
+            raise ProtocolError(f"{kind}.{name} is {len(value)} characters long; at most {spec.max_len}")
+    elif not isinstance(value, spec):
+        raise ProtocolError(f"{kind}.{name} must be {spec.__name__}, got {type(value).__name__}")
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """A peer's value quoted in an error, never longer than ``limit`` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

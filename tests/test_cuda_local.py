@@ -12,18 +12,26 @@ import numpy as np
 import pytest
 
 from kvtransport.errors import ProtocolError
+from kvtransport.inbound import InboundGuard
 from kvtransport.memory import MemoryKind, RegionSet
 from kvtransport.registry import load_driver
 from kvtransport_cuda.local import _Peer
 
 
 class _Context:
+    """The receiver's side of the context: its real inbound guard, aux slot 1 announced."""
+
     endpoint_id = "test"
     host = "127.0.0.1"
     options: Mapping[str, str] = {}
+    guard: InboundGuard | None = None
 
     def send_notice(self, peer: str, payload: bytes) -> None:
         raise AssertionError("not expected")
+
+    def check_inbound(self, peer: str, dst: np.ndarray, length: np.ndarray) -> None:
+        assert self.guard is not None
+        self.guard.check(dst, length, "aux destination")
 
 
 def test_peer_addresses_translate_into_the_mappings_and_host_runs_are_flagged() -> None:
@@ -38,9 +46,10 @@ def test_peer_addresses_translate_into_the_mappings_and_host_runs_are_flagged() 
 
 def _receiver(aux: np.ndarray) -> object:
     cls = load_driver("cuda-local")
-    driver = cls(_Context())
+    context = _Context()
+    driver = cls(context)
     kv = np.zeros(4096, dtype=np.uint8)
-    driver._regions = RegionSet.from_kv_args(  # type: ignore[attr-defined]
+    regions = RegionSet.from_kv_args(
         [int(kv.ctypes.data)],
         [4096],
         [1024],
@@ -49,6 +58,9 @@ def _receiver(aux: np.ndarray) -> object:
         aux_data_lens=[aux.nbytes],
         aux_item_lens=[64],
     )
+    driver._regions = regions  # type: ignore[attr-defined]
+    context.guard = InboundGuard(regions)
+    context.guard.add(np.array([], dtype=np.int64), 1)
     return driver
 
 
@@ -61,11 +73,11 @@ def test_aux_notice_writes_the_bytes_into_the_aux_slot() -> None:
     assert aux[64:128].tolist() == list(range(64)) and not aux[:64].any() and not aux[128:].any()
 
 
-@pytest.mark.parametrize("bad", ["outside", "kv-region", "short-data", "not-msgpack"])
+@pytest.mark.parametrize("bad", ["outside", "kv-region", "short-data", "not-msgpack", "unannounced-slot"])
 def test_bad_aux_notice_is_refused_and_writes_nothing(bad: str) -> None:
     aux = np.zeros(256, dtype=np.uint8)
     driver = _receiver(aux)
-    dst = aux.ctypes.data + (256 if bad == "outside" else 0)
+    dst = aux.ctypes.data + (256 if bad == "outside" else 0 if bad == "unannounced-slot" else 64)
     if bad == "kv-region":  # device KV must never be written from a notice
         dst = driver._regions.kv[0].ptr  # type: ignore[attr-defined]
     data = bytes(10) if bad == "short-data" else bytes(64)

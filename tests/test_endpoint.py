@@ -198,7 +198,7 @@ def test_a_malicious_announcement_fails_only_that_transfer(pair) -> None:  # typ
     from kvtransport.wire import encode
 
     data = encode("expect", tag="evil", pages=np.array([1, 10_000], dtype=np.int64).tobytes(), aux=-1)
-    decode._call(lambda: decode._channel.send(recv_conn.route, data))
+    decode.call(lambda: decode.channel.send(recv_conn._session.route, data))
     with pytest.raises(InvalidPages, match="outside the registered range"):
         t.wait(5)
     recv_conn.expect("fine", [2])

@@ -8,15 +8,44 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtransport.errors import MessageTooLarge, ProtocolError, VersionMismatch
-from kvtransport.wire import SCHEMAS, decode, encode
+from kvtransport.wire import MAX_INT, SCHEMAS, Field, Int, Text, decode, encode
+
+
+def _sample(spec: Field) -> object:
+    if isinstance(spec, Int):
+        return 7
+    if isinstance(spec, Text):
+        return "x"
+    return {dict: {"a": 1}, bytes: b"\x00\x01"}[spec]  # type: ignore[index]
+
+
+def _conforms(spec: Field, value: object) -> bool:
+    if isinstance(spec, Int):
+        return isinstance(value, int) and not isinstance(value, bool) and spec.lo <= value <= spec.hi
+    if isinstance(spec, Text):
+        return isinstance(value, str) and len(value) <= spec.max_len
+    return isinstance(value, spec)
 
 
 def test_round_trip_of_every_type() -> None:
-    samples = {str: "x", dict: {"a": 1}, bytes: b"\x00\x01", int: 7}
     for kind, schema in SCHEMAS.items():
-        fields = {name: samples[t] for name, t in schema.items()}  # type: ignore[index]
+        fields = {name: _sample(t) for name, t in schema.items()}
         msg = decode(encode(kind, **fields))
         assert msg.type == kind and dict(msg.fields) == fields
+
+
+@pytest.mark.parametrize("value", [-(2**63), -2, 2**62, 2**63 - 1, 2**64 - 1])
+def test_integers_outside_their_range_are_refused_at_decode(value: int) -> None:
+    """An aux of 2**64-1 once reached numpy and raised OverflowError on the I/O thread."""
+    with pytest.raises(ProtocolError, match="outside"):
+        decode(msgpack.packb({"v": 1, "t": "expect", "tag": "t", "pages": b"", "aux": value}))
+
+
+def test_strings_longer_than_their_field_are_refused() -> None:
+    with pytest.raises(ProtocolError, match="at most 256"):
+        decode(msgpack.packb({"v": 1, "t": "abort", "tag": "x" * 257, "reason": "r"}))
+    # encode cuts a long reason instead of failing to report the failure
+    assert len(decode(encode("abort", tag="t", reason="y" * 10_000))["reason"]) <= 4096
 
 
 def test_encode_refuses_wrong_fields() -> None:
@@ -32,8 +61,9 @@ def test_encode_refuses_wrong_fields() -> None:
         ({"v": 2, "t": "ping", "seq": 1}, VersionMismatch, "version 2"),
         ({"v": 1, "t": "launch", "seq": 1}, ProtocolError, "unknown message type"),
         ({"v": 1, "t": "ping"}, ProtocolError, "do not match"),
-        ({"v": 1, "t": "ping", "seq": "1"}, ProtocolError, "ping.seq must be int"),
-        ({"v": 1, "t": "ping", "seq": True}, ProtocolError, "ping.seq must be int"),
+        ({"v": 1, "t": "ping", "seq": "1"}, ProtocolError, "ping.seq must be an integer"),
+        ({"v": 1, "t": "ping", "seq": True}, ProtocolError, "ping.seq must be an integer"),
+        ({"v": 1, "t": "ping", "seq": MAX_INT + 1}, ProtocolError, "outside"),
         ({"v": 1, "t": "ping", "seq": 1, "extra": 0}, ProtocolError, "do not match"),
         ([1, 2, 3], ProtocolError, "must be a map"),
     ],
@@ -85,4 +115,4 @@ def test_arbitrary_maps_raise_only_protocol_errors(obj: dict[str, object]) -> No
     except ProtocolError:
         return
     schema = SCHEMAS[msg.type]
-    assert all(isinstance(msg.fields[k], t) for k, t in schema.items())
+    assert all(_conforms(t, msg.fields[k]) for k, t in schema.items())

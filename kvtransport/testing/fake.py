@@ -34,7 +34,7 @@ from ..driver import (
     Rejection,
     TransferPath,
 )
-from ..errors import DriverError, EngineError, TransferAborted
+from ..errors import DriverError, EngineError
 from ..memory import RegionSet
 from ..plan import Runs, check_runs_within
 from . import shm
@@ -64,9 +64,9 @@ class FakeDriver(KVTransport):
         self.lose = opts.get("fake.lose", "") == "1"
         self.regions: RegionSet | None = None
         self.peers: dict[str, tuple[RegionSet, dict[int, int], list[shm.SharedBuffer]]] = {}
-        self.pending: dict[int, float] = {}  # handle -> completion time
+        self.in_flight: dict[int, tuple[float, str]] = {}  # handle -> (completion time, peer)
         self.failed: dict[int, str] = {}
-        self.aborted: set[int] = set()
+        self.aborted = 0  # batches aborted so far
         self.submitted = 0
         self._next = 0
         self.closed = False
@@ -121,38 +121,43 @@ class FakeDriver(KVTransport):
             ctypes.memmove(translate[base] + (dst - base), src, length)
         if self.fail == "poll":
             self.failed[handle] = "injected failure at completion"
-        self.pending[handle] = float("inf") if self.lose else time.monotonic() + self.delay
+        self.in_flight[handle] = (float("inf") if self.lose else time.monotonic() + self.delay, peer)
         return handle
 
     def poll(self, handle: int) -> bool:
-        if handle in self.aborted:
-            self.aborted.discard(handle)
-            raise TransferAborted(f"fake: batch {handle} was aborted")
         if handle in self.failed:
-            self.pending.pop(handle, None)
+            self.in_flight.pop(handle, None)
             raise EngineError(f"fake: {self.failed.pop(handle)} (batch {handle})")
-        due = self.pending.get(handle)
-        if due is None:
+        entry = self.in_flight.get(handle)
+        if entry is None:
             raise DriverError(f"fake: unknown handle {handle}")
-        if time.monotonic() < due:
+        if time.monotonic() < entry[0]:
             return False
-        del self.pending[handle]
+        del self.in_flight[handle]
         return True
 
     def abort(self, handle: int) -> None:
-        if self.pending.pop(handle, None) is not None:
-            self.aborted.add(handle)
+        self.in_flight.pop(handle, None)
+        self.failed.pop(handle, None)
+        self.aborted += 1
+
+    def pending(self) -> int:
+        return len(self.in_flight.keys() | self.failed.keys())
 
     def disconnect(self, peer: str) -> None:
         entry = self.peers.pop(peer, None)
         if entry:
             for buf in entry[2]:
                 buf.close()
+        for handle, (_, owner) in list(self.in_flight.items()):
+            if owner == peer:
+                self.failed[handle] = f"peer {peer} disconnected"
 
     def close(self) -> None:
         for peer in list(self.peers):
             self.disconnect(peer)
-        self.pending.clear()
+        self.in_flight.clear()
+        self.failed.clear()
         self.closed = True
 
 

@@ -34,7 +34,7 @@ from kvtransport.driver import (
     Rejection,
     TransferPath,
 )
-from kvtransport.errors import DriverError, KVTransportError, ProtocolError, TransferAborted
+from kvtransport.errors import DriverError, KVTransportError, ProtocolError
 from kvtransport.memory import RegionSet
 from kvtransport.plan import Runs, check_runs_within
 from kvtransport.probe import probe_host
@@ -93,7 +93,6 @@ class CudaLocal(KVTransport):
         self._regions: RegionSet | None = None
         self._peers: dict[str, _Peer] = {}
         self._batches: dict[int, tuple[str, Any]] = {}
-        self._aborted: set[int] = set()
         self._next = 0
 
     def open(self, regions: RegionSet) -> bytes:
@@ -174,9 +173,6 @@ class CudaLocal(KVTransport):
         return self._next
 
     def poll(self, handle: int) -> bool:
-        if handle in self._aborted:
-            self._aborted.discard(handle)
-            raise TransferAborted(f"{self.name}: batch {handle} was aborted")
         entry = self._batches.get(handle)
         if entry is None:
             raise DriverError(f"{self.name}: unknown handle {handle}")
@@ -189,9 +185,11 @@ class CudaLocal(KVTransport):
     def abort(self, handle: int) -> None:
         # Copies already on the stream cannot be recalled; the handle fails at once.
         entry = self._batches.pop(handle, None)
-        if entry is not None:
-            self._aborted.add(handle)
+        if entry is not None and self._cuda is not None:
             self._cuda.destroy_event(entry[1])
+
+    def pending(self) -> int:
+        return len(self._batches)
 
     def on_notice(self, peer: str, payload: bytes) -> None:
         assert self._regions is not None
@@ -203,6 +201,7 @@ class CudaLocal(KVTransport):
             if msg["op"] != "aux" or dst.size != length.size or int(length.sum()) != len(data):
                 raise ValueError("inconsistent aux notice")
             check_runs_within(dst, length, [r for r in self._regions.all() if r.kind.is_host], "aux destination")
+            self.context.check_inbound(peer, dst, length)
         except Exception as exc:
             raise ProtocolError(f"{self.name}: bad aux notice from {peer}: {exc}") from exc
         offset = 0
@@ -216,7 +215,6 @@ class CudaLocal(KVTransport):
             for handle, (owner, event) in list(self._batches.items()):
                 if owner == peer:
                     del self._batches[handle]
-                    self._aborted.add(handle)
                     self._cuda.destroy_event(event)
             self._drop(target)
 

@@ -17,11 +17,12 @@ import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import msgpack
 
 from kvtransport.driver import DriverContext, KVTransport
-from kvtransport.errors import DriverError, EngineError, KVTransportError, TransferAborted
+from kvtransport.errors import DriverError, EngineError, KVTransportError
 from kvtransport.memory import RegionSet
 from kvtransport.plan import Runs
 
@@ -46,13 +47,15 @@ class _Job:
 class MooncakeDataPath(KVTransport):
     """Moves bytes with a Mooncake engine; subclasses declare name, capabilities and offer."""
 
+    #: A worker's future says when a batch is done; the core is told through the context.
+    signals_completion: ClassVar[bool] = True
+
     def __init__(self, context: DriverContext) -> None:
         super().__init__(context)
         self._engine: Engine | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._peers: dict[str, str] = {}  # peer -> Mooncake session id
         self._jobs: dict[int, _Job] = {}
-        self._aborted: set[int] = set()
         self._running: set[Future[None]] = set()
         self._next = 0
 
@@ -99,16 +102,20 @@ class MooncakeDataPath(KVTransport):
         cancelled = threading.Event()
 
         future = self._pool.submit(engine.write_polled, session, src, dst, lengths, engine.max_batch, cancelled)
-        self._running.add(future)
-        future.add_done_callback(self._running.discard)
         self._next += 1
-        self._jobs[self._next] = _Job(peer, future, cancelled)
-        return self._next
+        handle = self._next
+        self._jobs[handle] = _Job(peer, future, cancelled)
+        self._running.add(future)
+        context = self.context
+
+        def finished(f: Future[None]) -> None:
+            self._running.discard(f)
+            context.completed(handle)
+
+        future.add_done_callback(finished)
+        return handle
 
     def poll(self, handle: int) -> bool:
-        if handle in self._aborted:
-            self._aborted.discard(handle)
-            raise TransferAborted(f"{self.name}: batch {handle} was aborted")
         job = self._jobs.get(handle)
         if job is None:
             raise DriverError(f"{self.name}: unknown handle {handle}")
@@ -126,7 +133,9 @@ class MooncakeDataPath(KVTransport):
         job = self._jobs.pop(handle, None)
         if job is not None:
             job.cancelled.set()
-            self._aborted.add(handle)
+
+    def pending(self) -> int:
+        return len(self._jobs)
 
     def disconnect(self, peer: str) -> None:
         self._peers.pop(peer, None)
@@ -139,10 +148,10 @@ class MooncakeDataPath(KVTransport):
             return
         for handle in list(self._jobs):
             self.abort(handle)
-        assert self._pool is not None
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
         # The engine must outlive every batch it posted; wait for them, but not forever.
-        _, running = wait(self._running, timeout=CLOSE_GRACE_S)
+        _, running = wait(list(self._running), timeout=CLOSE_GRACE_S)
         if running:
             log.warning(
                 "%s: %d writes still in flight after %.0f s; leaving the engine to the process",

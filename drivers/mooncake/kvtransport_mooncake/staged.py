@@ -124,7 +124,11 @@ class MooncakeStaged(StagedTransport):
             engine.close()
             raise
         self._engine = engine
-        self.start_pipeline(ring, config, regions)
+        try:
+            self.start_pipeline(ring, config, regions)
+        except BaseException:
+            self.close()  # the engine and its ring go with the failed open
+            raise
         info = msgpack.packb(
             {"session": engine.session, "protocol": engine.protocol, "ring": self._pipeline.describe()}
         )
@@ -155,7 +159,10 @@ class MooncakeStaged(StagedTransport):
             self._engine.engine.free_managed_buffer(*self._ring)
         except Exception as exc:  # noqa: BLE001 - best effort at shutdown
             log.debug("%s: freeing the ring: %s", self.name, exc)
-        self._engine.close()
+        try:
+            self._engine.close()
+        except Exception as exc:  # noqa: BLE001 - close never raises
+            log.debug("%s: closing the engine: %s", self.name, exc)
         self._engine = None
 
 

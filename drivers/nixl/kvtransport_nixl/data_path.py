@@ -22,7 +22,7 @@ import msgpack
 import numpy as np
 
 from kvtransport.driver import DriverContext, KVTransport
-from kvtransport.errors import DriverError, DriverUnavailable, EngineError, TransferAborted
+from kvtransport.errors import DriverError, DriverUnavailable, EngineError
 from kvtransport.memory import MemoryKind, RegionSet
 from kvtransport.plan import Runs
 
@@ -86,7 +86,6 @@ class NixlDataPath(KVTransport):
         self._regions: RegionSet | None = None
         self._peers: dict[str, _Peer] = {}
         self._batches: dict[int, _Batch] = {}
-        self._aborted: set[int] = set()
         self._unreleased: list[Any] = []
         self._next = 0
 
@@ -198,9 +197,6 @@ class NixlDataPath(KVTransport):
         return self._next
 
     def poll(self, handle: int) -> bool:
-        if handle in self._aborted:
-            self._aborted.discard(handle)
-            raise TransferAborted(f"{self.name}: batch {handle} was aborted")
         batch = self._batches.get(handle)
         if batch is None:
             raise DriverError(f"{self.name}: unknown handle {handle}")
@@ -220,7 +216,9 @@ class NixlDataPath(KVTransport):
         batch = self._batches.pop(handle, None)
         if batch is not None:
             self._release(batch.handle)  # NIXL cancels an active transfer on release
-            self._aborted.add(handle)
+
+    def pending(self) -> int:
+        return len(self._batches)
 
     def disconnect(self, peer: str) -> None:
         target = self._peers.pop(peer, None)

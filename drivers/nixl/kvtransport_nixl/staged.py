@@ -102,15 +102,19 @@ class NixlStaged(StagedTransport, NixlDataPath):
     def open(self, regions: RegionSet) -> bytes:
         config = RingConfig.from_env(options=self.context.options)
         name = self._start_agent()
-        self._ring_map = mmap.mmap(-1, config.ring_bytes)
-        self._ring_view = np.frombuffer(self._ring_map, dtype=np.uint8)
-        ring = int(self._ring_view.ctypes.data)
-        self._ring_reg = self._call(
-            f"registration of the {config.ring_bytes}-byte staging ring",
-            lambda: self._agent.register_memory([(ring, config.ring_bytes, 0, "")], "DRAM"),
-        )
-        pipeline = self.start_pipeline(ring, config, regions)
-        meta = self._call("metadata export", self._agent.get_agent_metadata)
+        try:
+            self._ring_map = mmap.mmap(-1, config.ring_bytes)
+            self._ring_view = np.frombuffer(self._ring_map, dtype=np.uint8)
+            ring = int(self._ring_view.ctypes.data)
+            self._ring_reg = self._call(
+                f"registration of the {config.ring_bytes}-byte staging ring",
+                lambda: self._agent.register_memory([(ring, config.ring_bytes, 0, "")], "DRAM"),
+            )
+            pipeline = self.start_pipeline(ring, config, regions)
+            meta = self._call("metadata export", self._agent.get_agent_metadata)
+        except BaseException:
+            self.close()  # the agent, the ring and its registration go with the failed open
+            raise
         info = msgpack.packb({"agent": name, "meta": meta, "ring": pipeline.describe()})
         assert isinstance(info, bytes)
         return info

@@ -18,7 +18,7 @@ from kvtransport.driver import (
     Rejection,
     TransferPath,
 )
-from kvtransport.errors import TransferAborted
+from kvtransport.errors import DriverError
 from kvtransport.memory import RegionSet
 from kvtransport.plan import Runs
 
@@ -64,11 +64,14 @@ class ExampleMemcpy(KVTransport):
 
     def poll(self, handle: int) -> bool:
         if not self._done.pop(handle, False):
-            raise TransferAborted(f"handle {handle} was aborted or is unknown")
+            raise DriverError(f"handle {handle} is unknown")
         return True
 
     def abort(self, handle: int) -> None:
         self._done.pop(handle, None)
+
+    def pending(self) -> int:
+        return len(self._done)
 
     def close(self) -> None:
         self._done.clear()

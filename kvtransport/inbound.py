@@ -1,0 +1,91 @@
+"""Which destination bytes a peer may write into here right now: the pages announced to it.
+
+A one-sided driver's writes are checked by the sender against the pages the receiver announced.
+A two-sided driver (the staged path) writes on the receiver's behalf from what the peer's notices
+say, so the receiver checks every piece itself: it must lie inside pages (or the aux slot) that
+a live receive transfer of *that* connection announced. :class:`InboundGuard` keeps a count per
+page and per aux slot, raised when a transfer announces and lowered when it finishes.
+
+Threads: the I/O thread adds and removes; the driver thread checks. Counts are numpy arrays
+updated in place, so a check sees either state of a concurrent change; a piece that races a
+transfer's end is refused, which is the safe answer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from .errors import InvalidPages
+from .memory import RegionSet
+
+U64 = npt.NDArray[np.uint64]
+I64 = npt.NDArray[np.int64]
+
+_KV, _AUX, _OTHER = 0, 1, 2
+
+
+class InboundGuard:
+    def __init__(self, regions: RegionSet) -> None:
+        ordered = sorted(
+            [(r, _KV) for r in regions.kv] + [(r, _AUX) for r in regions.aux] + [(r, _OTHER) for r in regions.state],
+            key=lambda x: x[0].ptr,
+        )
+        self._starts = np.array([r.ptr for r, _ in ordered], dtype=np.uint64)
+        self._ends = np.array([r.end for r, _ in ordered], dtype=np.uint64)
+        self._items = np.array([r.item_len for r, _ in ordered], dtype=np.uint64)
+        self._kinds = np.array([k for _, k in ordered], dtype=np.int8)
+        self._pages = np.zeros(regions.num_pages, dtype=np.int32)
+        self._aux = np.zeros(min((r.num_items for r in regions.aux), default=0), dtype=np.int32)
+
+    # -- I/O thread ------------------------------------------------------------------------
+
+    def add(self, pages: I64, aux: int) -> None:
+        self._pages[pages] += 1  # pages of one announcement are unique (checked before)
+        if aux >= 0:
+            self._aux[aux] += 1
+
+    def remove(self, pages: I64, aux: int) -> None:
+        self._pages[pages] -= 1
+        if aux >= 0:
+            self._aux[aux] -= 1
+
+    @property
+    def announced_pages(self) -> int:
+        return int(np.count_nonzero(self._pages))
+
+    # -- driver thread ---------------------------------------------------------------------
+
+    def check(self, dst: U64, length: U64, what: str) -> None:
+        """Raise :class:`InvalidPages` unless every ``[dst, dst+length)`` lies inside one region
+        and only covers pages / aux slots currently announced."""
+        if dst.size == 0:
+            return
+        if np.any(length == 0):
+            raise InvalidPages(f"{what}: a piece of zero bytes")
+        slot = np.searchsorted(self._starts, dst, side="right").astype(np.int64) - 1
+        if np.any(slot < 0):
+            raise InvalidPages(f"{what}: a piece starts below every registered region")
+        end = self._ends[slot]
+        if np.any(dst > end) or np.any(length > end - np.minimum(dst, end)):
+            raise InvalidPages(f"{what}: a piece reaches outside the registered region it starts in")
+        kinds = self._kinds[slot]
+        if np.any(kinds == _OTHER):
+            raise InvalidPages(f"{what}: a piece lands in a state region, which staged transfers never write")
+        first = ((dst - self._starts[slot]) // self._items[slot]).astype(np.int64)
+        last = ((dst + length - np.uint64(1) - self._starts[slot]) // self._items[slot]).astype(np.int64)
+        for kind, counts, name in ((_KV, self._pages, "page"), (_AUX, self._aux, "aux slot")):
+            mask = kinds == kind
+            if not mask.any():
+                continue
+            lo, hi = first[mask], last[mask]
+            if np.any(hi >= counts.size):
+                raise InvalidPages(f"{what}: a piece reaches past the last {name}")
+            announced = np.concatenate(([0], np.cumsum(counts > 0, dtype=np.int64)))
+            covered = announced[hi + 1] - announced[lo]
+            bad = np.flatnonzero(covered != hi - lo + 1)
+            if bad.size:
+                k = int(bad[0])
+                raise InvalidPages(
+                    f"{what}: {name}s {int(lo[k])}..{int(hi[k])} were not announced by a live transfer of this peer"
+                )

@@ -1,0 +1,187 @@
+"""The driver thread: every call into one open driver, and completion without polling ticks.
+
+Each open driver gets one :class:`DriverRunner`, whose thread makes every call into the driver
+after ``open()`` (connect, submit, poll, abort, on_notice, inbound_idle, disconnect), so a
+driver sees one thread and the endpoint's I/O thread never waits on an engine: a ``connect``
+that takes a second stalls that driver's queue, never a heartbeat.
+
+Completion: the runner keeps *watches* (an in-flight batch, a peer's inbound work) and checks
+each one when the driver signals it (``DriverContext.completed`` / ``inbound_progress``, from
+any thread) and otherwise with back-off: from ``POLL_MIN_S`` doubling to ``POLL_MAX_S`` for a
+driver that can only be polled, to ``SIGNALLED_POLL_MAX_S`` (a safety net) for one that
+signals. With nothing in flight the thread blocks with no timeout: an idle endpoint does not
+wake up. Results go back to the I/O thread through ``post``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from .driver import KVTransport
+from .errors import DriverError, EngineError, KVTransportError
+
+log = logging.getLogger(__name__)
+
+#: First back-off step for a polled watch, and the cap for drivers that can only be polled.
+POLL_MIN_S = 20e-6
+POLL_MAX_S = 2e-3
+#: Cap for drivers that signal completion: polling is then only a safety net.
+SIGNALLED_POLL_MAX_S = 50e-3
+
+Post = Callable[[Callable[[], None]], None]
+#: ``then(result, error)``: run on the I/O thread with what a driver call returned or raised.
+Then = Callable[[Any, KVTransportError | None], None]
+
+
+def as_error(driver: str, exc: BaseException) -> KVTransportError:
+    """A driver's exception as a kvtransport error (a bug in a driver is reported, not raised)."""
+    if isinstance(exc, KVTransportError):
+        return exc
+    if isinstance(exc, NotImplementedError):
+        return DriverError(f"{driver}: {exc or 'operation not supported'}")
+    return EngineError(f"{driver}: {type(exc).__name__}: {exc}")
+
+
+class _Watch:
+    __slots__ = ("check", "then")
+
+    def __init__(self, check: Callable[[], bool], then: Then) -> None:
+        self.check = check
+        self.then = then
+
+
+class DriverRunner:
+    def __init__(self, name: str, driver: KVTransport, post: Post) -> None:
+        self.name = name
+        self.driver = driver
+        self._post = post
+        self._signalled_driver = bool(getattr(driver, "signals_completion", False))
+        self._cap = SIGNALLED_POLL_MAX_S if self._signalled_driver else POLL_MAX_S
+        self._cv = threading.Condition()
+        self._calls: collections.deque[tuple[Callable[[], Any], Then | None]] = collections.deque()
+        self._signals: set[Hashable] = set()
+        self._prefixes: set[tuple[Any, ...]] = set()
+        self._watches: dict[Hashable, _Watch] = {}
+        self._delay = POLL_MIN_S
+        self._next_check = 0.0
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name=f"kvtransport-driver {name}", daemon=True)
+        self._thread.start()
+
+    # -- any thread ------------------------------------------------------------------------
+
+    def call(self, fn: Callable[[], Any], then: Then | None = None) -> None:
+        """Run ``fn`` on the driver thread; ``then(result, error)`` on the I/O thread after."""
+        with self._cv:
+            if self._stop:
+                raise DriverError(f"{self.name}: the driver is closed")
+            self._calls.append((fn, then))
+            self._cv.notify()
+
+    def signal(self, key: Hashable) -> None:
+        """The driver says watch ``key`` may have finished: check it now."""
+        with self._cv:
+            self._signals.add(key)
+            self._cv.notify()
+
+    def signal_prefix(self, prefix: tuple[Any, ...]) -> None:
+        """Check every watch whose key (a tuple) starts with ``prefix``."""
+        with self._cv:
+            self._prefixes.add(prefix)
+            self._cv.notify()
+
+    def in_runner_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Run what is queued, then stop; ``True`` once the thread has ended."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if not self.in_runner_thread():
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    @property
+    def watching(self) -> int:
+        return len(self._watches)
+
+    # -- driver thread ---------------------------------------------------------------------
+
+    def watch(self, key: Hashable, check: Callable[[], bool], then: Then) -> None:
+        """Driver thread: check ``check()`` until it returns ``True`` or raises, then post
+        ``then``. Checked once now (a batch that completed inside ``submit``)."""
+        w = _Watch(check, then)
+        if not self._check(key, w):
+            self._watches[key] = w
+            self._delay = POLL_MIN_S
+            self._next_check = time.monotonic() + self._delay
+
+    def unwatch(self, key: Hashable) -> None:
+        self._watches.pop(key, None)
+
+    def _check(self, key: Hashable, w: _Watch) -> bool:
+        """``True`` when the watch is over (its result posted)."""
+        try:
+            done = bool(w.check())
+        except Exception as exc:  # noqa: BLE001 - the watch's owner gets the typed error
+            self._post_then(w.then, None, as_error(self.name, exc))
+            return True
+        if done:
+            self._post_then(w.then, True, None)
+        return done
+
+    def _post_then(self, then: Then, result: Any, error: KVTransportError | None) -> None:
+        try:
+            self._post(lambda: then(result, error))
+        except Exception as exc:  # noqa: BLE001 - the endpoint is going away
+            log.debug("%s: result not delivered: %s", self.name, exc)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._calls or self._signals or self._prefixes or self._stop):
+                    if not self._watches:
+                        self._cv.wait()
+                        continue
+                    wait = self._next_check - time.monotonic()
+                    if wait <= 0:
+                        break
+                    self._cv.wait(wait)
+                if self._stop and not self._calls:
+                    return
+                calls, self._calls = self._calls, collections.deque()
+                signals, self._signals = self._signals, set()
+                prefixes, self._prefixes = self._prefixes, set()
+            for fn, then in calls:
+                try:
+                    result = fn()
+                except Exception as exc:  # noqa: BLE001 - contained to this call
+                    error = as_error(self.name, exc)
+                    if then is None:
+                        log.warning("%s: %s", self.name, error)
+                    else:
+                        self._post_then(then, None, error)
+                else:
+                    if then is not None:
+                        self._post_then(then, result, None)
+            for prefix in prefixes:
+                n = len(prefix)
+                signals.update(k for k in self._watches if isinstance(k, tuple) and k[:n] == prefix)
+            for key in signals:
+                w = self._watches.get(key)
+                if w is not None and self._check(key, w):
+                    self._watches.pop(key, None)
+                    self._delay = POLL_MIN_S
+            now = time.monotonic()
+            if self._watches and now >= self._next_check:
+                finished = [k for k, w in list(self._watches.items()) if self._check(k, w)]
+                for k in finished:
+                    self._watches.pop(k, None)
+                self._delay = POLL_MIN_S if finished else min(self._delay * 2, self._cap)
+                self._next_check = time.monotonic() + self._delay

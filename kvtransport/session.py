@@ -1,0 +1,560 @@
+"""One connection to one peer: its transfers, announcements, liveness, and the handle callers get.
+
+A :class:`Session` is created by the endpoint when a handshake starts and owns everything that
+belongs to that peer: the transfers filed under their tags, announcements that arrived before
+this side created their transfer, early aborts, the pages announced to it (its
+:class:`~kvtransport.inbound.InboundGuard`), its heartbeat timer and the transfers' state
+timers. When the session ends (peer gone, bye, handshake failure, close) it fails what is left,
+disconnects the driver and the endpoint forgets it with everything it held.
+
+Threads: :class:`Connection` methods and ``send_chunk``/``abort_from_caller`` run on the
+caller's thread, validate there, and queue the rest; everything else runs on the endpoint's I/O
+thread, except the ``_driver_*`` methods, which run on the driver's runner thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .errors import (
+    InvalidPages,
+    KVTransportError,
+    PeerLost,
+    ProtocolError,
+    TransferAborted,
+    TransferTimeout,
+)
+from .inbound import InboundGuard
+from .memory import RegionSet
+from .plan import Runs, as_pages, check_pages, check_unique, plan
+from .transfer import RECV, SEND, State, Transfer
+from .wire import Message, encode
+
+if TYPE_CHECKING:
+    from .control import Route
+    from .driver import KVTransport
+    from .endpoint import Endpoint
+    from .negotiate import Decision
+    from .runner import DriverRunner
+    from .timers import Timer
+
+log = logging.getLogger(__name__)
+
+
+class Phase(enum.Enum):
+    HANDSHAKE = "handshake"
+    READY = "ready"
+    CLOSED = "closed"
+
+
+class Connection:
+    """A read-only handle on a negotiated link to one peer (what callers hold)."""
+
+    def __init__(self, session: Session) -> None:
+        self._session = session
+
+    @property
+    def id(self) -> str:
+        return self._session.id
+
+    @property
+    def endpoint(self) -> Endpoint:
+        return self._session.endpoint
+
+    @property
+    def decision(self) -> Decision | None:
+        return self._session.decision
+
+    @property
+    def peer_label(self) -> str:
+        return self._session.peer_label
+
+    @property
+    def peer_address(self) -> str:
+        return self._session.peer_address
+
+    @property
+    def peer_regions(self) -> RegionSet | None:
+        return self._session.peer_regions
+
+    @property
+    def initiator(self) -> bool:
+        return self._session.initiator
+
+    @property
+    def alive(self) -> bool:
+        return self._session.phase is not Phase.CLOSED
+
+    @property
+    def error(self) -> KVTransportError | None:
+        return self._session.error
+
+    @property
+    def transfers(self) -> dict[str, Transfer]:
+        """A snapshot of the transfers filed under their tags now."""
+        return dict(self._session.transfers)
+
+    def expect(self, tag: str, dst_pages: Any, *, aux: int | None = None) -> Transfer:
+        """Receiver: pages of transfer ``tag`` go to ``dst_pages`` (and aux slot ``aux``)."""
+        return self._session.expect(tag, dst_pages, aux)
+
+    def sender(self, tag: str) -> Transfer:
+        """Sender: the transfer ``tag``; it waits for the receiver's announcement."""
+        return self._session.sender(tag)
+
+    def transfer(self, tag: str) -> Transfer | None:
+        return self._session.transfers.get(tag)
+
+    def __repr__(self) -> str:
+        driver = self.decision.driver if self.decision else "?"
+        return f"<Connection {self.id} to {self.peer_label} via {driver}>"
+
+
+class Session:
+    def __init__(
+        self, endpoint: Endpoint, conn_id: str, route: Route, peer_label: str, peer_address: str, initiator: bool
+    ) -> None:
+        self.endpoint = endpoint
+        self.id = conn_id
+        self.route = route
+        self.peer_label = peer_label
+        self.peer_address = peer_address
+        self.initiator = initiator
+        self.handle = Connection(self)
+        self.phase = Phase.HANDSHAKE
+        self.ready = threading.Event()
+        self.error: KVTransportError | None = None
+        self.decision: Decision | None = None
+        self.peer_regions: RegionSet | None = None
+        self.driver: KVTransport | None = None
+        self.runner: DriverRunner | None = None
+        self.two_sided = False
+        self.last_seen = time.monotonic()
+        self.transfers: dict[str, Transfer] = {}
+        self.early_expects: collections.OrderedDict[str, Message] = collections.OrderedDict()
+        self.early_aborts: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self.guard: InboundGuard | None = None
+        self.heartbeat: Timer | None = None
+        self.handshake_timer: Timer | None = None
+        self.strikes = 0
+        #: Initiator between welcome and ready: messages the (already ready) acceptor sent.
+        self.held: list[Message] | None = None
+        self.connect_queued = False
+        # driver thread only: batch id -> driver handle
+        self._handles: dict[int, int] = {}
+
+    @property
+    def timeouts(self) -> Any:
+        return self.endpoint.timeouts
+
+    def __repr__(self) -> str:
+        return f"<Session {self.id[:8]} {self.phase.value} {self.peer_label}>"
+
+    # -- caller threads ------------------------------------------------------------------------
+
+    def expect(self, tag: str, dst_pages: Any, aux: int | None) -> Transfer:
+        ep = self.endpoint
+        what = f"transfer {tag!r} destination"
+        _check_tag(tag)
+        pages = as_pages(dst_pages, what)
+        check_pages(pages, ep.regions.num_pages, what)
+        check_unique(pages, what)
+        if aux is not None:
+            check_aux(aux, ep.regions, f"{what} aux")
+        transfer = Transfer(self, tag, RECV, State.WAITING_FOR_INPUT)
+        aux_index = -1 if aux is None else int(aux)
+
+        def announce() -> None:
+            if not self.file(transfer):
+                return
+            transfer.announced, transfer.announced_aux = pages, aux_index
+            if self.guard is None:
+                self.guard = InboundGuard(ep.regions)
+            self.guard.add(pages, aux_index)
+            self.send("expect", tag=tag, pages=pages.tobytes(), aux=aux_index)
+
+        ep.call(announce)
+        return transfer
+
+    def sender(self, tag: str) -> Transfer:
+        _check_tag(tag)
+        transfer = Transfer(self, tag, SEND, State.BOOTSTRAPPING)
+
+        def register() -> None:
+            if not self.file(transfer):
+                return
+            early = self.early_expects.pop(tag, None)
+            if early is not None:
+                self.endpoint.early_expects_total -= 1
+                self.on_expect(early)
+
+        self.endpoint.call(register)
+        return transfer
+
+    def send_chunk(self, transfer: Transfer, src_pages: Any, last: bool, aux: int | None) -> None:
+        if transfer.state.final:
+            raise transfer.error or KVTransportError(f"transfer {transfer.tag!r} already finished")
+        if transfer.dst_pages is None:
+            raise KVTransportError(
+                f"transfer {transfer.tag!r} is {transfer.state.name}: the receiver has not announced "
+                "its pages yet; poll until WAITING_FOR_INPUT"
+            )
+        if transfer.last_planned:
+            raise KVTransportError(f"transfer {transfer.tag!r}: the last chunk was already sent")
+        assert self.peer_regions is not None
+        ep = self.endpoint
+        src = as_pages(src_pages, f"transfer {transfer.tag!r} source")
+        start, stop = transfer.sent_pages, transfer.sent_pages + src.size
+        announced = transfer.dst_pages.size
+        if stop > announced or (last and stop != announced):
+            raise InvalidPages(
+                f"transfer {transfer.tag!r}: the receiver announced {announced} pages; this chunk "
+                f"would make {stop}{' (the last chunk must complete them)' if last else ''}"
+            )
+        runs = plan(
+            ep.regions.kv, self.peer_regions.kv, src, transfer.dst_pages[start:stop], max_run_bytes=ep.max_run_bytes
+        )
+        if last and aux is not None:
+            if transfer.dst_aux < 0:
+                raise InvalidPages(f"transfer {transfer.tag!r}: aux sent but the receiver announced no aux slot")
+            check_aux(aux, ep.regions, f"transfer {transfer.tag!r} source aux")
+            runs = Runs.concat([runs, plan(ep.regions.aux, self.peer_regions.aux, [aux], [transfer.dst_aux])])
+        transfer.sent_pages = stop
+        transfer.last_planned = last
+        ep.call(lambda: self.submit(transfer, runs, last))
+
+    def abort_from_caller(self, transfer: Transfer, reason: str) -> None:
+        self.endpoint.call(lambda: self.abort(transfer, reason, notify=True, local=True))
+
+    # -- I/O thread: transfers -----------------------------------------------------------------
+
+    def send(self, kind: str, **fields: Any) -> bool:
+        if self.phase is Phase.CLOSED:
+            return False
+        return self.endpoint.channel.send(self.route, encode(kind, **fields))
+
+    def file(self, transfer: Transfer) -> bool:
+        """File ``transfer`` under its tag; fail it at once if it cannot proceed."""
+        if transfer.tag in self.transfers:
+            transfer._set(State.FAILED, KVTransportError(f"tag {transfer.tag!r} is already in use on this connection"))
+            return False
+        if self.phase is Phase.CLOSED:
+            transfer._set(State.FAILED, self.error or PeerLost(f"peer {self.peer_label} is gone"))
+            return False
+        limit = self.endpoint.limits.max_transfers_per_connection
+        if len(self.transfers) >= limit:
+            transfer._set(
+                State.FAILED,
+                KVTransportError(
+                    f"connection to {self.peer_label} already has {limit} transfers "
+                    "(KVTRANSPORT_MAX_TRANSFERS_PER_CONNECTION)"
+                ),
+            )
+            return False
+        self.transfers[transfer.tag] = transfer
+        transfer.filed = True
+        reason = self.early_aborts.pop(transfer.tag, None)
+        if reason is not None:
+            transfer._set(
+                State.FAILED,
+                TransferAborted(f"transfer {transfer.tag!r} aborted by peer {self.peer_label}: {reason}"),
+            )
+            return False
+        self.state_changed(transfer)  # arm its first timeout
+        return True
+
+    def state_changed(self, t: Transfer) -> None:
+        """Called by :meth:`Transfer._set` (and on filing): re-arm the state's timeout; on a
+        final state release what the transfer held and schedule forgetting it."""
+        ep = self.endpoint
+        timers = ep.channel.timers
+        timers.cancel(t.timer)
+        t.timer = None
+        if not t.filed:
+            return
+        if t.state.final:
+            if t.announced is not None and self.guard is not None:
+                self.guard.remove(t.announced, t.announced_aux)
+                t.announced = None
+            t.timer = timers.call_later(self.timeouts.retain_finished, lambda: self.forget(t))
+            return
+        limit = {
+            State.BOOTSTRAPPING: self.timeouts.bootstrap,
+            State.WAITING_FOR_INPUT: self.timeouts.waiting + (self.timeouts.transfer if t.role == RECV else 0.0),
+            State.TRANSFERRING: self.timeouts.transfer,
+        }[t.state]
+        state = t.state
+
+        def expire() -> None:
+            if t.state is state:
+                self.abort(
+                    t,
+                    f"timed out in {state.name} after {limit:g} s",
+                    notify=True,
+                    error=TransferTimeout(f"transfer {t.tag!r} spent more than {limit:g} s in {state.name}"),
+                )
+
+        t.timer = timers.call_later(limit, expire)
+
+    def forget(self, t: Transfer) -> None:
+        if self.transfers.get(t.tag) is t:
+            del self.transfers[t.tag]
+        t.filed = False
+
+    def submit(self, transfer: Transfer, runs: Runs, last: bool) -> None:
+        if transfer.state.final:
+            return
+        transfer._set(State.TRANSFERRING)
+        transfer.last_sent = last
+        if len(runs):
+            assert self.runner is not None
+            bid = self.endpoint.next_batch_id()
+            transfer.batches.add(bid)
+            transfer.bytes += runs.total_bytes
+            self.runner.call(
+                lambda: self._driver_submit(transfer, bid, runs),
+                lambda _, error: self.batch_failed(transfer, bid, error) if error else None,
+            )
+        self.progress(transfer)
+
+    def batch_finished(self, transfer: Transfer, bid: int, error: KVTransportError | None) -> None:
+        if bid not in transfer.batches:
+            return  # aborted meanwhile
+        transfer.batches.discard(bid)
+        if error is not None:
+            self.batch_failed(transfer, bid, error)
+            return
+        self.progress(transfer)
+
+    def batch_failed(self, transfer: Transfer, bid: int, error: KVTransportError) -> None:
+        transfer.batches.discard(bid)
+        driver = self.decision.driver if self.decision else "driver"
+        self.abort(transfer, f"{driver}: {error}", notify=True, error=error)
+
+    def progress(self, transfer: Transfer) -> None:
+        if transfer.last_sent and not transfer.batches and transfer.state is State.TRANSFERRING:
+            self.endpoint.flush_notices()
+            self.send("done", tag=transfer.tag, bytes=transfer.bytes)
+            transfer._set(State.SUCCESS)
+
+    def abort(
+        self,
+        transfer: Transfer,
+        reason: str,
+        *,
+        notify: bool,
+        local: bool = False,
+        error: KVTransportError | None = None,
+    ) -> None:
+        if transfer.state.final:
+            return
+        batches, transfer.batches = transfer.batches, set()
+        if batches and self.runner is not None:
+            try:
+                self.runner.call(lambda: self._driver_abort(batches))
+            except KVTransportError as exc:
+                log.debug("abort of %d batches not queued: %s", len(batches), exc)
+        if error is None:
+            error = TransferAborted(f"transfer {transfer.tag!r} aborted {'locally' if local else ''}: {reason}")
+        transfer._set(State.FAILED, error)
+        if notify and self.phase is Phase.READY:
+            self.send("abort", tag=transfer.tag, reason=reason)
+
+    # -- I/O thread: messages ------------------------------------------------------------------
+
+    def on_expect(self, msg: Message) -> None:
+        tag = msg["tag"]
+        t = self.transfers.get(tag)
+        if t is None:
+            self._keep_early_expect(tag, msg)
+            return
+        if t.role != SEND or t.dst_pages is not None:
+            self.send("abort", tag=tag, reason="duplicate announcement")
+            return
+        assert self.peer_regions is not None
+        try:
+            raw = msg["pages"]
+            if len(raw) % 8:
+                raise InvalidPages(f"page list of {len(raw)} bytes is not a whole number of int64")
+            pages = np.frombuffer(raw, dtype=np.int64).copy()
+            check_pages(pages, self.peer_regions.num_pages, f"pages announced by {self.peer_label}")
+            check_unique(pages, f"pages announced by {self.peer_label}")
+            if msg["aux"] >= 0:
+                check_aux(msg["aux"], self.peer_regions, f"aux slot announced by {self.peer_label}")
+        except InvalidPages as exc:
+            self.abort(t, str(exc), notify=True, error=exc)
+            return
+        t.dst_pages, t.dst_aux = pages, int(msg["aux"])
+        t._set(State.WAITING_FOR_INPUT)
+
+    def _keep_early_expect(self, tag: str, msg: Message) -> None:
+        ep = self.endpoint
+        if tag in self.early_expects:
+            self.send("abort", tag=tag, reason="duplicate announcement")
+            return
+        if ep.early_expects_total >= ep.limits.max_early_expects_total:
+            self.send(
+                "abort",
+                tag=tag,
+                reason=f"{ep.name} holds {ep.limits.max_early_expects_total} announcements for transfers nobody sends "
+                "yet (KVTRANSPORT_MAX_EARLY_EXPECTS_TOTAL)",
+            )
+            return
+        self.early_expects[tag] = msg
+        ep.early_expects_total += 1
+        if len(self.early_expects) > ep.limits.max_early_expects:
+            dropped, _ = self.early_expects.popitem(last=False)
+            ep.early_expects_total -= 1
+            log.warning(
+                "%s announced more than %d transfers nobody sends; forgetting the oldest (%r)",
+                self.peer_label,
+                ep.limits.max_early_expects,
+                dropped,
+            )
+
+    def on_done(self, msg: Message) -> None:
+        t = self.transfers.get(msg["tag"])
+        if t is None:
+            # A transfer this side already failed and forgot (timeout, abort): a benign race.
+            log.debug("done for %r from %s, which is no longer tracked", msg["tag"], self.peer_label)
+            return
+        if t.role != RECV:
+            raise ProtocolError(f"done for transfer {msg['tag']!r}, which this side sends")
+        if t.state.final or t.peer_done:
+            return
+        t.bytes = int(msg["bytes"])
+        t.peer_done = True
+        if not self.two_sided:
+            t._set(State.SUCCESS)
+            return
+        # Two-sided: Success only once the driver's inbound work for this peer has drained.
+        # Queued behind the notices that came before this "done", so the check cannot answer
+        # before the driver has seen all of them.
+        if t.state is State.WAITING_FOR_INPUT:
+            t._set(State.TRANSFERRING)
+        assert self.runner is not None
+        self.runner.call(lambda: self._driver_watch_inbound(t))
+
+    def inbound_settled(self, t: Transfer, error: KVTransportError | None) -> None:
+        if error is not None:
+            # The driver found the peer's inbound data unusable (e.g. a chunk notice pointing
+            # outside the announced pages): nothing from that peer can be trusted to be in place.
+            self.endpoint.end_session(self, error, notify=True)
+            return
+        if t.peer_done:
+            t._set(State.SUCCESS)
+
+    def on_abort(self, msg: Message) -> None:
+        tag, reason = msg["tag"], msg["reason"]
+        t = self.transfers.get(tag)
+        if t is not None:
+            self.abort(
+                t,
+                f"aborted by peer {self.peer_label}: {reason}",
+                notify=False,
+                error=TransferAborted(f"transfer {t.tag!r} aborted by peer {self.peer_label}: {reason}"),
+            )
+            return
+        if self.early_expects.pop(tag, None) is not None:
+            self.endpoint.early_expects_total -= 1
+        self.early_aborts[tag] = str(reason)
+        while len(self.early_aborts) > self.endpoint.limits.max_early_aborts:
+            self.early_aborts.popitem(last=False)
+
+    def on_notice(self, msg: Message) -> None:
+        if not self.two_sided:
+            raise ProtocolError(f"notice for {self.decision.driver if self.decision else '?'}, a one-sided driver")
+        assert self.runner is not None and self.driver is not None
+        driver, payload = self.driver, msg["payload"]
+        self.runner.call(
+            lambda: driver.on_notice(self.id, payload),
+            lambda _, error: self.endpoint.end_session(self, error, notify=True) if error else None,
+        )
+
+    # -- I/O thread: the end -------------------------------------------------------------------
+
+    def close(self, error: KVTransportError, *, notify: bool) -> None:
+        """Fail every transfer, disconnect the driver; the endpoint then forgets the session."""
+        if self.phase is Phase.CLOSED:
+            return
+        for t in list(self.transfers.values()):
+            self.abort(t, str(error), notify=notify, error=error)
+        self.phase = Phase.CLOSED
+        self.error = self.error or error
+        timers = self.endpoint.channel.timers
+        timers.cancel(self.heartbeat)
+        timers.cancel(self.handshake_timer)
+        for t in list(self.transfers.values()):
+            timers.cancel(t.timer)
+            t.filed = False
+        self.transfers.clear()
+        self.endpoint.early_expects_total -= len(self.early_expects)
+        self.early_expects.clear()
+        self.early_aborts.clear()
+        if self.connect_queued and self.runner is not None and self.driver is not None:
+            driver = self.driver
+            try:
+                self.runner.call(lambda: driver.disconnect(self.id))
+            except KVTransportError:
+                pass
+        self.ready.set()
+
+    # -- driver thread -------------------------------------------------------------------------
+
+    def _driver_submit(self, transfer: Transfer, bid: int, runs: Runs) -> None:
+        driver, runner = self.driver, self.runner
+        assert driver is not None and runner is not None
+        handle = driver.submit(self.id, runs)
+        self._handles[bid] = handle
+
+        def check() -> bool:
+            try:
+                done = driver.poll(handle)
+            except BaseException:
+                self._handles.pop(bid, None)
+                raise
+            if done:
+                self._handles.pop(bid, None)
+            return done
+
+        runner.watch(("batch", handle), check, lambda _, error: self.batch_finished(transfer, bid, error))
+
+    def _driver_abort(self, batches: set[int]) -> None:
+        driver, runner = self.driver, self.runner
+        assert driver is not None and runner is not None
+        for bid in batches:
+            handle = self._handles.pop(bid, None)
+            if handle is None:
+                continue  # finished (or never submitted) before the abort got here
+            runner.unwatch(("batch", handle))
+            try:
+                driver.abort(handle)
+            except Exception:
+                log.exception("%s: abort of batch %d failed", runner.name, handle)
+
+    def _driver_watch_inbound(self, t: Transfer) -> None:
+        driver, runner = self.driver, self.runner
+        assert driver is not None and runner is not None
+        runner.watch(
+            ("inbound", self.id, id(t)), lambda: driver.inbound_idle(self.id), lambda _, e: self.inbound_settled(t, e)
+        )
+
+
+def check_aux(index: Any, regions: RegionSet, what: str) -> None:
+    if not regions.aux:
+        raise InvalidPages(f"{what}: no aux regions are registered")
+    slots = min(r.num_items for r in regions.aux)
+    if not isinstance(index, int | np.integer) or isinstance(index, bool) or not 0 <= index < slots:
+        raise InvalidPages(f"{what}: aux slot {index!r} is outside the registered range [0, {slots})")
+
+
+def _check_tag(tag: Any) -> None:
+    if not isinstance(tag, str) or not tag or len(tag) > 256:
+        raise KVTransportError(f"a transfer tag must be a non-empty string of at most 256 characters, got {tag!r}")

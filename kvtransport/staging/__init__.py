@@ -1,0 +1,52 @@
+"""The staged path: KV pages through a bounded host ring, pipelined, with credit flow control.
+
+Any driver that can write host memory to a peer gets a staged variant from this package: it
+provides the ring (host memory its engine registered), a :class:`WireLink` that starts writing
+a chunk to the peer's ring and tells when it is there, and the endpoint's context. The pipeline
+does the rest. The pieces:
+
+- :mod:`.config`: ring and chunk sizes (``KVTRANSPORT_STAGING_*``);
+- :mod:`.copy`: the copy-engine seam (memcpy here, CUDA streams in ``kvtransport.cuda_copy``)
+  and the wire seam;
+- :mod:`.chunks`: runs cut into slot-sized chunks;
+- :mod:`.notices`: the want / grant / release / chunk notices and their typed schema;
+- :mod:`.pipeline`: credits and the gather, wire and scatter stages;
+- :mod:`.transport`: :class:`StagedTransport`, the SPI half every staged driver shares.
+"""
+
+from __future__ import annotations
+
+from .chunks import Chunk, chunk_runs
+from .config import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_RING_BYTES,
+    ENV_CHUNK_BYTES,
+    ENV_RING_BYTES,
+    OPT_CHUNK,
+    OPT_RING,
+    OPT_SCATTER_DELAY,
+    RingConfig,
+)
+from .copy import CopyEngine, MemcpyCopyEngine, WireLink
+from .pipeline import WIRE_POLL_S, RingUsage, StagingPipeline
+from .transport import StagedTransport
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_RING_BYTES",
+    "ENV_CHUNK_BYTES",
+    "ENV_RING_BYTES",
+    "OPT_CHUNK",
+    "OPT_RING",
+    "OPT_SCATTER_DELAY",
+    "WIRE_POLL_S",
+    "Chunk",
+    "CopyEngine",
+    "MemcpyCopyEngine",
+    "RingConfig",
+    "RingUsage",
+    "StagedTransport",
+    "StagingPipeline",
+    "WireLink",
+    "chunk_runs",
+]

@@ -1,0 +1,52 @@
+"""Cutting a batch's runs into ring-slot-sized chunks (vectorised)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..plan import Runs
+from .copy import U64
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Pieces of runs packed back to back into one ring slot: piece i goes from ``src[i]`` to
+    ``dst[i]`` through the slot at ``offset[i]``."""
+
+    src: U64
+    dst: U64
+    length: U64
+    offset: U64
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.length.sum())
+
+
+def chunk_runs(runs: Runs, chunk_bytes: int) -> list[Chunk]:
+    """Cut ``runs`` into chunks of at most ``chunk_bytes``, splitting runs at chunk borders."""
+    if not len(runs):
+        return []
+    length = runs.length.astype(np.uint64)
+    end = np.cumsum(length, dtype=np.uint64)
+    start = end - length
+    total = int(end[-1])
+    borders = np.arange(chunk_bytes, total, chunk_bytes, dtype=np.uint64)
+    cuts = np.union1d(start, borders)  # sorted piece starts in the packed stream
+    piece_end = np.append(cuts[1:], np.uint64(total))
+    run_of = np.searchsorted(start, cuts, side="right") - 1
+    skew = cuts - start[run_of]
+    src = runs.src[run_of] + skew
+    dst = runs.dst[run_of] + skew
+    plen = piece_end - cuts
+    which = cuts // np.uint64(chunk_bytes)
+    offset = cuts - which * np.uint64(chunk_bytes)
+    bounds = np.flatnonzero(np.diff(which)) + 1
+    return [
+        Chunk(s, d, n, o)
+        for s, d, n, o in zip(
+            np.split(src, bounds), np.split(dst, bounds), np.split(plen, bounds), np.split(offset, bounds), strict=True
+        )
+    ]

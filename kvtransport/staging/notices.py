@@ -1,0 +1,121 @@
+"""The staged path's notices (carried in control ``notice`` messages), with a typed schema.
+
+Sender -> receiver: ``want`` (n more slots), ``release`` (slots it will not use), ``chunk``
+(slot s holds these pieces for these destinations). Receiver -> sender: ``grant`` (slots).
+:func:`decode_notice` checks every field's type and range before anything uses it, and raises
+only :class:`~kvtransport.errors.ProtocolError`; integers arrive bounded, so no arithmetic on
+them can overflow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from ..errors import ProtocolError
+from .config import MAX_SLOTS
+from .copy import U64
+
+#: Most pieces in one chunk notice (a chunk of 8 MiB of 1 KiB pages is 8,192).
+MAX_PIECES = 1 << 16
+
+
+@dataclass(frozen=True)
+class Want:
+    n: int
+
+
+@dataclass(frozen=True)
+class Grant:
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Release:
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ChunkNotice:
+    slot: int
+    dst: U64
+    length: U64
+    offset: U64
+
+
+Notice = Want | Grant | Release | ChunkNotice
+
+
+def encode_want(n: int) -> bytes:
+    return _pack({"op": "want", "n": int(n)})
+
+
+def encode_grant(slots: list[int]) -> bytes:
+    return _pack({"op": "grant", "slots": [int(s) for s in slots]})
+
+
+def encode_release(slots: list[int]) -> bytes:
+    return _pack({"op": "release", "slots": [int(s) for s in slots]})
+
+
+def encode_chunk(slot: int, dst: U64, length: U64, offset: U64) -> bytes:
+    return _pack(
+        {"op": "chunk", "slot": int(slot), "dst": dst.tobytes(), "len": length.tobytes(), "off": offset.tobytes()}
+    )
+
+
+def _pack(doc: dict[str, Any]) -> bytes:
+    data = msgpack.packb(doc, use_bin_type=True)
+    assert isinstance(data, bytes)
+    return data
+
+
+def decode_notice(payload: Any, slots: int) -> Notice:
+    """Validate a notice from a peer whose rings have ``slots`` slots each way."""
+    if not isinstance(payload, bytes):
+        raise ProtocolError("staging notice must be bytes")
+    try:
+        msg = msgpack.unpackb(payload, raw=False)
+    except Exception as exc:
+        raise ProtocolError(f"undecodable staging notice: {type(exc).__name__}") from exc
+    if not isinstance(msg, dict):
+        raise ProtocolError("staging notice must be a map")
+    op = msg.get("op")
+    if op == "want":
+        _fields(msg, "n")
+        return Want(_int(msg["n"], "want.n", 1, MAX_SLOTS))
+    if op in ("grant", "release"):
+        _fields(msg, "slots")
+        raw = msg["slots"]
+        if not isinstance(raw, list) or len(raw) > MAX_SLOTS:
+            raise ProtocolError(f"{op}.slots must be a list of at most {MAX_SLOTS} slot numbers")
+        numbers = tuple(_int(s, f"{op}.slots[]", 0, slots - 1) for s in raw)
+        return Grant(numbers) if op == "grant" else Release(numbers)
+    if op == "chunk":
+        _fields(msg, "slot", "dst", "len", "off")
+        slot = _int(msg["slot"], "chunk.slot", 0, slots - 1)
+        arrays = []
+        for key in ("dst", "len", "off"):
+            raw = msg[key]
+            if not isinstance(raw, bytes) or len(raw) % 8 or not 0 < len(raw) <= 8 * MAX_PIECES:
+                raise ProtocolError(f"chunk.{key} must be 1..{MAX_PIECES} packed uint64")
+            arrays.append(np.frombuffer(raw, dtype=np.uint64))
+        dst, length, offset = arrays
+        if not dst.size == length.size == offset.size:
+            raise ProtocolError("chunk piece lists of different lengths")
+        return ChunkNotice(slot, dst, length, offset)
+    raise ProtocolError(f"unknown staging notice {str(op)[:32]!r}")
+
+
+def _fields(msg: dict[str, Any], *names: str) -> None:
+    if set(msg) != {"op", *names}:
+        raise ProtocolError(f"staging notice {str(msg.get('op'))[:32]} must have exactly the fields {sorted(names)}")
+
+
+def _int(value: Any, what: str, lo: int, hi: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise ProtocolError(f"{what} must be an integer in [{lo}, {hi}], got {str(value)[:32]}")
+    return value

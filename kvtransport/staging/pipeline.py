@@ -1,0 +1,565 @@
+"""The staged pipeline: KV pages through a bounded host ring, pipelined, with credit flow control.
+
+Sender, per chunk (at most ``chunk_bytes`` of the request's runs):
+
+1. take a credit (a slot of the receiver's inbound ring the receiver granted to us) and a free
+   slot of our outbound ring;
+2. gather the chunk's pieces from KV pages into the outbound slot (copy engine: device to
+   host on a CUDA stream, or memcpy);
+3. write the slot into the granted remote slot (the host driver); free the outbound slot;
+4. notice the receiver: "slot s holds these pieces for these pages".
+
+Receiver, per notice: check every piece lies inside pages a live transfer of that peer
+announced (``guard``), scatter the slot into the pages (host to device), free the slot and
+grant it again to whichever peer is waiting.
+
+Three threads per pipeline, shared by every peer (gather, wire, scatter), so the gather of
+chunk k+1 overlaps the wire write of chunk k and the peer's scatter of chunk k-1, and a
+thousand peers cost no more threads than one. Threads that have nothing to do block without a
+timeout. The receiver hands out credits, never more than its inbound slots and never more than
+a peer asked for: a slow receiver throttles the sender and is never overrun, and a transfer
+larger than the ring streams through it. The ring is split in two halves, outbound and
+inbound, so an endpoint that both sends and receives cannot deadlock on its own slots.
+Aborts, disconnects and close return every slot; :meth:`StagingPipeline.usage` shows it.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigError, DriverError, EngineError, KVTransportError, PeerLost, ProtocolError
+from ..memory import RegionSet
+from ..plan import Runs, check_runs_within
+from .chunks import Chunk, chunk_runs
+from .config import ENV_CHUNK_BYTES, MAX_SLOTS, RingConfig
+from .copy import U64, CopyEngine, WireLink
+from .notices import (
+    ChunkNotice,
+    Grant,
+    Release,
+    Want,
+    decode_notice,
+    encode_chunk,
+    encode_grant,
+    encode_release,
+    encode_want,
+)
+
+log = logging.getLogger(__name__)
+
+#: How long the wire stage sleeps between completion checks while writes are in flight.
+#: Polling with a sleep, not an engine's blocking wait: Mooncake's waits spin a core, and on a
+#: small host that core is the one the copies need.
+WIRE_POLL_S = 0.0002
+
+#: ``guard(peer, dst, length)``: raise unless the pieces land where ``peer`` may write.
+Guard = Callable[[str, U64, U64], None]
+
+
+@dataclass
+class RingUsage:
+    """Slots in use now: outbound (ours, being filled or written), granted to peers (credits
+    not yet used), busy (holding a peer's chunk until its scatter completes)."""
+
+    outbound: int
+    granted: int
+    busy: int
+
+    @property
+    def total(self) -> int:
+        return self.outbound + self.granted + self.busy
+
+
+@dataclass
+class _Batch:
+    handle: int
+    peer: str
+    chunks: int
+    written: int = 0
+    error: KVTransportError | None = None
+    aborted: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or self.aborted or self.written == self.chunks
+
+
+@dataclass
+class _Job:
+    batch: _Batch
+    chunk: Chunk
+
+
+@dataclass
+class _Outbound:
+    """Sending to one peer: its ring geometry, queued chunks and credits."""
+
+    peer: str
+    remote_ring: int
+    remote_slot_bytes: int
+    remote_slots: int
+    link: WireLink
+    queue: collections.deque[_Job] = field(default_factory=collections.deque)
+    credits: list[int] = field(default_factory=list)
+    asked: int = 0  # credits requested and not yet granted
+    closed: bool = False
+
+
+@dataclass
+class _Inbound:
+    """Receiving from one peer: what it asked for, which slots it holds, what is being scattered."""
+
+    wants: int = 0
+    granted: set[int] = field(default_factory=set)
+    busy: set[int] = field(default_factory=set)
+    error: KVTransportError | None = None
+    gone: bool = False
+
+
+class StagingPipeline:
+    """One endpoint's ring and pipeline for a staged driver. Public methods are called by the
+    driver (from its runner thread); the stages run on the pipeline's three threads."""
+
+    def __init__(
+        self,
+        name: str,
+        ring_ptr: int,
+        config: RingConfig,
+        copy: CopyEngine,
+        notify: Callable[[str, bytes], None],
+        local_regions: RegionSet,
+        scatter_delay: float = 0.0,
+        *,
+        guard: Guard | None = None,
+        completed: Callable[[int], None] | None = None,
+        progress: Callable[[str], None] | None = None,
+    ) -> None:
+        self.name = name
+        self.scatter_delay = scatter_delay
+        #: Most inbound slots ever held by peers at once (granted or busy); never above ``slots``.
+        self.peak_inbound = 0
+        self.ring_ptr = ring_ptr
+        self.config = config
+        self.copy_engine = copy
+        self._notify = notify
+        self._regions = local_regions
+        self._guard = guard
+        self._completed = completed or (lambda handle: None)
+        self._progress = progress or (lambda peer: None)
+        slots = config.slots
+        # Fault the ring in now, not in the middle of the first transfer.
+        ctypes.memset(ring_ptr, 0, 2 * slots * config.chunk_bytes)
+        self._lock = threading.Condition()
+        self._free_out = list(range(slots))
+        self._free_in = list(range(slots))
+        self._out: dict[str, _Outbound] = {}
+        self._in: dict[str, _Inbound] = {}
+        self._draining: list[_Inbound] = []  # peers gone with chunks still being scattered
+        self._batches: dict[int, _Batch] = {}
+        self._next = 0
+        self._rr: collections.deque[str] = collections.deque()
+        self._gather_rr: collections.deque[str] = collections.deque()
+        self._wire: collections.deque[tuple[_Outbound, _Job, int, int]] = collections.deque()
+        self._scatter: collections.deque[tuple[_Inbound, str, int, Chunk]] = collections.deque()
+        self._closed = False
+        self._threads = [
+            threading.Thread(target=loop, name=f"{name}-{stage}", daemon=True)
+            for stage, loop in (
+                ("gather", self._gather_loop),
+                ("wire", self._wire_loop),
+                ("scatter", self._scatter_loop),
+            )
+        ]
+        for t in self._threads:
+            t.start()
+
+    # -- geometry --------------------------------------------------------------------------------
+
+    def _out_ptr(self, slot: int) -> int:
+        return self.ring_ptr + slot * self.config.chunk_bytes
+
+    def _in_ptr(self, slot: int) -> int:
+        return self.ring_ptr + (self.config.slots + slot) * self.config.chunk_bytes
+
+    def describe(self) -> dict[str, int]:
+        """What a peer needs to write into this ring (goes into the driver's connection info)."""
+        return {"ring": self.ring_ptr, "slot_bytes": self.config.chunk_bytes, "inbound_first": self.config.slots}
+
+    def usage(self) -> RingUsage:
+        with self._lock:
+            slots = self.config.slots
+            return RingUsage(
+                outbound=slots - len(self._free_out),
+                granted=sum(len(i.granted) for i in self._in.values()),
+                busy=sum(len(i.busy) for i in (*self._in.values(), *self._draining)),
+            )
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._batches)
+
+    @property
+    def threads(self) -> int:
+        return sum(t.is_alive() for t in self._threads)
+
+    # -- connections --------------------------------------------------------------------------
+
+    def connect(self, peer: str, remote: Any, link: WireLink) -> None:
+        try:
+            ring, slot_bytes, first = (remote[k] for k in ("ring", "slot_bytes", "inbound_first"))
+            if not all(
+                isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 63 for v in (ring, slot_bytes, first)
+            ):
+                raise TypeError("ring, slot_bytes and inbound_first must be non-negative integers")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"{self.name}: the peer's staging ring description is malformed: {exc}") from exc
+        if slot_bytes < self.config.chunk_bytes:
+            raise ConfigError(
+                f"{self.name}: the peer's ring slots hold {slot_bytes} bytes, this side's chunks are "
+                f"{self.config.chunk_bytes}; set the same {ENV_CHUNK_BYTES} on both sides"
+            )
+        out = _Outbound(peer, ring + first * slot_bytes, slot_bytes, first, link)
+        with self._lock:
+            if self._closed:
+                raise DriverError(f"{self.name}: the pipeline is closed")
+            self._out[peer] = out
+            self._in.setdefault(peer, _Inbound())
+            self._gather_rr.append(peer)
+
+    def disconnect(self, peer: str) -> None:
+        finished: list[int] = []
+        with self._lock:
+            out = self._out.pop(peer, None)
+            inbound = self._in.pop(peer, None)
+            if peer in self._gather_rr:
+                self._gather_rr.remove(peer)
+            if out is not None:
+                out.closed = True
+                out.queue.clear()
+                out.credits.clear()
+            for batch in self._batches.values():
+                if batch.peer == peer and not batch.finished:
+                    batch.error = PeerLost(f"{self.name}: peer {peer} went away")
+                    finished.append(batch.handle)
+            if inbound is not None:
+                inbound.gone = True
+                # Slots it held come back now; slots still being scattered come back when done.
+                self._free_in.extend(inbound.granted)
+                inbound.granted.clear()
+                inbound.wants = 0
+                if inbound.busy:
+                    self._draining.append(inbound)
+            self._lock.notify_all()
+        for handle in finished:
+            self._completed(handle)
+        self._grant()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop every stage; returns once none can touch the ring or the engine any more (or
+        after ``timeout``, logged)."""
+        with self._lock:
+            peers = list(self._out)
+        for peer in peers:
+            self.disconnect(peer)
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        alive = [t.name for t in self._threads if t.is_alive()]
+        if alive:
+            log.warning("%s: stages still running after %.0f s: %s", self.name, timeout, ", ".join(alive))
+        self.copy_engine.close()
+
+    # -- sender ------------------------------------------------------------------------------
+
+    def submit(self, peer: str, runs: Runs) -> int:
+        chunks = chunk_runs(runs, self.config.chunk_bytes)
+        with self._lock:
+            out = self._out.get(peer)
+            if out is None:
+                raise PeerLost(f"{self.name}: submit to {peer!r}, which is not connected")
+            self._next += 1
+            handle = self._next
+            batch = _Batch(handle, peer, len(chunks))
+            self._batches[handle] = batch
+            out.queue.extend(_Job(batch, c) for c in chunks)
+            need = len(out.queue) - len(out.credits) - out.asked
+            if need > 0:
+                out.asked += need
+            self._lock.notify_all()
+        if need > 0:
+            self._send(peer, encode_want(need))
+        if not chunks:
+            self._completed(handle)
+        return handle
+
+    def poll(self, handle: int) -> bool:
+        with self._lock:
+            batch = self._batches.get(handle)
+            if batch is None:
+                raise DriverError(f"{self.name}: unknown handle {handle}")
+            if not batch.finished:
+                return False
+            del self._batches[handle]
+        if batch.error is not None:
+            raise batch.error
+        return True
+
+    def abort(self, handle: int) -> None:
+        """Forget the batch; its queued chunks are skipped (their credits kept for others)."""
+        with self._lock:
+            batch = self._batches.pop(handle, None)
+            if batch is not None:
+                batch.aborted = True
+            self._lock.notify_all()
+
+    def _next_gather(self) -> tuple[_Outbound, _Job, int, int] | None:
+        """Lock held: the next chunk that has a credit and a free outbound slot, round robin
+        among peers; releases credits nothing queued will use."""
+        for _ in range(len(self._gather_rr)):
+            peer = self._gather_rr[0]
+            self._gather_rr.rotate(-1)
+            out = self._out.get(peer)
+            if out is None:
+                continue
+            while out.queue and out.queue[0].batch.finished:
+                out.queue.popleft()  # aborted or failed: skip, keep the credit
+            if out.credits and not out.queue:
+                slots, out.credits = out.credits, []
+                self._send(out.peer, encode_release(slots))
+                continue
+            if out.queue and out.credits and self._free_out:
+                return out, out.queue.popleft(), self._free_out.pop(), out.credits.pop()
+        return None
+
+    def _gather_loop(self) -> None:
+        while True:
+            with self._lock:
+                while True:
+                    if self._closed:
+                        return
+                    work = self._next_gather()
+                    if work is not None:
+                        break
+                    self._lock.wait()
+            out, job, local, remote = work
+            try:
+                c = job.chunk
+                self.copy_engine.copy(np.uint64(self._out_ptr(local)) + c.offset, c.src, c.length)
+            except Exception as exc:  # noqa: BLE001 - the batch fails, the slots come back
+                with self._lock:
+                    self._fail(job.batch, EngineError(f"{self.name}: gathering a chunk failed: {exc}"))
+                    self._free_out.append(local)
+                    out.credits.append(remote)
+                    self._lock.notify_all()
+                continue
+            with self._lock:
+                self._wire.append((out, job, local, remote))
+                self._lock.notify_all()
+
+    def _fail(self, batch: _Batch, error: KVTransportError) -> None:
+        """Lock held."""
+        if not batch.finished:
+            batch.error = error
+            self._completed(batch.handle)
+
+    def _wire_loop(self) -> None:
+        inflight: list[tuple[Any, _Outbound, _Job, int, int]] = []
+        while True:
+            with self._lock:
+                while not self._wire and not inflight:
+                    if self._closed:
+                        return
+                    self._lock.wait()
+                ready = list(self._wire)
+                self._wire.clear()
+            failed: list[tuple[_Outbound, _Job, int, int, KVTransportError]] = []
+            for out, job, local, remote in ready:
+                try:
+                    token = out.link.post(
+                        self._out_ptr(local), out.remote_ring + remote * out.remote_slot_bytes, job.chunk.nbytes
+                    )
+                except Exception as exc:  # noqa: BLE001
+                    failed.append((out, job, local, remote, _as_error(self.name, exc)))
+                else:
+                    inflight.append((token, out, job, local, remote))
+            done: list[tuple[_Outbound, _Job, int, int]] = []
+            still: list[tuple[Any, _Outbound, _Job, int, int]] = []
+            for token, out, job, local, remote in inflight:
+                try:
+                    finished = out.link.check(token)
+                except Exception as exc:  # noqa: BLE001
+                    failed.append((out, job, local, remote, _as_error(self.name, exc)))
+                    continue
+                if finished:
+                    done.append((out, job, local, remote))
+                else:
+                    still.append((token, out, job, local, remote))
+            inflight = still
+            for out, job, _, remote in done:
+                c = job.chunk
+                # Queued before the batch counts the chunk written, so the endpoint sends it
+                # before the "done" that completes the transfer.
+                self._send(out.peer, encode_chunk(remote, c.dst, c.length, c.offset))
+            if done or failed:
+                completed: list[int] = []
+                with self._lock:
+                    for _, job, local, _ in done:
+                        self._free_out.append(local)
+                        job.batch.written += 1
+                        if job.batch.written == job.batch.chunks and not job.batch.aborted:
+                            completed.append(job.batch.handle)
+                    for out, job, local, remote, error in failed:
+                        self._fail(job.batch, error)
+                        self._free_out.append(local)
+                        if not out.closed:
+                            out.credits.append(remote)  # nothing usable landed there: reuse it
+                    self._lock.notify_all()
+                for handle in completed:
+                    self._completed(handle)
+            elif not ready:
+                time.sleep(WIRE_POLL_S)
+
+    # -- receiver ------------------------------------------------------------------------------
+
+    def on_notice(self, peer: str, payload: bytes) -> None:
+        notice = decode_notice(payload, MAX_SLOTS)
+        if isinstance(notice, Grant):
+            with self._lock:
+                out = self._out.get(peer)
+                if out is not None:
+                    # Only as many credits as were asked for: a peer cannot inflate them.
+                    take = [s for s in notice.slots if s < out.remote_slots][: out.asked]
+                    out.asked -= len(take)
+                    out.credits.extend(take)
+                    self._lock.notify_all()
+            return
+        inbound = self._in.get(peer)
+        if inbound is None:
+            raise ProtocolError(f"{self.name}: staging notice from unknown peer {peer}")
+        if isinstance(notice, Want):
+            with self._lock:
+                inbound.wants += notice.n  # a count only: slots are granted one by one as they free up
+            self._grant()
+        elif isinstance(notice, Release):
+            with self._lock:
+                for s in notice.slots:
+                    if s in inbound.granted:
+                        inbound.granted.discard(s)
+                        self._free_in.append(s)
+            self._grant()
+        else:
+            self._accept_chunk(peer, inbound, notice)
+
+    def _accept_chunk(self, peer: str, inbound: _Inbound, notice: ChunkNotice) -> None:
+        slot, dst, length, offset = notice.slot, notice.dst, notice.length, notice.offset
+        try:
+            if slot not in inbound.granted:
+                raise ProtocolError(f"chunk in slot {slot}, which was not granted to this peer")
+            room = np.uint64(self.config.chunk_bytes)
+            # Overflow-safe: "offset <= room and length <= room - offset", never "offset + length".
+            if np.any(offset > room) or np.any(length > room - np.minimum(offset, room)):
+                raise ProtocolError("a piece reaches past its ring slot")
+            check_runs_within(dst, length, self._regions.all(), "staged chunk destination")
+            if self._guard is not None:
+                self._guard(peer, dst, length)
+        except KVTransportError as exc:
+            error = ProtocolError(f"{self.name}: bad chunk from {peer}: {exc}; nothing of it was written")
+            with self._lock:
+                inbound.error = error
+                if slot in inbound.granted:
+                    inbound.granted.discard(slot)
+                    self._free_in.append(slot)
+            self._progress(peer)
+            self._grant()
+            return
+        with self._lock:
+            inbound.granted.discard(slot)
+            inbound.busy.add(slot)
+            src = np.uint64(self._in_ptr(slot)) + offset
+            self._scatter.append((inbound, peer, slot, Chunk(src, dst, length, offset)))
+            self._lock.notify_all()
+
+    def inbound_idle(self, peer: str) -> bool:
+        with self._lock:
+            inbound = self._in.get(peer)
+            if inbound is None:
+                return True
+            if inbound.error is not None:
+                error, inbound.error = inbound.error, None
+                raise error
+            return not inbound.busy
+
+    def _scatter_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._scatter:
+                    if self._closed:
+                        return
+                    self._lock.wait()
+                inbound, peer, slot, chunk = self._scatter.popleft()
+            if self.scatter_delay:
+                time.sleep(self.scatter_delay)
+            error: KVTransportError | None = None
+            try:
+                self.copy_engine.copy(chunk.dst, chunk.src, chunk.length)
+            except Exception as exc:  # noqa: BLE001
+                error = EngineError(f"{self.name}: scattering a chunk into KV failed: {exc}")
+            with self._lock:
+                inbound.busy.discard(slot)
+                if error is not None:
+                    inbound.error = error
+                if inbound.gone and not inbound.busy and inbound in self._draining:
+                    self._draining.remove(inbound)
+                self._free_in.append(slot)
+                self._lock.notify_all()
+            self._progress(peer)
+            self._grant()
+
+    def _grant(self) -> None:
+        """Hand free inbound slots to waiting peers, one at a time round robin."""
+        grants: dict[str, list[int]] = {}
+        with self._lock:
+            for peer in self._in:
+                if peer not in self._rr:
+                    self._rr.append(peer)
+            spins = 0
+            while self._free_in and self._rr and spins < len(self._rr):
+                peer = self._rr[0]
+                self._rr.rotate(-1)
+                inbound = self._in.get(peer)
+                if inbound is None:
+                    self._rr.remove(peer)
+                    continue
+                if inbound.wants <= 0:
+                    spins += 1
+                    continue
+                spins = 0
+                slot = self._free_in.pop()
+                inbound.wants -= 1
+                inbound.granted.add(slot)
+                self.peak_inbound = max(self.peak_inbound, self.config.slots - len(self._free_in))
+                grants.setdefault(peer, []).append(slot)
+        for peer, slots in grants.items():
+            self._send(peer, encode_grant(slots))
+
+    def _send(self, peer: str, data: bytes) -> None:
+        try:
+            self._notify(peer, data)
+        except Exception as exc:  # noqa: BLE001 - the peer is going; disconnect cleans up
+            log.debug("%s: notice to %s not sent: %s", self.name, peer, exc)
+
+
+def _as_error(name: str, exc: BaseException) -> KVTransportError:
+    return exc if isinstance(exc, KVTransportError) else EngineError(f"{name}: {type(exc).__name__}: {exc}")

@@ -1,0 +1,107 @@
+"""What every staged driver shares: the pipeline's half of the driver SPI."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from ..driver import KVTransport
+from ..errors import DriverError
+from ..memory import RegionSet
+from ..plan import Runs
+from .config import OPT_SCATTER_DELAY, RingConfig
+from .copy import CopyEngine, MemcpyCopyEngine
+from .pipeline import StagingPipeline
+
+
+class StagedTransport(KVTransport):
+    """Base of a staged driver: the pipeline's half of the SPI. A subclass allocates a ring its
+    engine can write, calls :meth:`start_pipeline`, and connects peers with a
+    :class:`~kvtransport.staging.WireLink`; ``submit``, ``poll``, ``abort``, ``pending``,
+    ``on_notice`` and ``inbound_idle`` are the pipeline's. Every inbound piece is checked against
+    the pages the peer's transfers announced (``context.check_inbound``) before it is written."""
+
+    signals_completion: ClassVar[bool] = True
+    _pipeline: StagingPipeline | None = None
+
+    @property
+    def pipeline(self) -> StagingPipeline:
+        if self._pipeline is None:
+            raise DriverError(f"{self.name}: used before open()")
+        return self._pipeline
+
+    def start_pipeline(self, ring_ptr: int, config: RingConfig, regions: RegionSet) -> StagingPipeline:
+        """The pipeline over ``ring_ptr``, with the copy engine ``regions`` need (CUDA streams
+        for device KV, the ring page-locked; memcpy for host KV)."""
+        copy: CopyEngine
+        if regions.kv_kind.device is None:
+            copy = MemcpyCopyEngine()
+        else:
+            from ..cuda_copy import CudaCopyEngine
+
+            cuda = CudaCopyEngine(regions.kv_kind.device)
+            try:
+                cuda.pin(ring_ptr, config.ring_bytes)
+            except BaseException:
+                cuda.close()
+                raise
+            copy = cuda
+        try:
+            delay = float(self.context.options.get(OPT_SCATTER_DELAY, "0") or 0)
+            context = self.context
+            self._pipeline = StagingPipeline(
+                self.name,
+                ring_ptr,
+                config,
+                copy,
+                context.send_notice,
+                regions,
+                scatter_delay=delay,
+                guard=context.check_inbound,
+                completed=context.completed,
+                progress=context.inbound_progress,
+            )
+        except BaseException:
+            copy.close()
+            raise
+        return self._pipeline
+
+    def stop_pipeline(self) -> None:
+        if self._pipeline is not None:
+            self._pipeline.close()
+            self._pipeline = None
+
+    def disconnect(self, peer: str) -> None:
+        if self._pipeline is not None:
+            self._pipeline.disconnect(peer)
+
+    def submit(self, peer: str, runs: Runs) -> int:
+        return self.pipeline.submit(peer, runs)
+
+    def poll(self, handle: int) -> bool:
+        return self.pipeline.poll(handle)
+
+    def abort(self, handle: int) -> None:
+        if self._pipeline is not None:
+            self._pipeline.abort(handle)
+
+    def pending(self) -> int:
+        return self._pipeline.pending() if self._pipeline is not None else 0
+
+    def on_notice(self, peer: str, payload: bytes) -> None:
+        self.pipeline.on_notice(peer, payload)
+
+    def inbound_idle(self, peer: str) -> bool:
+        return self.pipeline.inbound_idle(peer)
+
+    def ring_usage(self) -> dict[str, int]:
+        """Slots in use (outbound, granted, busy), the inbound peak and the stage threads, for
+        tests and diagnosis."""
+        usage = self.pipeline.usage()
+        return {
+            "outbound": usage.outbound,
+            "granted": usage.granted,
+            "busy": usage.busy,
+            "slots": self.pipeline.config.slots,
+            "peak_inbound": self.pipeline.peak_inbound,
+            "threads": self.pipeline.threads,
+        }
