@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtransport.endpoint import Endpoint, State, Timeouts, Transfer
-from kvtransport.errors import ConfigError, DriverError, EngineError, PeerLost, ProtocolError, TransferAborted
+from kvtransport.errors import ConfigError, DriverError, EngineError, PeerLost, ProtocolError
 from kvtransport.memory import RegionSet
 from kvtransport.plan import Runs, plan
 from kvtransport.registry import load_driver
