@@ -48,6 +48,9 @@ __all__ = [
     "test_abort_from_sender_reaches_receiver",
     "test_peer_loss_fails_transfers",
     "test_close_while_in_flight",
+    "test_no_handle_left_after_finish_or_abort",
+    "test_writes_touch_only_the_announced_pages",
+    "test_close_is_idempotent_and_never_raises",
     "pair",
 ]
 
@@ -250,3 +253,65 @@ def test_close_while_in_flight(pair: Pair) -> None:
         assert t.state is State.FAILED
     states = pair.peer.call("wait", tags=[f"c{i}" for i in range(20)], timeout=5)["states"]
     assert all(s[0] == "FAILED" for s in states.values()), states
+
+
+def _settled(p: Pair, timeout: float = 10.0) -> tuple[dict[str, int], dict[str, int]]:
+    """Both sides' resource counters once no batch is left in a driver (or after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        mine, theirs = p.local.stats(), p.peer.call("stats")["stats"]
+        if (mine["handles"] == mine["watches"] == theirs["handles"] == theirs["watches"] == 0) or (
+            time.monotonic() > deadline
+        ):
+            return mine, theirs
+        time.sleep(0.02)
+
+
+def test_no_handle_left_after_finish_or_abort(pair: Pair) -> None:
+    """SPI MUST: a finished or aborted batch leaves nothing in the driver (``pending() == 0``)."""
+    rng = np.random.default_rng(3)
+    tags = [f"h{i}" for i in range(60)]
+    dst_free = rng.permutation(PAGES).tolist()
+    transfers = {}
+    for tag in tags:
+        dst, dst_free = dst_free[:4], dst_free[4:]
+        transfers[tag] = (rng.choice(PAGES, 4, replace=False).tolist(), dst)
+    pair.peer.call("expect", transfers={tag: dst for tag, (_, dst) in transfers.items()})
+    senders = {tag: pair.conn.sender(tag) for tag in tags}
+    for i, (tag, (src, _)) in enumerate(transfers.items()):
+        t = senders[tag]
+        while t.state is State.BOOTSTRAPPING:
+            time.sleep(0.001)
+        t.send(src[:2], last=False)
+        if i % 3 == 0:
+            t.abort("conformance: abort with a batch in flight")
+        else:
+            t.send(src[2:], last=True)
+    for i, tag in enumerate(tags):
+        if i % 3:
+            assert senders[tag].wait(30) is State.SUCCESS
+    pair.peer.call("wait", tags=tags, timeout=30)
+    mine, theirs = _settled(pair)
+    assert mine["handles"] == 0 and mine["watches"] == 0, mine
+    assert theirs["handles"] == 0 and theirs["watches"] == 0, theirs
+
+
+def test_writes_touch_only_the_announced_pages(pair: Pair) -> None:
+    """SPI MUST: nothing outside the given runs changes at the destination."""
+    everything = list(range(PAGES))
+    before = pair.peer.call("digests", pages=everything)["digests"]
+    dst = [5, 6, 7, 100, 300, 301]
+    _send_and_verify(pair, {"only": ([10, 11, 12, 13, 200, 201], dst)})
+    after = pair.peer.call("digests", pages=everything)["digests"]
+    changed = [i for i in everything if before[i] != after[i]]
+    assert set(changed) <= set(dst), f"pages written that nobody announced: {sorted(set(changed) - set(dst))}"
+
+
+def test_close_is_idempotent_and_never_raises(pair: Pair) -> None:
+    """SPI MUST: ``close()`` twice, and with peers connected, raises nothing."""
+    drivers = list(pair.local.drivers.values())
+    pair.local.close()
+    pair.local.close()
+    for driver in drivers:
+        driver.close()  # a second close of every driver instance
+        assert driver.pending() == 0

@@ -4,7 +4,7 @@
 its address, then answers one JSON line per command. Tests (and the conformance suite) use it
 as the far side of a real two-process transfer. Commands: ``accept``, ``connect``, ``expect``,
 ``send``, ``wait``, ``digests``, ``aux_digest``, ``abort``, ``state``, ``poison``,
-``raw_open`` / ``raw_close`` (the driver's raw engine over the same pool, for the bench's
+``stats``, ``raw_open`` / ``raw_close`` (the driver's raw engine over the same pool, for the bench's
 baseline), ``close``.
 """
 
@@ -23,13 +23,16 @@ from ..driver import KVTransport
 from ..endpoint import Connection, Endpoint, State, Timeouts, Transfer
 from ..errors import KVTransportError
 from ..registry import load_driver
-from .fake import FakeDriver
+from ..soak import process_resources
+from .fake import FakeDriver, FakeTwoSided
 from .kv import KVPool
 
 
 def driver_classes(name: str) -> dict[str, type[KVTransport]] | None:
     if name == "fake":
         return {"fake": FakeDriver}
+    if name == "fake-two-sided":
+        return {"fake-two-sided": FakeTwoSided}
     if name in ("", "auto"):
         return None
     return {name: load_driver(name)}
@@ -150,6 +153,8 @@ def _run(cmd: dict[str, Any], session: _Session) -> dict[str, Any]:
     if op == "abort":
         transfers[cmd["tag"]].abort(cmd.get("reason", "aborted by the peer script"))
         return {"ok": True}
+    if op == "stats":
+        return {"stats": ep.stats(), "process": process_resources()}
     if op == "ring_usage":
         return {name: driver.ring_usage() for name, driver in ep.drivers.items() if hasattr(driver, "ring_usage")}
     if op == "poison":

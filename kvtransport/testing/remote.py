@@ -31,8 +31,12 @@ class PeerProcess:
         )
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._stderr: list[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-        threading.Thread(target=self._pump_err, daemon=True).start()
+        self._pumps = [
+            threading.Thread(target=self._pump, daemon=True),
+            threading.Thread(target=self._pump_err, daemon=True),
+        ]
+        for t in self._pumps:
+            t.start()
         hello = self._read(timeout)
         self.address: str = hello["address"]
         self.name: str = hello["name"]
@@ -76,6 +80,19 @@ class PeerProcess:
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait(10)
+        self._release_pipes()
+
+    def _release_pipes(self) -> None:
+        """Once the child is gone: close our ends of its pipes (a test counting file
+        descriptors must not see the harness's)."""
+        for t in self._pumps:
+            t.join(5)
+        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            try:
+                if f is not None:
+                    f.close()
+            except OSError:
+                pass
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -88,3 +105,4 @@ class PeerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        self._release_pipes()

@@ -1,0 +1,214 @@
+"""Peers come and go, transfers get aborted, processes get killed: the endpoint under test keeps
+nothing of them. Its tables, threads and file descriptors return to their baseline, no handle is
+left in a driver, and a peer killed in any transfer state is reported lost within the heartbeat
+timeout. Peers run in child processes (killed with SIGKILL or closed cleanly); the endpoint
+under test runs here, so its tables can be read directly."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+from kvtransport.endpoint import Endpoint, State, Timeouts
+from kvtransport.errors import KVTransportError, PeerLost, TransferAborted
+from kvtransport.testing.fake import FakeDriver, FakeTwoSided
+from kvtransport.testing.kv import KVPool
+from kvtransport.testing.remote import PeerProcess
+
+FAST = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0, "retain_finished": 0.2}
+#: Peers per child process, and child processes per test (half killed, half closed).
+SWARM = int(os.environ.get("KVTRANSPORT_LIFECYCLE_SWARM", "100"))
+CHILDREN = int(os.environ.get("KVTRANSPORT_LIFECYCLE_CHILDREN", "10"))
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _until(pred: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"not reached within {timeout} s: {what}"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def victim() -> Iterator[tuple[Endpoint, KVPool]]:
+    pool = KVPool(SWARM + 8, 1, 4096, 0)
+    pool.fill(99)
+    ep = Endpoint(pool.regions, pool.layout, drivers={"fake": FakeDriver}, name="victim", timeouts=Timeouts(**FAST))
+    yield ep, pool
+    ep.close()
+    pool.close()
+
+
+def _serve_swarm(ep: Endpoint, pool: KVPool, swarm: PeerProcess, prefix: str) -> None:
+    """The swarm's endpoints connect and announce; the victim sends each its page; verified."""
+    swarm.call("connect", address=ep.address, n=SWARM, timeout=120)
+    for _ in range(SWARM):
+        ep.accept(10)
+    swarm.call("expect", prefix=prefix)
+    for i in range(SWARM):
+        tag = f"{prefix}-{i}"
+        _until(lambda tag=tag: ep.announced(tag) is not None, 10, f"announcement {tag}")  # type: ignore[misc]
+        conn = ep.announced(tag)
+        assert conn is not None
+        t = conn.sender(tag)
+        _until(lambda t=t: t.state is not State.BOOTSTRAPPING, 10, f"{tag} bootstrapped")  # type: ignore[misc]
+        t.send([i % pool.num_pages], last=True)
+    out = swarm.call("wait", prefix=prefix, wait_s=20, timeout=60)
+    assert out["states"] == ["SUCCESS"] * SWARM, out["states"][:5]
+    assert out["digests"] == pool.page_digests([i % pool.num_pages for i in range(SWARM)])
+
+
+def test_a_thousand_peers_that_come_and_go_leave_nothing_behind(victim: tuple[Endpoint, KVPool]) -> None:
+    ep, pool = victim
+    # Baseline after one peer came and went (zmq and the drivers have started their threads).
+    first = PeerProcess(
+        "--driver",
+        "fake",
+        "--pages",
+        "8",
+        "--layers",
+        "1",
+        "--item",
+        "4096",
+        "--aux-slots",
+        "0",
+        "--timeouts",
+        json.dumps(FAST),
+    )
+    first.call("connect", address=ep.address)
+    ep.accept(10)
+    first.close()
+    _until(lambda: ep.stats()["sessions"] == 0, 10, "first peer forgotten")
+    time.sleep(0.5)
+    base_stats, base_threads, base_fds = ep.stats(), threading.active_count(), _fds()
+
+    for child in range(CHILDREN):
+        swarm = PeerProcess(json.dumps(FAST), module="tests.swarm_peers", timeout=60)
+        try:
+            _serve_swarm(ep, pool, swarm, f"c{child}")
+            assert ep.stats()["sessions"] == SWARM
+            if child % 2:
+                swarm.kill()  # SIGKILL: no bye, the heartbeat finds out
+            else:
+                swarm.close()  # every endpoint says bye
+        finally:
+            swarm.kill()
+        _until(lambda: ep.stats()["sessions"] == 0, 10, f"swarm {child} forgotten")
+
+    def settled() -> bool:
+        s = ep.stats()
+        return s == base_stats and threading.active_count() == base_threads and _fds() <= base_fds
+
+    _until(settled, 15, f"back to baseline: {base_stats} threads {base_threads} fds {base_fds}")
+
+
+def test_ten_thousand_aborted_batches_leave_no_handle_in_any_driver() -> None:
+    a_pool, b_pool = KVPool(64, 1, 1024, 0), KVPool(64, 1, 1024, 0)
+    slow = {"fake.delay": "30"}  # every batch stays in flight until it is aborted
+    with (
+        Endpoint(a_pool.regions, a_pool.layout, drivers={"fake": FakeDriver}, driver_options=slow, name="a") as a,
+        Endpoint(b_pool.regions, b_pool.layout, drivers={"fake": FakeDriver}, name="b") as b,
+    ):
+        recv = b.connect(a.address)
+        send = a.accept(10)
+        rng = np.random.default_rng(1)
+        total = 0
+        for wave in range(100):
+            tags = [f"w{wave}-{i}" for i in range(100)]
+            receivers = [recv.expect(tag, rng.choice(64, 2, replace=False)) for tag in tags]
+            senders = [send.sender(tag) for tag in tags]
+            for t in senders:
+                _until(lambda t=t: t.state is State.WAITING_FOR_INPUT, 10, "announced")  # type: ignore[misc]
+                t.send(rng.choice(64, 2, replace=False), last=True)
+            _until(lambda: a.stats()["handles"] == 100, 10, "batches in flight")
+            for i, t in enumerate(senders):
+                (t if i % 2 else receivers[i]).abort("lifecycle: abort in flight")
+            for t in senders + receivers:
+                with pytest.raises(TransferAborted):
+                    t.wait(10)
+            total += len(tags)
+        assert total == 10_000
+        _until(lambda: a.stats()["handles"] == 0 and a.stats()["watches"] == 0, 10, "every handle released")
+        assert a.drivers["fake"].pending() == 0 and a.drivers["fake"].aborted == 10_000
+        _until(lambda: a.stats()["transfers"] == 0 and b.stats()["transfers"] == 0, 10, "transfers forgotten")
+    a_pool.close()
+    b_pool.close()
+
+
+EXPECTED = {
+    "send-bootstrapping": State.BOOTSTRAPPING,
+    "send-waiting": State.WAITING_FOR_INPUT,
+    "send-transferring": State.TRANSFERRING,
+    "recv-waiting": State.WAITING_FOR_INPUT,
+    "recv-transferring": State.TRANSFERRING,
+}
+
+
+@pytest.mark.parametrize("state", list(EXPECTED))
+def test_sigkill_of_the_peer_in_every_state_is_peer_lost_within_the_heartbeat_timeout(state: str) -> None:
+    two_sided = state == "recv-transferring"
+    driver = "fake-two-sided" if two_sided else "fake"
+    cls = FakeTwoSided if two_sided else FakeDriver
+    options = {"fake.lose": "1"} if state == "send-transferring" else {"fake.inbound_delay": "60"}
+    pool = KVPool(16, 1, 4096, 0)
+    ep = Endpoint(
+        pool.regions, pool.layout, drivers={driver: cls}, driver_options=options, name="here", timeouts=Timeouts(**FAST)
+    )
+    peer = PeerProcess(
+        *("--driver", driver, "--pages", "16", "--layers", "1", "--item", "4096", "--aux-slots", "0"),
+        *("--name", "there", "--timeouts", json.dumps(FAST)),
+    )
+    try:
+        peer.call("connect", address=ep.address)
+        conn = ep.accept(10)
+        if state.startswith("send"):
+            t = conn.sender("x")
+            if state != "send-bootstrapping":
+                peer.call("expect", transfers={"x": [1, 2]})
+                _until(lambda: t.state is State.WAITING_FOR_INPUT, 10, "announced")
+            if state == "send-transferring":
+                t.send([3, 4], last=True)
+                _until(lambda: t.state is State.TRANSFERRING, 10, "transferring")
+        else:
+            t = conn.expect("x", [1, 2])
+            if state == "recv-transferring":
+                peer.call("send", transfers={"x": [[5, 6]]})
+                _until(lambda: t.state is State.TRANSFERRING, 10, "inbound work pending")
+        assert t.state is EXPECTED[state]
+        killed = time.monotonic()
+        peer.kill()
+        with pytest.raises(PeerLost, match="stopped answering"):
+            t.wait(10)
+        assert time.monotonic() - killed <= FAST["heartbeat_timeout"] + 2 * FAST["heartbeat_interval"] + 0.3
+        _until(lambda: ep.stats()["sessions"] == 0 and ep.stats()["handles"] == 0, 5, "session forgotten")
+    finally:
+        peer.kill() if peer.proc.poll() is None else None
+        ep.close()
+        pool.close()
+
+
+def test_close_never_raises_and_releases_drivers_even_after_a_crashed_loop() -> None:
+    pool = KVPool(8, 1, 4096, 0)
+    ep = Endpoint(pool.regions, pool.layout, drivers={"fake": FakeDriver}, name="crash")
+    driver = ep.drivers["fake"]
+
+    def boom() -> None:
+        raise SystemExit("simulated fault in the I/O thread")
+
+    ep.call(boom)  # SystemExit is not contained: it stops the loop, the supervisor takes over
+    _until(lambda: not ep.channel.running, 5, "loop stopped")
+    with pytest.raises(KVTransportError, match="I/O thread stopped"):
+        ep.connect("tcp://127.0.0.1:9", timeout=0.5)
+    ep.close()
+    ep.close()
+    assert driver.closed
+    pool.close()
