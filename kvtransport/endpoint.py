@@ -379,6 +379,7 @@ class Endpoint:
     # -- I/O thread ----------------------------------------------------------------------------
 
     def next_batch_id(self) -> int:
+        """Any thread (``next`` on an ``itertools.count`` is atomic)."""
         return next(self._batch_ids)
 
     def flush_notices(self) -> None:

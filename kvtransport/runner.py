@@ -27,9 +27,11 @@ from .errors import DriverError, EngineError, KVTransportError
 
 log = logging.getLogger(__name__)
 
-#: First back-off step for a polled watch, and the cap for drivers that can only be polled.
-POLL_MIN_S = 20e-6
-POLL_MAX_S = 2e-3
+#: First back-off step for a polled watch, and the cap for drivers that can only be polled
+#: (an engine like UCX also makes progress inside its poll call, so the cap stays short; it
+#: costs a few thousand cheap calls a second, and only while something is in flight).
+POLL_MIN_S = 10e-6
+POLL_MAX_S = 250e-6
 #: Cap for drivers that signal completion: polling is then only a safety net.
 SIGNALLED_POLL_MAX_S = 50e-3
 

@@ -228,7 +228,17 @@ class Session:
             runs = Runs.concat([runs, plan(ep.regions.aux, self.peer_regions.aux, [aux], [transfer.dst_aux])])
         transfer.sent_pages = stop
         transfer.last_planned = last
-        ep.call(lambda: self.submit(transfer, runs, last))
+        bid = ep.next_batch_id() if len(runs) else 0
+        # The I/O thread learns of the batch first, then the driver's thread gets it straight
+        # from here (one thread hop fewer on the way to the engine); its result reaches the I/O
+        # thread after the bookkeeping below, through the same queue.
+        ep.call(lambda: self.submitted(transfer, bid, runs.total_bytes, last))
+        if bid:
+            assert self.runner is not None
+            self.runner.call(
+                lambda: self._driver_submit(transfer, bid, runs),
+                lambda _, error: self.batch_failed(transfer, bid, error) if error else None,
+            )
 
     def abort_from_caller(self, transfer: Transfer, reason: str) -> None:
         self.endpoint.call(lambda: self.abort(transfer, reason, notify=True, local=True))
@@ -308,20 +318,15 @@ class Session:
             del self.transfers[t.tag]
         t.filed = False
 
-    def submit(self, transfer: Transfer, runs: Runs, last: bool) -> None:
+    def submitted(self, transfer: Transfer, bid: int, nbytes: int, last: bool) -> None:
+        """A chunk was handed to the driver's thread (batch ``bid``; 0 for a chunk without runs)."""
         if transfer.state.final:
             return
         transfer._set(State.TRANSFERRING)
         transfer.last_sent = last
-        if len(runs):
-            assert self.runner is not None
-            bid = self.endpoint.next_batch_id()
+        if bid:
             transfer.batches.add(bid)
-            transfer.bytes += runs.total_bytes
-            self.runner.call(
-                lambda: self._driver_submit(transfer, bid, runs),
-                lambda _, error: self.batch_failed(transfer, bid, error) if error else None,
-            )
+            transfer.bytes += nbytes
         self.progress(transfer)
 
     def batch_finished(self, transfer: Transfer, bid: int, error: KVTransportError | None) -> None:
@@ -511,6 +516,8 @@ class Session:
     def _driver_submit(self, transfer: Transfer, bid: int, runs: Runs) -> None:
         driver, runner = self.driver, self.runner
         assert driver is not None and runner is not None
+        if transfer.state.final:
+            return  # failed or aborted before its batch got here: nothing may be written now
         handle = driver.submit(self.id, runs)
         self._handles[bid] = handle
 

@@ -125,13 +125,11 @@ class MooncakeStaged(StagedTransport):
             raise
         self._engine = engine
         try:
-            self.start_pipeline(ring, config, regions)
+            pipeline = self.start_pipeline(ring, config, regions)
         except BaseException:
             self.close()  # the engine and its ring go with the failed open
             raise
-        info = msgpack.packb(
-            {"session": engine.session, "protocol": engine.protocol, "ring": self._pipeline.describe()}
-        )
+        info = msgpack.packb({"session": engine.session, "protocol": engine.protocol, "ring": pipeline.describe()})
         assert isinstance(info, bytes)
         return info
 
