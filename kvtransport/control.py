@@ -107,6 +107,8 @@ class ControlChannel:
         self._frames_per_pass = frames_per_pass
         self._stop = threading.Event()
         self._running = True
+        #: Loop passes so far (each is one wake-up): an idle channel does not add any.
+        self.passes = 0
         self._thread = threading.Thread(target=self._run, name=f"kvtransport-io {self.address}", daemon=True)
         self._thread.start()
 
@@ -221,6 +223,7 @@ class ControlChannel:
                         delay = 0.0
                 timeout_ms = -1 if delay is None else int(delay * 1000) + (1 if delay > 0 else 0)
                 events = dict(self._poller.poll(timeout_ms))
+                self.passes += 1
                 if self._wake_rx in events:
                     self._clear_wake()
                 self._drain_calls()

@@ -193,10 +193,12 @@ class DriverContext(Protocol):
         """Two-sided receiver: inbound work for ``peer`` moved on; ``inbound_idle`` is asked
         again now. Any thread."""
 
-    def check_inbound(self, peer: str, dst: Any, length: Any) -> None:
-        """Two-sided receiver: raise :class:`~kvtransport.errors.InvalidPages` unless every piece
-        ``[dst[i], dst[i] + length[i])`` (uint64 arrays) lies in pages or aux slots that a live
-        transfer of ``peer`` announced. Call it before writing anything a peer asked for."""
+    def check_inbound(self, peer: str, dst: Any, length: Any) -> bool:
+        """Two-sided receiver, before writing anything a peer asked for: ``True`` when every
+        piece ``[dst[i], dst[i] + length[i])`` (uint64 arrays) lies in pages or aux slots that a
+        live transfer of ``peer`` announced; ``False`` when some land on pages of a transfer of
+        ``peer`` that failed moments ago (late data: write none of it, it is not an error);
+        raises :class:`~kvtransport.errors.InvalidPages` for anything else."""
 
 
 class KVTransport(ABC):

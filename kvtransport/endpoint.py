@@ -112,8 +112,8 @@ class _Context:
         if runner is not None:
             runner.signal_prefix(("inbound", peer))
 
-    def check_inbound(self, peer: str, dst: U64, length: U64) -> None:
-        self._endpoint.check_inbound(peer, dst, length)
+    def check_inbound(self, peer: str, dst: U64, length: U64) -> bool:
+        return self._endpoint.check_inbound(peer, dst, length)
 
 
 class Endpoint:
@@ -364,8 +364,10 @@ class Endpoint:
         else:
             self.channel.call_soon(self.flush_notices)
 
-    def check_inbound(self, peer: str, dst: U64, length: U64) -> None:
-        """Driver thread: raise unless every piece lands in pages announced to ``peer``."""
+    def check_inbound(self, peer: str, dst: U64, length: U64) -> bool:
+        """Driver thread: ``True`` when every piece lands in pages announced to ``peer``;
+        ``False`` for late data of a transfer of ``peer`` that failed (drop it); raises
+        :class:`InvalidPages` otherwise."""
         from .errors import InvalidPages
 
         session = self.sessions.get(peer)
@@ -374,7 +376,9 @@ class Endpoint:
         guard = session.guard
         if guard is None:
             raise InvalidPages(f"inbound data from {session.peer_label}, which was announced nothing")
-        guard.check(np.asarray(dst, dtype=np.uint64), np.asarray(length, dtype=np.uint64), "staged chunk destination")
+        return guard.check(
+            np.asarray(dst, dtype=np.uint64), np.asarray(length, dtype=np.uint64), "inbound piece destination"
+        )
 
     # -- I/O thread ----------------------------------------------------------------------------
 

@@ -72,6 +72,8 @@ class DriverRunner:
         self._delay = POLL_MIN_S
         self._next_check = 0.0
         self._stop = False
+        #: Times the thread woke up (an idle runner does not).
+        self.wakeups = 0
         self._thread = threading.Thread(target=self._run, name=f"kvtransport-driver {name}", daemon=True)
         self._thread.start()
 
@@ -155,6 +157,7 @@ class DriverRunner:
                     if wait <= 0:
                         break
                     self._cv.wait(wait)
+                self.wakeups += 1
                 if self._stop and not self._calls:
                     return
                 calls, self._calls = self._calls, collections.deque()

@@ -291,8 +291,14 @@ class Session:
             return
         if t.state.final:
             if t.announced is not None and self.guard is not None:
-                self.guard.remove(t.announced, t.announced_aux)
+                pages, aux, guard = t.announced, t.announced_aux, self.guard
                 t.announced = None
+                if t.state is State.SUCCESS:
+                    guard.remove(pages, aux)
+                else:
+                    # Chunks the sender had on the wire may still arrive: recognised, not written.
+                    guard.revoke(pages, aux)
+                    timers.call_later(self.timeouts.retain_finished, lambda: guard.forget_revoked(pages, aux))
             t.timer = timers.call_later(self.timeouts.retain_finished, lambda: self.forget(t))
             return
         limit = {

@@ -29,9 +29,9 @@ class _Context:
     def send_notice(self, peer: str, payload: bytes) -> None:
         raise AssertionError("not expected")
 
-    def check_inbound(self, peer: str, dst: np.ndarray, length: np.ndarray) -> None:
+    def check_inbound(self, peer: str, dst: np.ndarray, length: np.ndarray) -> bool:
         assert self.guard is not None
-        self.guard.check(dst, length, "aux destination")
+        return self.guard.check(dst, length, "aux destination")
 
 
 def test_peer_addresses_translate_into_the_mappings_and_host_runs_are_flagged() -> None:

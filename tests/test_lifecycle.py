@@ -212,3 +212,26 @@ def test_close_never_raises_and_releases_drivers_even_after_a_crashed_loop() -> 
     ep.close()
     assert driver.closed
     pool.close()
+
+
+def test_an_idle_endpoint_does_not_wake_up() -> None:
+    """No fixed-rate tick: without peers the I/O thread and the runners sleep until something
+    happens; with one idle peer they wake for its heartbeats only."""
+    pool = KVPool(8, 1, 4096, 0)
+    slow = Timeouts(heartbeat_interval=0.25, heartbeat_timeout=2.0)
+    with Endpoint(pool.regions, pool.layout, drivers={"fake": FakeDriver}, name="idle", timeouts=slow) as ep:
+        time.sleep(0.2)
+        passes, wakeups = ep.channel.passes, ep.runners["fake"].wakeups
+        time.sleep(1.0)
+        assert ep.channel.passes - passes <= 1, "the I/O thread woke up with nothing to do"
+        assert ep.runners["fake"].wakeups == wakeups, "the driver's runner woke up with nothing to do"
+        other_pool = KVPool(8, 1, 4096, 0)
+        with Endpoint(other_pool.regions, other_pool.layout, drivers={"fake": FakeDriver}, timeouts=slow) as other:
+            other.connect(ep.address)
+            time.sleep(0.3)
+            passes = ep.channel.passes
+            time.sleep(1.0)
+            # Per second: 4 pings sent and 4 received, each at most a pass; nothing else.
+            assert ep.channel.passes - passes <= 12, ep.channel.passes - passes
+        other_pool.close()
+    pool.close()

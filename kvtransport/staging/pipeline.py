@@ -61,8 +61,9 @@ log = logging.getLogger(__name__)
 #: small host that core is the one the copies need.
 WIRE_POLL_S = 0.0002
 
-#: ``guard(peer, dst, length)``: raise unless the pieces land where ``peer`` may write.
-Guard = Callable[[str, U64, U64], None]
+#: ``guard(peer, dst, length)``: ``True`` when the pieces land where ``peer`` may write, ``False``
+#: for late data of a transfer that failed (dropped); raises for anything else.
+Guard = Callable[[str, U64, U64], bool]
 
 
 @dataclass
@@ -472,8 +473,7 @@ class StagingPipeline:
             if np.any(offset > room) or np.any(length > room - np.minimum(offset, room)):
                 raise ProtocolError("a piece reaches past its ring slot")
             check_runs_within(dst, length, self._regions.all(), "staged chunk destination")
-            if self._guard is not None:
-                self._guard(peer, dst, length)
+            live = self._guard(peer, dst, length) if self._guard is not None else True
         except KVTransportError as exc:
             error = ProtocolError(f"{self.name}: bad chunk from {peer}: {exc}; nothing of it was written")
             with self._lock:
@@ -482,6 +482,13 @@ class StagingPipeline:
                     inbound.granted.discard(slot)
                     self._free_in.append(slot)
             self._progress(peer)
+            self._grant()
+            return
+        if not live:
+            log.debug("%s: dropped a late chunk from %s (its transfer had failed)", self.name, peer)
+            with self._lock:
+                inbound.granted.discard(slot)
+                self._free_in.append(slot)
             self._grant()
             return
         with self._lock:

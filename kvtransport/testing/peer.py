@@ -4,7 +4,7 @@
 its address, then answers one JSON line per command. Tests (and the conformance suite) use it
 as the far side of a real two-process transfer. Commands: ``accept``, ``connect``, ``expect``,
 ``send``, ``wait``, ``digests``, ``aux_digest``, ``abort``, ``state``, ``poison``,
-``stats``, ``raw_open`` / ``raw_close`` (the driver's raw engine over the same pool, for the bench's
+``forget``, ``stats``, ``raw_open`` / ``raw_close`` (the driver's raw engine over the same pool, for the bench's
 baseline), ``close``.
 """
 
@@ -152,6 +152,10 @@ def _run(cmd: dict[str, Any], session: _Session) -> dict[str, Any]:
         return {"digest": pool.aux_digest(cmd["slot"])}
     if op == "abort":
         transfers[cmd["tag"]].abort(cmd.get("reason", "aborted by the peer script"))
+        return {"ok": True}
+    if op == "forget":
+        for tag in cmd["tags"]:
+            transfers.pop(tag, None)
         return {"ok": True}
     if op == "stats":
         return {"stats": ep.stats(), "process": process_resources()}

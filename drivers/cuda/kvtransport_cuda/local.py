@@ -201,7 +201,8 @@ class CudaLocal(KVTransport):
             if msg["op"] != "aux" or dst.size != length.size or int(length.sum()) != len(data):
                 raise ValueError("inconsistent aux notice")
             check_runs_within(dst, length, [r for r in self._regions.all() if r.kind.is_host], "aux destination")
-            self.context.check_inbound(peer, dst, length)
+            if not self.context.check_inbound(peer, dst, length):
+                return  # late data of a transfer that failed: written nowhere
         except Exception as exc:
             raise ProtocolError(f"{self.name}: bad aux notice from {peer}: {exc}") from exc
         offset = 0

@@ -1,0 +1,86 @@
+"""The inbound guard: which destination bytes a peer may write here (hypothesis against a
+page-by-page model of the same rule)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtransport.errors import InvalidPages
+from kvtransport.inbound import InboundGuard
+from kvtransport.memory import HOST, Region, RegionSet
+
+ITEM, PAGES = 256, 32
+BASE_K, BASE_V, BASE_AUX = 1 << 20, 1 << 24, 1 << 28
+
+
+def _regions() -> RegionSet:
+    return RegionSet(
+        kv=(Region(BASE_K, ITEM * PAGES, HOST, ITEM), Region(BASE_V, ITEM * PAGES, HOST, ITEM)),
+        aux=(Region(BASE_AUX, 64 * 8, HOST, 64),),
+    )
+
+
+@settings(max_examples=400)
+@given(
+    live=st.sets(st.integers(0, PAGES - 1)),
+    revoked=st.sets(st.integers(0, PAGES - 1)),
+    pieces=st.lists(
+        st.tuples(st.sampled_from([BASE_K, BASE_V]), st.integers(0, PAGES * ITEM - 1), st.integers(1, 3 * ITEM)),
+        min_size=1,
+        max_size=6,
+    ),
+)
+def test_check_agrees_with_a_page_by_page_model(
+    live: set[int], revoked: set[int], pieces: list[tuple[int, int, int]]
+) -> None:
+    guard = InboundGuard(_regions())
+    guard.add(np.array(sorted(live), dtype=np.int64), -1)
+    dead = sorted(revoked - live)
+    guard.add(np.array(dead, dtype=np.int64), -1)
+    guard.revoke(np.array(dead, dtype=np.int64), -1)
+    dst = np.array([b + off for b, off, _ in pieces], dtype=np.uint64)
+    length = np.array([n for _, _, n in pieces], dtype=np.uint64)
+    outside = any(off + n > PAGES * ITEM for _, off, n in pieces)
+    touched = {p for _, off, n in pieces for p in range(off // ITEM, (off + n - 1) // ITEM + 1)}
+    if outside:
+        with pytest.raises(InvalidPages):
+            guard.check(dst, length, "test")
+    elif touched <= live:
+        assert guard.check(dst, length, "test") is True
+    elif touched <= live | set(dead):
+        assert guard.check(dst, length, "test") is False  # late data: dropped, not an error
+    else:
+        with pytest.raises(InvalidPages, match="not announced"):
+            guard.check(dst, length, "test")
+
+
+@pytest.mark.parametrize(
+    ("dst", "length"),
+    [
+        (2**64 - 16, 64),  # the sum wraps around in uint64
+        (BASE_K + 100, 2**64 - 50),
+        (BASE_K - 1, 2),  # below the region
+        (5, 1),  # below every region
+        (BASE_K, 0),  # empty piece
+    ],
+)
+def test_hostile_pieces_are_refused_without_overflow(dst: int, length: int) -> None:
+    guard = InboundGuard(_regions())
+    guard.add(np.arange(PAGES, dtype=np.int64), 0)
+    with pytest.raises(InvalidPages):
+        guard.check(np.array([dst], dtype=np.uint64), np.array([length], dtype=np.uint64), "test")
+
+
+def test_aux_slots_are_guarded_like_pages() -> None:
+    guard = InboundGuard(_regions())
+    guard.add(np.array([], dtype=np.int64), 3)
+    slot3 = np.array([BASE_AUX + 3 * 64], dtype=np.uint64)
+    assert guard.check(slot3, np.array([64], dtype=np.uint64), "test")
+    with pytest.raises(InvalidPages, match="aux slot"):
+        guard.check(slot3 + np.uint64(64), np.array([64], dtype=np.uint64), "test")
+    guard.remove(np.array([], dtype=np.int64), 3)
+    with pytest.raises(InvalidPages):
+        guard.check(slot3, np.array([64], dtype=np.uint64), "test")
