@@ -21,7 +21,7 @@ from typing import Any
 
 import zmq
 
-from .errors import ConfigError, KVTransportError
+from .errors import ChannelDown, ConfigError
 from .timers import TimerHeap
 
 log = logging.getLogger(__name__)
@@ -44,10 +44,6 @@ def advertised_host(listen: str) -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
-
-
-class ChannelDown(KVTransportError):
-    """The I/O thread is not running (closed, or stopped by a fault)."""
 
 
 class ControlChannel:

@@ -34,11 +34,14 @@ from typing import Any
 import numpy as np
 
 from .config import Limits, Timeouts
-from .control import ChannelDown, ControlChannel, Route, advertised_host
+from .control import ControlChannel, Route, advertised_host
 from .driver import DriverStatus, KVTransport
 from .errors import (
+    ChannelDown,
     ConnectError,
     DriverError,
+    EndpointDown,
+    InvalidPages,
     KVTransportError,
     MemoryLayoutError,
     NegotiationError,
@@ -73,10 +76,6 @@ __all__ = [
     "regions_from_dict",
     "regions_to_dict",
 ]
-
-
-class EndpointDown(KVTransportError):
-    """The endpoint's I/O thread stopped; every transfer on it failed."""
 
 
 class _Context:
@@ -368,8 +367,6 @@ class Endpoint:
         """Driver thread: ``True`` when every piece lands in pages announced to ``peer``;
         ``False`` for late data of a transfer of ``peer`` that failed (drop it); raises
         :class:`InvalidPages` otherwise."""
-        from .errors import InvalidPages
-
         session = self.sessions.get(peer)
         if session is None or session.phase is not Phase.READY:
             raise InvalidPages(f"inbound data from {peer!r}, which is not connected")

@@ -81,6 +81,15 @@ class VersionMismatch(ProtocolError):
     """The peer speaks another protocol version."""
 
 
+class ChannelDown(KVTransportError):
+    """The endpoint's I/O thread is not taking work (closed, stopped by a fault, or backed up
+    for longer than a caller may wait)."""
+
+
+class EndpointDown(ChannelDown):
+    """The endpoint's I/O thread stopped; every transfer on it failed."""
+
+
 # --- memory and planning -------------------------------------------------------------------
 
 

@@ -56,9 +56,11 @@ from .notices import (
 
 log = logging.getLogger(__name__)
 
-#: How long the wire stage sleeps between completion checks while writes are in flight.
-#: Polling with a sleep, not an engine's blocking wait: Mooncake's waits spin a core, and on a
-#: small host that core is the one the copies need.
+#: How long the wire stage sleeps between completion checks while writes are in flight: from
+#: WIRE_POLL_MIN_S, doubling up to WIRE_POLL_S while nothing completes. Polling with a sleep, not
+#: an engine's blocking wait: Mooncake's waits spin a core, and on a small host that core is the
+#: one the copies need.
+WIRE_POLL_MIN_S = 0.00001
 WIRE_POLL_S = 0.0002
 
 #: ``guard(peer, dst, length)``: ``True`` when the pieces land where ``peer`` may write, ``False``
@@ -377,6 +379,7 @@ class StagingPipeline:
 
     def _wire_loop(self) -> None:
         inflight: list[tuple[Any, _Outbound, _Job, int, int]] = []
+        nap = WIRE_POLL_MIN_S
         while True:
             with self._lock:
                 while not self._wire and not inflight:
@@ -429,8 +432,10 @@ class StagingPipeline:
                     self._lock.notify_all()
                 for handle in completed:
                     self._completed(handle)
+                nap = WIRE_POLL_MIN_S
             elif not ready:
-                time.sleep(WIRE_POLL_S)
+                time.sleep(nap)
+                nap = min(nap * 2, WIRE_POLL_S)
 
     # -- receiver ------------------------------------------------------------------------------
 
