@@ -90,6 +90,9 @@ class Limits:
     #: created yet, per connection and over all connections.
     max_early_expects: int = 4096
     max_early_expects_total: int = 65536
+    #: ... and in bytes of page lists (a 4k-token prompt in 16-token pages is 2 KiB).
+    max_early_expect_bytes: int = 16 << 20
+    max_early_expect_bytes_total: int = 256 << 20
     #: Early aborts remembered per connection (tags aborted before this side created them).
     max_early_aborts: int = 4096
     #: Live transfers per connection.
@@ -106,6 +109,8 @@ class Limits:
         "max_pending_handshakes": "KVTRANSPORT_MAX_PENDING_HANDSHAKES",
         "max_early_expects": "KVTRANSPORT_MAX_EARLY_EXPECTS",
         "max_early_expects_total": "KVTRANSPORT_MAX_EARLY_EXPECTS_TOTAL",
+        "max_early_expect_bytes": "KVTRANSPORT_MAX_EARLY_EXPECT_BYTES",
+        "max_early_expect_bytes_total": "KVTRANSPORT_MAX_EARLY_EXPECT_BYTES_TOTAL",
         "max_early_aborts": "KVTRANSPORT_MAX_EARLY_ABORTS",
         "max_transfers_per_connection": "KVTRANSPORT_MAX_TRANSFERS_PER_CONNECTION",
         "frames_per_pass": "KVTRANSPORT_FRAMES_PER_PASS",

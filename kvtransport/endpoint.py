@@ -165,6 +165,7 @@ class Endpoint:
         self._notices: collections.deque[tuple[str, bytes]] = collections.deque()
         self._batch_ids = itertools.count(1)
         self.early_expects_total = 0
+        self.early_expect_bytes_total = 0
         self.pending_handshakes = 0
         self._closed = False
         self._down: KVTransportError | None = None
@@ -300,6 +301,7 @@ class Endpoint:
             "pending_handshakes": self.pending_handshakes,
             "transfers": sum(len(s.transfers) for s in sessions),
             "early_expects": self.early_expects_total,
+            "early_expect_bytes": self.early_expect_bytes_total,
             "early_aborts": sum(len(s.early_aborts) for s in sessions),
             "timers": len(self.channel.timers),
             "dealers": self.channel.dealer_count,
@@ -526,11 +528,12 @@ class Endpoint:
             if driver is None:
                 raise NegotiationError(f"{decision.driver} was chosen but is not open on {self.name}")
             peer_info = peer_hello.drivers[decision.driver].conn
+            self._check_identity(decision.driver, peer_info)
         except KVTransportError as exc:
             refuse(f"{type(exc).__name__}: {exc}")
             return
         session = Session(self, conn_id, route, label_of(peer_hello), "", initiator=False)
-        self._set_driver(session, decision, driver, peer_regions)
+        self._set_driver(session, decision, driver, peer_regions, peer_info)
         self._file(session)
         self.pending_handshakes += 1
 
@@ -569,11 +572,12 @@ class Endpoint:
             if driver is None:
                 raise NegotiationError(f"{decision.driver} was chosen but is not open on {self.name}")
             peer_info = peer_hello.drivers[decision.driver].conn
+            self._check_identity(decision.driver, peer_info)
         except KVTransportError as exc:
             session.send("bye", reason=f"handshake failed: {exc}")
             self.end_session(session, exc, notify=False)
             return
-        self._set_driver(session, decision, driver, peer_regions)
+        self._set_driver(session, decision, driver, peer_regions, peer_info)
         session.held = []
 
         def connected(_: Any, error: KVTransportError | None) -> None:
@@ -594,7 +598,22 @@ class Endpoint:
 
         self._connect_driver(session, peer_info, peer_regions, connected)
 
-    def _set_driver(self, session: Session, decision: Any, driver: KVTransport, peer_regions: RegionSet) -> None:
+    def _check_identity(self, driver: str, peer_info: Any) -> None:
+        """A peer's engine identity (its driver connection info) is its own: not this
+        endpoint's (a mirror would make this side write into its own pool) and not that of a
+        live connection (a replayed hello would direct writes into someone else's memory)."""
+        if not isinstance(peer_info, bytes):
+            raise ProtocolError("the peer's driver connection info is not bytes")
+        if peer_info and peer_info == self._hellos[driver].conn:
+            raise NegotiationError(f"the peer presented this endpoint's own {driver} connection info")
+        for other in self.sessions.values():
+            if peer_info and other.peer_info == peer_info and other.decision and other.decision.driver == driver:
+                raise NegotiationError(f"another live connection ({other.peer_label}) has this {driver} identity")
+
+    def _set_driver(
+        self, session: Session, decision: Any, driver: KVTransport, peer_regions: RegionSet, peer_info: bytes
+    ) -> None:
+        session.peer_info = peer_info
         session.decision, session.driver, session.peer_regions = decision, driver, peer_regions
         session.runner = self.runners[decision.driver]
         session.two_sided = type(driver).capabilities.two_sided
@@ -622,9 +641,6 @@ class Endpoint:
             self.timeouts.connect,
             lambda: once(None, DriverError(f"{driver.name}.connect() took longer than {self.timeouts.connect} s")),
         )
-        if not isinstance(info, bytes):
-            once(None, ProtocolError("the peer's driver connection info is not bytes"))
-            return
         # From here the driver may know the peer: closing the session disconnects it (queued
         # behind this connect, so it runs after it whatever the order of events).
         session.connect_queued = True

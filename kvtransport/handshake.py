@@ -20,6 +20,8 @@ from .negotiate import Decision, negotiate
 MAX_LABEL = 128
 #: Most regions a peer may describe (a 128-layer model with K and V, aux and state buffers).
 MAX_REGIONS = 4096
+#: Most drivers a hello may list (parsing is linear in it, on the I/O thread).
+MAX_DRIVERS = 64
 
 
 def regions_to_dict(regions: RegionSet) -> dict[str, Any]:
@@ -50,6 +52,9 @@ def regions_from_dict(data: Mapping[str, Any]) -> RegionSet:
 
 def read_peer(msg_hello: Any, msg_regions: Any) -> tuple[Hello, RegionSet]:
     """The peer's hello and regions, or :class:`ProtocolError`."""
+    drivers = msg_hello.get("drivers") if isinstance(msg_hello, Mapping) else None
+    if isinstance(drivers, Mapping) and len(drivers) > MAX_DRIVERS:
+        raise ProtocolError(f"the hello lists {len(drivers)} drivers; at most {MAX_DRIVERS}")
     try:
         hello = Hello.from_dict(msg_hello)
         regions = regions_from_dict(msg_regions)

@@ -134,12 +134,14 @@ class Session:
         self.decision: Decision | None = None
         self.peer_regions: RegionSet | None = None
         self.driver: KVTransport | None = None
+        self.peer_info = b""  # the peer's connection info for the chosen driver
         self.runner: DriverRunner | None = None
         self.two_sided = False
         self.last_seen = time.monotonic()
         self.transfers: dict[str, Transfer] = {}
         self.early_expects: collections.OrderedDict[str, Message] = collections.OrderedDict()
         self.early_aborts: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self.early_expect_bytes = 0
         self.guard: InboundGuard | None = None
         self.heartbeat: Timer | None = None
         self.handshake_timer: Timer | None = None
@@ -190,9 +192,8 @@ class Session:
         def register() -> None:
             if not self.file(transfer):
                 return
-            early = self.early_expects.pop(tag, None)
+            early = self.pop_early_expect(tag)
             if early is not None:
-                self.endpoint.early_expects_total -= 1
                 self.on_expect(early)
 
         self.endpoint.call(register)
@@ -406,29 +407,47 @@ class Session:
         t._set(State.WAITING_FOR_INPUT)
 
     def _keep_early_expect(self, tag: str, msg: Message) -> None:
-        ep = self.endpoint
+        """An announcement for a transfer this side has not created yet: kept (bounded in
+        count and bytes, per connection and in all) until the sender exists."""
+        ep, limits = self.endpoint, self.endpoint.limits
+        size = len(msg["pages"])
+        refusal = ""
         if tag in self.early_expects:
-            self.send("abort", tag=tag, reason="duplicate announcement")
-            return
-        if ep.early_expects_total >= ep.limits.max_early_expects_total:
-            self.send(
-                "abort",
-                tag=tag,
-                reason=f"{ep.name} holds {ep.limits.max_early_expects_total} announcements for transfers nobody sends "
-                "yet (KVTRANSPORT_MAX_EARLY_EXPECTS_TOTAL)",
+            refusal = "duplicate announcement"
+        elif ep.early_expects_total >= limits.max_early_expects_total:
+            refusal = f"{ep.name} holds {limits.max_early_expects_total} announcements nobody sends for yet"
+        elif self.early_expect_bytes + size > limits.max_early_expect_bytes:
+            refusal = (
+                f"this connection's announcements for transfers nobody sends yet would exceed "
+                f"{limits.max_early_expect_bytes} bytes (KVTRANSPORT_MAX_EARLY_EXPECT_BYTES)"
             )
+        elif ep.early_expect_bytes_total + size > limits.max_early_expect_bytes_total:
+            refusal = f"{ep.name} holds {ep.early_expect_bytes_total} bytes of announcements nobody sends for yet"
+        if refusal:
+            self.send("abort", tag=tag, reason=refusal)
             return
         self.early_expects[tag] = msg
+        self.early_expect_bytes += size
         ep.early_expects_total += 1
-        if len(self.early_expects) > ep.limits.max_early_expects:
-            dropped, _ = self.early_expects.popitem(last=False)
-            ep.early_expects_total -= 1
+        ep.early_expect_bytes_total += size
+        if len(self.early_expects) > limits.max_early_expects:
+            dropped = next(iter(self.early_expects))
+            self.pop_early_expect(dropped)
             log.warning(
                 "%s announced more than %d transfers nobody sends; forgetting the oldest (%r)",
                 self.peer_label,
-                ep.limits.max_early_expects,
+                limits.max_early_expects,
                 dropped,
             )
+
+    def pop_early_expect(self, tag: str) -> Message | None:
+        msg = self.early_expects.pop(tag, None)
+        if msg is not None:
+            size = len(msg["pages"])
+            self.early_expect_bytes -= size
+            self.endpoint.early_expects_total -= 1
+            self.endpoint.early_expect_bytes_total -= size
+        return msg
 
     def on_done(self, msg: Message) -> None:
         t = self.transfers.get(msg["tag"])
@@ -440,6 +459,11 @@ class Session:
             raise ProtocolError(f"done for transfer {msg['tag']!r}, which this side sends")
         if t.state.final or t.peer_done:
             return
+        expected = self.expected_bytes(t)
+        if msg["bytes"] != expected:
+            raise ProtocolError(
+                f"done for {t.tag!r} says {msg['bytes']} bytes were written; its announced pages hold {expected}"
+            )
         t.bytes = int(msg["bytes"])
         t.peer_done = True
         if not self.two_sided:
@@ -452,6 +476,15 @@ class Session:
             t._set(State.TRANSFERRING)
         assert self.runner is not None
         self.runner.call(lambda: self._driver_watch_inbound(t))
+
+    def expected_bytes(self, t: Transfer) -> int:
+        """What a complete transfer writes into the pages (and aux slot) ``t`` announced."""
+        regions = self.endpoint.regions
+        pages = 0 if t.announced is None else int(t.announced.size)
+        total = pages * sum(r.item_len for r in regions.kv)
+        if t.announced_aux >= 0:
+            total += sum(r.item_len for r in regions.aux)
+        return total
 
     def inbound_settled(self, t: Transfer, error: KVTransportError | None) -> None:
         if error is not None:
@@ -473,8 +506,7 @@ class Session:
                 error=TransferAborted(f"transfer {t.tag!r} aborted by peer {self.peer_label}: {reason}"),
             )
             return
-        if self.early_expects.pop(tag, None) is not None:
-            self.endpoint.early_expects_total -= 1
+        self.pop_early_expect(tag)
         self.early_aborts[tag] = str(reason)
         while len(self.early_aborts) > self.endpoint.limits.max_early_aborts:
             self.early_aborts.popitem(last=False)
@@ -506,8 +538,8 @@ class Session:
             timers.cancel(t.timer)
             t.filed = False
         self.transfers.clear()
-        self.endpoint.early_expects_total -= len(self.early_expects)
-        self.early_expects.clear()
+        for tag in list(self.early_expects):
+            self.pop_early_expect(tag)
         self.early_aborts.clear()
         if self.connect_queued and self.runner is not None and self.driver is not None:
             driver = self.driver

@@ -444,3 +444,22 @@ def test_real_engine_receiver_killed_mid_stream(driver: str) -> None:
         peer.close()
         local.close()
         pool.close()
+
+
+def test_a_peer_sitting_on_its_credits_cannot_starve_another(pair_factory: Any) -> None:
+    """A peer that asks for every inbound slot and never uses them: once its grants are older
+    than the grant timeout and another peer waits, they are taken back."""
+    a, b, courier, _ = pair_factory(pages=32, item=4096, ring=32 << 10, chunk=4 << 10)  # 4 slots each way
+    b.pipe.grant_timeout = 0.3
+    to_hog: list[bytes] = []
+    forward = b.notify
+    b.notify = lambda peer, data: to_hog.append(data) if peer == "hog" else forward(peer, data)
+    b.pipe.connect("hog", a.pipe.describe(), MemcpyLink())
+    b.pipe.on_notice("hog", msgpack.packb({"op": "want", "n": 1000}))
+    _wait(lambda: b.pipe.usage().granted == b.pipe.config.slots)
+    started = time.monotonic()
+    h = a.pipe.submit("b", plan(a.regions.kv, b.regions.kv, list(range(16)), list(range(16))))
+    _finish(a, b, [h], courier)
+    assert time.monotonic() - started >= 0.25, "the hog's fresh grants were taken back early"
+    assert b.pool.page_digests(list(range(16))) == a.pool.page_digests(list(range(16)))
+    assert to_hog, "the hog was granted nothing to begin with"

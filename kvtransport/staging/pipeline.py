@@ -63,6 +63,9 @@ log = logging.getLogger(__name__)
 WIRE_POLL_MIN_S = 0.00001
 WIRE_POLL_S = 0.0002
 
+#: Seconds a granted slot may sit unused before it is taken back for a peer that waits.
+DEFAULT_GRANT_TIMEOUT_S = 2.0
+
 #: ``guard(peer, dst, length)``: ``True`` when the pieces land where ``peer`` may write, ``False``
 #: for late data of a transfer that failed (dropped); raises for anything else.
 Guard = Callable[[str, U64, U64], bool]
@@ -122,7 +125,7 @@ class _Inbound:
     """Receiving from one peer: what it asked for, which slots it holds, what is being scattered."""
 
     wants: int = 0
-    granted: set[int] = field(default_factory=set)
+    granted: dict[int, float] = field(default_factory=dict)  # slot -> when it was granted
     busy: set[int] = field(default_factory=set)
     error: KVTransportError | None = None
     gone: bool = False
@@ -142,12 +145,15 @@ class StagingPipeline:
         local_regions: RegionSet,
         scatter_delay: float = 0.0,
         *,
+        grant_timeout: float = DEFAULT_GRANT_TIMEOUT_S,
         guard: Guard | None = None,
         completed: Callable[[int], None] | None = None,
         progress: Callable[[str], None] | None = None,
     ) -> None:
         self.name = name
         self.scatter_delay = scatter_delay
+        self.grant_timeout = grant_timeout
+        self._starving = False
         #: Most inbound slots ever held by peers at once (granted or busy); never above ``slots``.
         self.peak_inbound = 0
         self.ring_ptr = ring_ptr
@@ -462,7 +468,7 @@ class StagingPipeline:
             with self._lock:
                 for s in notice.slots:
                     if s in inbound.granted:
-                        inbound.granted.discard(s)
+                        inbound.granted.pop(s, None)
                         self._free_in.append(s)
             self._grant()
         else:
@@ -484,7 +490,7 @@ class StagingPipeline:
             with self._lock:
                 inbound.error = error
                 if slot in inbound.granted:
-                    inbound.granted.discard(slot)
+                    inbound.granted.pop(slot, None)
                     self._free_in.append(slot)
             self._progress(peer)
             self._grant()
@@ -492,12 +498,12 @@ class StagingPipeline:
         if not live:
             log.debug("%s: dropped a late chunk from %s (its transfer had failed)", self.name, peer)
             with self._lock:
-                inbound.granted.discard(slot)
+                inbound.granted.pop(slot, None)
                 self._free_in.append(slot)
             self._grant()
             return
         with self._lock:
-            inbound.granted.discard(slot)
+            inbound.granted.pop(slot, None)
             inbound.busy.add(slot)
             src = np.uint64(self._in_ptr(slot)) + offset
             self._scatter.append((inbound, peer, slot, Chunk(src, dst, length, offset)))
@@ -515,12 +521,24 @@ class StagingPipeline:
 
     def _scatter_loop(self) -> None:
         while True:
+            regrant = False
             with self._lock:
                 while not self._scatter:
                     if self._closed:
                         return
-                    self._lock.wait()
-                inbound, peer, slot, chunk = self._scatter.popleft()
+                    if not self._starving:
+                        self._lock.wait()
+                        continue
+                    # A peer waits for slots others hold unused: look again once grants age.
+                    self._lock.wait(self.grant_timeout / 4)
+                    if not self._scatter:
+                        regrant = True
+                        break
+                if not regrant:
+                    inbound, peer, slot, chunk = self._scatter.popleft()
+            if regrant:
+                self._grant()
+                continue
             if self.scatter_delay:
                 time.sleep(self.scatter_delay)
             error: KVTransportError | None = None
@@ -539,10 +557,33 @@ class StagingPipeline:
             self._progress(peer)
             self._grant()
 
+    def _reclaim_stale(self, now: float) -> None:
+        """Lock held. A peer waits and no slot is free: take back slots granted longer than
+        ``grant_timeout`` ago and still unused, from every other peer. A sender uses a credit
+        within milliseconds of receiving it; one that sits on them starves the others (a
+        chunk it later sends into a reclaimed slot is refused, closing its connection)."""
+        waiting = [p for p, i in self._in.items() if i.wants > 0 and not i.granted and not i.busy]
+        if not waiting or self._free_in:
+            self._starving = bool(waiting) and not self._free_in
+            return
+        for peer, inbound in self._in.items():
+            if peer in waiting:
+                continue
+            stale = [s for s, at in inbound.granted.items() if now - at > self.grant_timeout]
+            for s in stale:
+                del inbound.granted[s]
+                self._free_in.append(s)
+            if stale:
+                log.warning(
+                    "%s: took back %d slots %s held unused for %.1f s", self.name, len(stale), peer, self.grant_timeout
+                )
+        self._starving = not self._free_in
+
     def _grant(self) -> None:
         """Hand free inbound slots to waiting peers, one at a time round robin."""
         grants: dict[str, list[int]] = {}
         with self._lock:
+            self._reclaim_stale(time.monotonic())
             for peer in self._in:
                 if peer not in self._rr:
                     self._rr.append(peer)
@@ -560,9 +601,14 @@ class StagingPipeline:
                 spins = 0
                 slot = self._free_in.pop()
                 inbound.wants -= 1
-                inbound.granted.add(slot)
+                inbound.granted[slot] = time.monotonic()
                 self.peak_inbound = max(self.peak_inbound, self.config.slots - len(self._free_in))
                 grants.setdefault(peer, []).append(slot)
+            self._starving = not self._free_in and any(
+                i.wants > 0 and not i.granted and not i.busy for i in self._in.values()
+            )
+            if self._starving:
+                self._lock.notify_all()  # the scatter thread looks again as grants age
         for peer, slots in grants.items():
             self._send(peer, encode_grant(slots))
 

@@ -90,6 +90,12 @@ class FakeDriver(KVTransport):
             raise DriverError("fake: connect() before open()")
         doc = msgpack.unpackb(info)
         same_process = doc["pid"] == os.getpid()
+        if same_process and any(
+            r["ptr"] < mine.end and mine.ptr < r["ptr"] + r["length"]
+            for r in doc["regions"]
+            for mine in self.regions.all()
+        ):
+            raise DriverError("fake: the peer's regions are this endpoint's own (a mirrored connection info)")
         translate: dict[int, int] = {}
         mapped: list[shm.SharedBuffer] = []
         for r in doc["regions"]:

@@ -86,6 +86,10 @@ class MooncakeDataPath(KVTransport):
                 raise ValueError(f"session {session!r} is not host:port")
         except Exception as exc:
             raise DriverError(f"{self.name}: the peer's connection info is not a Mooncake session: {exc}") from exc
+        if session == self._engine.session or session in self._peers.values():
+            raise DriverError(
+                f"{self.name}: the peer's Mooncake session {session} is this endpoint's or another peer's"
+            )
         if protocol != self._engine.protocol:
             raise DriverError(
                 f"{self.name}: the peer's engine runs {protocol}, this one {self._engine.protocol}; "

@@ -94,6 +94,7 @@ class MooncakeStaged(StagedTransport):
         super().__init__(context)
         self._engine: Engine | None = None
         self._ring = (0, 0)
+        self._sessions: dict[str, str] = {}  # peer -> its Mooncake session
 
     def open(self, regions: RegionSet) -> bytes:
         if self._engine is not None:
@@ -146,8 +147,16 @@ class MooncakeStaged(StagedTransport):
             ) from exc
         if protocol != engine.protocol:
             raise DriverError(f"{self.name}: the peer's engine runs {protocol}, this one {engine.protocol}")
-
+        if session == engine.session or session in self._sessions.values():
+            raise DriverError(
+                f"{self.name}: the peer's Mooncake session {session} is this endpoint's or another peer's"
+            )
         self.pipeline.connect(peer, ring, _MooncakeLink(engine, session))
+        self._sessions[peer] = session
+
+    def disconnect(self, peer: str) -> None:
+        super().disconnect(peer)
+        self._sessions.pop(peer, None)
 
     def close(self) -> None:
         if self._engine is None:

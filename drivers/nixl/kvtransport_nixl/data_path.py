@@ -82,6 +82,7 @@ class NixlDataPath(KVTransport):
         self._nixl: Any = None
         self._agent: Any = None
         self._backend = ""
+        self._name = ""
         self._registered: Any = None
         self._regions: RegionSet | None = None
         self._peers: dict[str, _Peer] = {}
@@ -122,6 +123,7 @@ class NixlDataPath(KVTransport):
         _keep_exit_safe()
         self._backend = facts.backend
         name = f"kvt-{self.context.endpoint_id}-{uuid.uuid4().hex[:8]}"
+        self._name = name
         config = self._nixl.nixl_agent_config(backends=[])
         self._agent = self._call("agent creation", lambda: self._nixl.nixl_agent(name, config), DriverUnavailable)
         self._call(
@@ -136,7 +138,12 @@ class NixlDataPath(KVTransport):
         if not isinstance(meta, bytes):
             raise DriverError(f"{self.name}: the peer's connection info carries no NIXL agent metadata")
         agent = self._call("loading the peer's agent metadata", lambda: self._agent.add_remote_agent(meta), DriverError)
-        return agent.decode() if isinstance(agent, bytes) else str(agent)
+        name = agent.decode() if isinstance(agent, bytes) else str(agent)
+        if name == self._name or any(p.agent == name for p in self._peers.values()):
+            # The peer presented this agent's metadata, or that of an agent another connection
+            # has: writes to it would land in memory that is not the peer's.
+            raise DriverError(f"{self.name}: the peer's NIXL agent {name!r} is this endpoint's or another peer's")
+        return name
 
     def open(self, regions: RegionSet) -> bytes:
         name = self._start_agent()
