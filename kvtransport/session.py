@@ -38,6 +38,7 @@ from .transfer import RECV, SEND, State, Transfer
 from .wire import Message, encode
 
 if TYPE_CHECKING:
+    from .config import Timeouts
     from .control import Route
     from .driver import KVTransport
     from .endpoint import Endpoint
@@ -153,7 +154,7 @@ class Session:
         self._handles: dict[int, int] = {}
 
     @property
-    def timeouts(self) -> Any:
+    def timeouts(self) -> Timeouts:
         return self.endpoint.timeouts
 
     def __repr__(self) -> str:

@@ -166,15 +166,21 @@ class Engine:
                     nap = POLL_MIN_S
                 pending = still
         finally:
-            for batch in pending:  # never leave posted writes behind a failure
-                deadline = time.monotonic() + 30
-                while time.monotonic() < deadline:
-                    try:
-                        if self.check(batch):
-                            break
-                    except EngineError:
+            self.drain(pending)  # never leave posted writes behind a failure
+
+    def drain(self, batches: list[int], timeout: float = 30.0) -> None:
+        """Wait (polling, up to ``timeout`` each) until posted writes have finished, whatever
+        their outcome: Mooncake cannot cancel them, and its batch ids are released by the
+        check that sees them end."""
+        for batch in batches:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                try:
+                    if self.check(batch):
                         break
-                    time.sleep(POLL_S)
+                except EngineError:
+                    break
+                time.sleep(POLL_S)
 
     def post(self, session: str, src: int, dst: int, length: int) -> int:
         """Start one write and return its batch id; never waits."""
