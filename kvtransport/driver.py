@@ -239,6 +239,10 @@ class KVTransport(ABC):
     #: The driver calls ``context.completed(handle)`` when a batch finishes, so the core need
     #: not poll it often (it still polls rarely, as a safety net).
     signals_completion: ClassVar[bool] = False
+    #: The engine must be driven on the receiving side too while bytes may arrive (UCX without
+    #: a busy progress thread): the core calls ``progress()`` with back-off while any transfer
+    #: of this driver is receiving here, and never when none is.
+    progress_while_receiving: ClassVar[bool] = False
     #: ``"module:Class"`` of a :class:`~kvtransport.baseline.RawEngine` that drives the same
     #: engine directly, for ``kvtransport bench`` to compare against; empty if none.
     raw_engine: ClassVar[str] = ""
@@ -298,6 +302,9 @@ class KVTransport(ABC):
         notices (a copy-in from a staging ring) is still running. The core reports a received
         transfer as Success only once this returns ``True``; one-sided drivers keep the default."""
         return True
+
+    def progress(self) -> None:  # noqa: B027 - optional hook
+        """Drive the engine once (receiver side; see ``progress_while_receiving``)."""
 
     @abstractmethod
     def abort(self, handle: int) -> None:

@@ -165,6 +165,7 @@ class Endpoint:
         self._notices: collections.deque[tuple[str, bytes]] = collections.deque()
         self._batch_ids = itertools.count(1)
         self.early_expects_total = 0
+        self._receiving: dict[str, int] = {}  # driver -> live receive transfers (I/O thread)
         self.early_expect_bytes_total = 0
         self.pending_handshakes = 0
         self._closed = False
@@ -380,6 +381,25 @@ class Endpoint:
         )
 
     # -- I/O thread ----------------------------------------------------------------------------
+
+    def receiving(self, session: Session, delta: int) -> None:
+        """A receive transfer of ``session`` started (+1) or ended (-1). A driver that must be
+        driven while bytes arrive gets ``progress()`` calls from its runner, with back-off,
+        from the first live receive transfer to the last; none when nothing is arriving."""
+        if session.decision is None or session.runner is None or session.driver is None:
+            return
+        name, driver, runner = session.decision.driver, session.driver, session.runner
+        count = self._receiving.get(name, 0) + delta
+        self._receiving[name] = count
+        if count == 1 and delta > 0 and type(driver).progress_while_receiving:
+
+            def progress() -> bool:
+                if self._receiving.get(name, 0) <= 0:
+                    return True  # nothing arriving any more: the watch ends
+                driver.progress()
+                return False
+
+            runner.call(lambda: runner.watch(("progress",), progress, lambda _, error: None))
 
     def next_batch_id(self) -> int:
         """Any thread (``next`` on an ``itertools.count`` is atomic)."""

@@ -79,8 +79,20 @@ class DriverHello:
             ),
             status=DriverStatus.from_dict(status) if status else None,
             load_error=str(data.get("load_error", "")),
-            conn=base64.b64decode(conn) if isinstance(conn, str) and conn else bytes(conn or b""),
+            conn=_conn_bytes(conn),
         )
+
+
+def _conn_bytes(conn: Any) -> bytes:
+    """A driver's connection info: bytes, or base64 text (the JSON form of a hello)."""
+    if isinstance(conn, bytes):
+        return conn
+    if isinstance(conn, str):
+        return base64.b64decode(conn, validate=True) if conn else b""
+    if conn is None:
+        return b""
+    # Never bytes(n) of a peer's integer: that allocates n bytes.
+    raise TypeError(f"driver connection info must be bytes or base64 text, got {type(conn).__name__}")
 
 
 @dataclass(frozen=True)

@@ -181,6 +181,7 @@ class Session:
             if self.guard is None:
                 self.guard = InboundGuard(ep.regions)
             self.guard.add(pages, aux_index)
+            ep.receiving(self, +1)
             self.send("expect", tag=tag, pages=pages.tobytes(), aux=aux_index)
 
         ep.call(announce)
@@ -295,6 +296,7 @@ class Session:
             if t.announced is not None and self.guard is not None:
                 pages, aux, guard = t.announced, t.announced_aux, self.guard
                 t.announced = None
+                ep.receiving(self, -1)
                 if t.state is State.SUCCESS:
                     guard.remove(pages, aux)
                 else:

@@ -8,6 +8,7 @@ type and every field before anything else sees the message, and raises only
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -143,7 +144,12 @@ def _check_field(kind: str, name: str, spec: Field, value: Any) -> None:
         raise ProtocolError(f"{kind}.{name} must be {spec.__name__}, got {type(value).__name__}")
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict = 3, 60, 60, 6, 6
+
+
 def _short(value: Any, limit: int = 80) -> str:
-    """A peer's value quoted in an error, never longer than ``limit`` characters."""
-    text = repr(value)
+    """A peer's value quoted in an error: bounded in depth and length (a thousand-deep list
+    must not recurse through ``repr``)."""
+    text = _REPR.repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -16,7 +16,7 @@ import os
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import msgpack
 import numpy as np
@@ -75,7 +75,13 @@ class _Batch:
 
 
 class NixlDataPath(KVTransport):
-    """Moves bytes with a NIXL agent; subclasses declare the name, capabilities and offer."""
+    """Moves bytes with a NIXL agent; subclasses declare the name, capabilities and offer.
+
+    The agent runs without NIXL's progress thread (the Python API starts it with no delay, so
+    it spins a core even when nothing moves); the initiator drives UCX in ``poll``, and the
+    core calls ``progress`` on the receiving side while transfers are arriving."""
+
+    progress_while_receiving: ClassVar[bool] = True
 
     def __init__(self, context: DriverContext) -> None:
         super().__init__(context)
@@ -124,7 +130,7 @@ class NixlDataPath(KVTransport):
         self._backend = facts.backend
         name = f"kvt-{self.context.endpoint_id}-{uuid.uuid4().hex[:8]}"
         self._name = name
-        config = self._nixl.nixl_agent_config(backends=[])
+        config = self._nixl.nixl_agent_config(enable_prog_thread=False, backends=[])
         self._agent = self._call("agent creation", lambda: self._nixl.nixl_agent(name, config), DriverUnavailable)
         self._call(
             "backend creation",
@@ -133,17 +139,22 @@ class NixlDataPath(KVTransport):
         )
         return name
 
+    def _known_agents(self) -> set[str]:
+        """This endpoint's agent and every peer agent loaded now."""
+        return {self._name, *(p.agent for p in self._peers.values())}
+
     def _add_remote(self, meta: Any) -> str:
         """Load a peer agent's metadata; returns the peer agent's name."""
         if not isinstance(meta, bytes):
             raise DriverError(f"{self.name}: the peer's connection info carries no NIXL agent metadata")
+        # Checked before NIXL sees it: loading (or failing to load) metadata that carries the name
+        # of an agent already known replaces that agent's entry, and the writes of the connection
+        # it belongs to start failing. Agent names are unique (kvt-<endpoint>-<random>).
+        taken = [a for a in self._known_agents() if a and a.encode() in meta]
+        if taken:
+            raise DriverError(f"{self.name}: the peer's NIXL metadata names agent {taken[0]!r}, which is known here")
         agent = self._call("loading the peer's agent metadata", lambda: self._agent.add_remote_agent(meta), DriverError)
-        name = agent.decode() if isinstance(agent, bytes) else str(agent)
-        if name == self._name or any(p.agent == name for p in self._peers.values()):
-            # The peer presented this agent's metadata, or that of an agent another connection
-            # has: writes to it would land in memory that is not the peer's.
-            raise DriverError(f"{self.name}: the peer's NIXL agent {name!r} is this endpoint's or another peer's")
-        return name
+        return agent.decode() if isinstance(agent, bytes) else str(agent)
 
     def open(self, regions: RegionSet) -> bytes:
         name = self._start_agent()
@@ -226,6 +237,11 @@ class NixlDataPath(KVTransport):
 
     def pending(self) -> int:
         return len(self._batches)
+
+    def progress(self) -> None:
+        agent = self._agent
+        if agent is not None:
+            self._call("progress", agent.get_new_notifs)
 
     def disconnect(self, peer: str) -> None:
         target = self._peers.pop(peer, None)

@@ -127,10 +127,11 @@ class NixlStaged(StagedTransport, NixlDataPath):
             raise DriverError(f"{self.name}: the peer's connection info is not a staged NIXL export: {exc}") from exc
         with self.agent_lock:
             remote = self._add_remote(meta)
-        if remote in self._remote.values():
-            raise DriverError(f"{self.name}: the peer's NIXL agent {remote!r} belongs to another connection")
         self._remote[peer] = remote
         self.pipeline.connect(peer, ring, _NixlLink(self, remote))
+
+    def _known_agents(self) -> set[str]:
+        return {*super()._known_agents(), *self._remote.values()}
 
     def disconnect(self, peer: str) -> None:
         super().disconnect(peer)
