@@ -1,0 +1,1115 @@
+"""Hostile input against a LIVE endpoint: a ``kvtransport.testing.peer`` child process (the
+victim) takes every frame an attacker can put on its control port over loopback, and after
+each batch must still be alive, still answer on its I/O loop (a legitimate endpoint in this
+process runs a transfer with it, every destination byte checked) and have no byte of its KV
+pool changed outside the pages legitimate transfers wrote.
+
+The attacker is raw zmq DEALER sockets and msgpack (``tests/hostile_messages.py``, which does
+not import kvtransport). Families, all mixed: hypothesis strategies over the wire schema,
+random bytes and truncated msgpack, mutations of captured legitimate frames, post-handshake
+messages in attacker sessions the victim accepted (expects for its sending transfers, dones
+for its receiving ones, notices), staged-driver notices (want/grant/release/chunk), hellos
+whose documents hold the wrong things. Then a catalogue of single hostile inputs, each against
+a fresh victim, and a flood that must not starve a legitimate connection's heartbeats.
+
+``KVTRANSPORT_HOSTILE_MESSAGES`` (default 100000) sets how many hostile frames the fuzz tests
+send in all; ``KVTRANSPORT_HOSTILE_SEED`` makes a run reproducible (the seed is printed).
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import math
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+import uuid
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import zmq
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis import strategies as st
+
+from kvtransport.endpoint import Connection, Endpoint, State, Timeouts
+from kvtransport.registry import load_driver
+from kvtransport.testing.fake import FakeDriver
+from kvtransport.testing.kv import KVPool
+
+from .conftest import require_engines
+from .hostile_messages import (
+    DEEP,
+    LIMIT,
+    Attacker,
+    Captured,
+    Deaf,
+    Mutator,
+    RecordingProxy,
+    Victim,
+    deep,
+    env_int,
+    hello_mutations,
+    message,
+    near_limit,
+    pack,
+    schema_messages,
+    session_frames,
+    staged_payloads,
+    u64s,
+    unpack,
+    well_formed,
+)
+
+# Read at import: the autouse fixture in conftest.py clears KVTRANSPORT_* before each test.
+TOTAL = env_int("KVTRANSPORT_HOSTILE_MESSAGES", 100_000)
+SEED = env_int("KVTRANSPORT_HOSTILE_SEED", 20_251_201)
+#: Where to keep each victim's stderr (optional; for CI artefacts and diagnosis).
+STDERR_DIR = os.environ.get("KVTRANSPORT_HOSTILE_STDERR_DIR", "")
+#: Share of TOTAL each fuzz test sends (the catalogue and the flood come on top).
+SHARE = {"fake": 0.6, "nixl-ucx": 0.25, "nixl-staged": 0.15}
+#: Fraction of each fuzz test's frames drawn by hypothesis (the rest: the seeded mutator).
+HYPOTHESIS_SHARE = 0.01
+BATCH = 5000
+FUZZ_TIME_LIMIT = 60.0  # seconds per fuzz test, whatever the count
+
+PAGES, LAYERS, ITEM, AUX = 64, 4, 4096, 4
+TINY_RING = {"staging.ring_bytes": str(1 << 20), "staging.chunk_bytes": str(64 << 10)}  # 8 slots each way
+#: The victim's own timeouts: default heartbeats, and transfers that outlive the test.
+VICTIM_TIMEOUTS = {"bootstrap": 600.0, "waiting": 600.0}
+#: The legitimate endpoint tolerates long silences in the fuzz tests (the flood test is the one
+#: about heartbeats), so what fails there is a crash, deafness or corruption.
+PATIENT = Timeouts(connect=20, heartbeat_interval=0.5, heartbeat_timeout=60.0, transfer=30.0)
+MARKERS = ("I/O loop crashed", "I/O call failed", "Traceback", "Fatal Python error")
+
+
+def driver_classes(driver: str) -> dict[str, Any]:
+    return {"fake": FakeDriver} if driver == "fake" else {driver: load_driver(driver)}
+
+
+# --- the rig: victim, legitimate endpoint, captures, checks --------------------------------------
+
+
+_SPARES: dict[str, Victim] = {}
+
+
+def spawn_victim(driver: str, **kwargs: Any) -> Victim:
+    """A victim process. Fake-driver victims are booted one ahead (the next test of the same
+    kind finds its victim up); engine victims are not: an idle NIXL agent busy-polls a core."""
+    key = repr((driver, sorted(kwargs.items())))
+    victim = _SPARES.pop(key, None) or Victim(driver, **kwargs)
+    for other in list(_SPARES):
+        _SPARES.pop(other).kill()
+    if driver == "fake":
+        _SPARES[key] = Victim(driver, **kwargs)
+    return victim
+
+
+@dataclass
+class LegitSide:
+    """The legitimate endpoint in this process: one connection to each victim, transfers both
+    ways on it. Kept for the module for the fake driver; per test for engines (an idle NIXL
+    agent busy-polls a core, and this machine has two)."""
+
+    pool: KVPool
+    endpoint: Endpoint
+
+    def close(self) -> None:
+        self.endpoint.close()
+        self.pool.close()
+
+
+_LEGIT: dict[tuple[Any, ...], LegitSide] = {}
+_CAPTURED: dict[tuple[Any, ...], Captured] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _legit_endpoints() -> Iterator[None]:
+    yield
+    for spare in _SPARES.values():
+        spare.kill()
+    _SPARES.clear()
+    for side in _LEGIT.values():
+        side.close()
+    _LEGIT.clear()
+    _CAPTURED.clear()
+
+
+@dataclass
+class Session:
+    """An attacker connection the victim accepted, with transfers the victim runs on it."""
+
+    attacker: Attacker
+    label: str
+    index: int  # in the victim's connection list
+    welcome: dict[str, Any]
+    sender_tags: list[str] = field(default_factory=list)  # victim sends, waiting for an expect
+    recv_tags: list[str] = field(default_factory=list)  # victim receives
+
+    def victim_region(self, kind: str = "kv", i: int = 0) -> dict[str, Any]:
+        """One of the victim's regions, as its welcome described them."""
+        region: dict[str, Any] = self.welcome["regions"][kind][i]
+        return region
+
+    def victim_conn(self, driver: str) -> dict[str, Any]:
+        """The victim's own connection info for ``driver``, from its welcome."""
+        doc: dict[str, Any] = unpack(base64.b64decode(self.welcome["hello"]["drivers"][driver]["conn"]))
+        return doc
+
+
+class Rig:
+    def __init__(
+        self,
+        driver: str,
+        *,
+        private: bool,
+        options: dict[str, str] | None = None,
+        victim_timeouts: dict[str, float] | None = None,
+        legit_timeouts: Timeouts = PATIENT,
+        seed: int = SEED,
+    ) -> None:
+        self.driver = driver
+        self.options = options
+        self.rng = random.Random(seed)
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.attackers: list[Attacker] = []
+        self.victim = spawn_victim(
+            driver,
+            private=private,
+            pages=PAGES,
+            layers=LAYERS,
+            item=ITEM,
+            aux_slots=AUX,
+            seed=seed % 1000 + 1,
+            options=options,
+            timeouts={**VICTIM_TIMEOUTS, **(victim_timeouts or {})},
+        ).ready()
+        key = (driver, private, repr(sorted((options or {}).items())), repr(legit_timeouts))
+        side = _LEGIT.get(key)
+        if side is None:
+            pool = KVPool(PAGES, LAYERS, ITEM, AUX, shared=not private)
+            pool.fill(seed % 1000 + 500)
+            endpoint = Endpoint(
+                pool.regions,
+                pool.layout,
+                drivers=driver_classes(driver),
+                name="legit",
+                timeouts=legit_timeouts,
+                driver_options=options,
+            )
+            side = LegitSide(pool, endpoint)
+            if driver == "fake":
+                _LEGIT[key] = side
+        self.side = side
+        self.pool, self.legit = side.pool, side.endpoint
+        self.legit_aux = [self.pool.aux_digest(s) for s in range(AUX)]
+        self.sent = 0
+        self.checks = 0
+        if key[:3] not in _CAPTURED:
+            _CAPTURED[key[:3]] = self._capture()
+        self.captured = _CAPTURED[key[:3]]
+        self.legit_digests = self.pool.page_digests(list(range(PAGES)))
+        self.conn, self.conn_index = self.connect_legit()
+        self.baseline = self.victim.all_digests()
+        self.aux_baseline = self.victim.aux_digests()
+
+    # capture -----------------------------------------------------------------------------------
+
+    def _capture(self) -> Captured:
+        """A legitimate endpoint of its own (same pool, its own engine agent) through a
+        recording proxy, a transfer each way and an abort: real hello, welcome, expect, done,
+        abort, notice and ping frames. Once per kind of legitimate endpoint; later victims reuse
+        them. Attackers replay this endpoint's hello after it closed (stale, never the live
+        legitimate endpoint's; tests that copy that one say so)."""
+        capturer = Endpoint(
+            self.pool.regions,
+            self.pool.layout,
+            drivers=driver_classes(self.driver),
+            name="capturer",
+            timeouts=self.legit.timeouts,
+            driver_options=self.options,
+        )
+        proxy = RecordingProxy(self.victim.address)
+        try:
+            conn = capturer.connect(proxy.address, 20)
+            index = self.victim.accept_labelled("capturer")
+            self._move_in(conn, index, "capture-in", [1, 2], [3, 4], aux=(0, 1))
+            # victim -> capturer, so the victim's expect and done are recorded as well
+            recv = conn.expect("capture-out", [5, 6])
+            self.victim.ok("send", conn=index, transfers={"capture-out": [[7, 8]]}, timeout=10)
+            assert recv.wait(20) is State.SUCCESS
+            conn.sender("capture-abort").abort("captured abort")
+            time.sleep(0.05)
+        finally:
+            capturer.close()
+            proxy.close()
+        hello = proxy.frames("up", "hello")[0]
+        welcome = proxy.frames("down", "welcome")[0]
+        assert unpack(welcome)["t"] == "welcome"
+        return Captured(
+            hello,
+            welcome,
+            [f for d, f in proxy.records if d == "up"],
+            [f for d, f in proxy.records if d == "down"],
+        )
+
+    def legit_hello(self, label: str, conn: str | None = None) -> bytes:
+        """A hello as the LIVE legitimate endpoint would send it (its engine connection info):
+        what attackers replay on real engines (the captured endpoint is closed, and an engine
+        refuses a dead agent's address)."""
+        info = self.legit.hello.drivers[self.driver].conn
+        obj = unpack(self.captured.with_driver_conn(label, self.driver, None, raw=info, conn=conn))
+        obj["regions"] = {
+            kind: [
+                {"ptr": r.ptr, "length": r.length, "kind": str(r.kind), "item_len": r.item_len, "name": r.name}
+                for r in getattr(self.pool.regions, kind)
+            ]
+            for kind in ("kv", "aux", "state")
+        }
+        return pack(obj)
+
+    def replay_hello(self, label: str, conn: str | None = None) -> bytes:
+        if self.driver == "fake":
+            return self.captured.hello_as(label, conn=conn)
+        return self.legit_hello(label, conn)
+
+    # the legitimate transfer -------------------------------------------------------------------
+
+    def _move_in(
+        self, conn: Connection, index: int, tag: str, src: list[int], dst: list[int], aux: tuple[int, int] | None
+    ) -> None:
+        """legit -> victim: the victim announces ``dst``, this side sends ``src``."""
+        fields: dict[str, Any] = {"conn": index, "transfers": {tag: dst}}
+        if aux is not None:
+            fields["aux"] = {tag: aux[1]}
+        self.victim.ok("expect", **fields)
+        time.sleep(0.01)
+        mine = self.victim.ok("state", tags=[tag])["states"][tag]
+        assert mine[0] != "FAILED", f"the victim failed its receiving transfer {tag} at once: {mine}"
+        t = conn.sender(tag)
+        deadline = time.monotonic() + 10
+        while t.state is State.BOOTSTRAPPING and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert t.state is State.WAITING_FOR_INPUT, (
+            f"legit transfer {tag}: the victim's announcement never came ({t.state.name}, {t.error!r}); "
+            f"victim {self.victim.death() or 'alive'}; stderr:\n{self.victim.stderr_tail()}"
+        )
+        t.send(src, aux=None if aux is None else aux[0])
+        assert t.wait(30) is State.SUCCESS
+        states = self.victim.ok("wait", tags=[tag], timeout=30)["states"]
+        assert states[tag][0] == "SUCCESS", states
+
+    def connect_legit(self) -> tuple[Connection, int]:
+        """The legitimate connection the victim writes into (made once per victim: a second
+        connect() from one endpoint to one address shares its zmq route with the first, and the
+        victim then declares the first one lost; see the catalogue)."""
+        self.legit.hello = dataclasses.replace(self.legit.hello, endpoint="legit-main")
+        conn = self.legit.connect(self.victim.address, 20)
+        return conn, self.victim.accept_labelled("legit-main")
+
+    def _move_out(self, conn: Connection, index: int, tag: str, src: list[int], dst: list[int]) -> None:
+        """victim -> legit: this side announces ``dst``, the victim sends ``src``."""
+        recv = conn.expect(tag, dst)
+        self.victim.ok("send", conn=index, transfers={tag: [src]}, timeout=20)
+        states = self.victim.ok("wait", tags=[tag], timeout=20)["states"]
+        assert states[tag][0] == "SUCCESS", f"the victim's send: {states}"
+        assert recv.wait(20) is State.SUCCESS
+
+    def check(self, what: str) -> None:
+        """Alive, no crash logged; a transfer into the victim and one out of it through its I/O
+        loop, every byte right; no byte of the victim's pool (nor the legitimate one) changed
+        anywhere else."""
+        self.checks += 1
+        context = f"after {what} ({self.sent} hostile frames so far)"
+        self.assert_no_crash(context)
+        tag = f"check-{self.checks}"
+        src, dst = self.rng.sample(range(PAGES), 3), self.rng.sample(range(PAGES), 3)
+        aux = (self.rng.randrange(AUX), self.rng.randrange(AUX))
+        out_src, out_dst = self.rng.sample(range(PAGES), 2), self.rng.sample(range(PAGES), 2)
+        step = "a transfer into the victim (legit -> victim)"
+        try:
+            self._move_in(self.conn, self.conn_index, tag + "-in", src, dst, aux)
+            step = "a transfer out of the victim (victim -> legit)"
+            self._move_out(self.conn, self.conn_index, tag + "-out", out_src, out_dst)
+        except Exception as exc:
+            raise AssertionError(
+                f"{context}: {step} failed: {type(exc).__name__}: {exc}; "
+                f"victim {self.victim.death() or 'alive'}; stderr:\n{self.victim.stderr_tail()}"
+            ) from exc
+        for s_, d in zip(src, dst, strict=True):
+            self.baseline[d] = self.legit_digests[s_]
+        self.aux_baseline[aux[1]] = self.legit_aux[aux[0]]
+        now = self.victim.all_digests()
+        changed = [p for p in range(PAGES) if now[p] != self.baseline[p]]
+        assert not changed, f"{context}: victim pages {changed} changed, no legitimate transfer wrote them"
+        aux_now = self.victim.aux_digests()
+        assert aux_now == self.aux_baseline, f"{context}: victim aux slots changed: {aux_now} != {self.aux_baseline}"
+        for s_, d in zip(out_src, out_dst, strict=True):
+            self.legit_digests[d] = self.baseline[s_]
+        mine = self.pool.page_digests(list(range(PAGES)))
+        hit = [p for p in range(PAGES) if mine[p] != self.legit_digests[p]]
+        assert not hit, f"{context}: pages {hit} of the legitimate endpoint changed, no legitimate transfer wrote them"
+        self.assert_no_crash(context)
+
+    def assert_no_crash(self, context: str) -> None:
+        death = self.victim.death()
+        assert death is None, f"{context}: the victim {death}; stderr:\n{self.victim.stderr_tail()}"
+        err = self.victim.stderr
+        hits = [m for m in MARKERS if m in err]
+        assert not hits, f"{context}: the victim logged {hits}:\n{self.victim.stderr_tail()}"
+
+    # attacker plumbing -------------------------------------------------------------------------
+
+    def attacker(self) -> Attacker:
+        a = Attacker(self.ctx, self.victim.address)
+        self.attackers.append(a)
+        return a
+
+    def send(self, a: Attacker, frames: Iterator[bytes | list[bytes]] | list[bytes | list[bytes]]) -> None:
+        for f in frames:
+            a.send(f)
+            self.sent += 1
+
+    def sync(self, a: Attacker, context: str, timeout: float = 30.0) -> None:
+        """Everything ``a`` sent has been handled: a refusable hello behind it is answered."""
+        conn = f"sync-{uuid.uuid4().hex}"
+        a.send(self.captured.refusable_hello(conn))
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                a.wait_for(lambda m: m["t"] == "refuse" and m.get("conn") == conn, 0.25)
+                return
+            except Deaf:
+                pass
+            if self.victim.death() is not None or "I/O loop crashed" in self.victim.stderr:
+                self.assert_no_crash(context)
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"{context}: the victim is deaf: no answer to a hello within {timeout} s "
+                    f"(alive: {self.victim.death() is None}); stderr:\n{self.victim.stderr_tail()}\n"
+                    f"its threads now:\n{self.victim.stacks()}"
+                )
+
+    def session(self, label: str, *, senders: int = 0, receivers: int = 0, hello: bytes | None = None) -> Session:
+        """An attacker connection the victim accepted, with ``senders`` transfers the victim
+        sends on it (waiting for the attacker's expect) and ``receivers`` it receives on it."""
+        a = self.attacker()
+        reply = a.handshake(hello or self.replay_hello(label), 20)
+        assert reply["t"] == "welcome", f"the victim refused the attacker's replayed hello: {reply}"
+        s = Session(a, label, self.victim.accept_labelled(label), reply)
+        if senders:
+            s.sender_tags = [f"{label}-s{i}" for i in range(senders)]
+            # A chunk of no pages fails at once (nothing announced yet): the transfers stay
+            # registered and waiting for an expect, and the victim never writes to the attacker.
+            self.victim.call("send", conn=s.index, transfers={t: [[]] for t in s.sender_tags}, timeout=0.01)
+        if receivers:
+            s.recv_tags = [f"{label}-r{i}" for i in range(receivers)]
+            pages = self.rng.sample(range(PAGES), receivers)
+            self.victim.ok("expect", conn=s.index, transfers={t: [p] for t, p in zip(s.recv_tags, pages, strict=True)})
+        return s
+
+    def close(self) -> None:
+        for a in self.attackers:
+            a.close()
+        self.victim.close()
+        if self.side not in _LEGIT.values():
+            self.side.close()
+        if STDERR_DIR:
+            path = os.path.join(STDERR_DIR, f"victim-{self.driver}-{self.victim.pid}.log")
+            with open(path, "w") as f:
+                f.write(self.victim.stderr)
+        self.ctx.term()
+
+
+@pytest.fixture
+def rig_factory() -> Iterator[Callable[..., Rig]]:
+    made: list[Rig] = []
+
+    def make(driver: str, **kwargs: Any) -> Rig:
+        rig = Rig(driver, **kwargs)
+        made.append(rig)
+        return rig
+
+    yield make
+    for rig in made:
+        rig.close()
+
+
+# --- staged helpers -------------------------------------------------------------------------------
+
+
+def notice(payload: Any) -> bytes:
+    return message("notice", payload=payload if isinstance(payload, bytes) else pack(payload))
+
+
+def granted_slots(a: Attacker, want: int, timeout: float = 10.0) -> list[int]:
+    """Ask the victim's staging receiver for ``want`` inbound slots; the slots it granted."""
+    a.send(notice({"op": "want", "n": want}))
+    slots: list[int] = []
+    deadline = time.monotonic() + timeout
+    while len(slots) < want and time.monotonic() < deadline:
+        try:
+            m = a.wait_for(lambda m: m["t"] == "notice", max(0.05, deadline - time.monotonic()))
+        except Deaf:
+            break
+        payload = unpack(m["payload"])
+        if isinstance(payload, dict) and payload.get("op") == "grant":
+            slots.extend(payload["slots"])
+    return slots
+
+
+def hostile_chunks(r: random.Random, slots: list[int], region: dict[str, Any], chunk_bytes: int) -> Iterator[bytes]:
+    """Chunk notices in granted slots whose pieces are hostile: past their ring slot, wrapping
+    in uint64, outside every region, of mismatched lengths, or (worst) inside the victim's KV
+    pool although nothing was announced there."""
+    ptr, length, item = int(region["ptr"]), int(region["length"]), int(region["item_len"])
+    while slots:
+        slot = slots.pop()
+        k = r.randrange(9)
+        if k == 0:
+            dst, ln, off = u64s(2**64 - 4096), u64s(8192), u64s(0)  # dst + len wraps to 4096
+        elif k == 1:
+            dst, ln, off = u64s(ptr), u64s(chunk_bytes), u64s(2**64 - 1)  # off + len wraps
+        elif k == 2:
+            dst, ln, off = u64s(ptr + length - 8), u64s(64), u64s(0)  # past the region's end
+        elif k == 3:
+            dst, ln, off = u64s(ptr, ptr), u64s(8), u64s(0)  # lists of different lengths
+        elif k == 4:
+            dst, ln, off = b"\x01\x02\x03", u64s(8), u64s(0)  # not whole uint64s
+        elif k == 5:
+            dst, ln, off = u64s(0), u64s(item), u64s(0)
+        elif k == 6:
+            dst, ln, off = u64s(ptr - item), u64s(item), u64s(0)  # just below the pool
+        else:
+            page = r.randrange(length // item)
+            dst, ln, off = u64s(ptr + page * item), u64s(item), u64s(0)  # a page nobody announced
+        yield notice({"op": "chunk", "slot": slot, "dst": dst, "len": ln, "off": off})
+
+
+# --- the fuzz tests ------------------------------------------------------------------------------
+
+
+def hypothesis_corpus(captured: Captured, count: int, seed: int) -> list[bytes]:
+    """About ``count`` frames drawn by hypothesis: schema-shaped messages with wrong values,
+    hellos with hostile documents, staged payloads inside notices."""
+    corpus: list[bytes] = []
+    base = captured.hello_obj
+    frames = st.one_of(
+        schema_messages(),
+        schema_messages(),
+        hello_mutations(base),
+        staged_payloads.map(lambda p: message("notice", payload=p)),
+    )
+    per_example = 24
+    examples = max(1, count // per_example)
+
+    @hypothesis_seed(seed)
+    @settings(
+        max_examples=examples,
+        database=None,
+        phases=[Phase.generate],
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(st.lists(frames, min_size=per_example // 2, max_size=per_example * 3 // 2))
+    def collect(batch: list[bytes]) -> None:
+        corpus.extend(batch)
+
+    collect()
+    return corpus
+
+
+_CORPUS: list[bytes] = []
+
+
+def shared_corpus(captured: Captured) -> list[bytes]:
+    """The hypothesis corpus, drawn once per run for all the fuzz tests (the first one, on the
+    fake driver, draws it before any NIXL agent busy-polls the CPU), shuffled per test."""
+    if not _CORPUS:
+        _CORPUS.extend(hypothesis_corpus(captured, int(TOTAL * HYPOTHESIS_SHARE), SEED))
+    out = list(_CORPUS)
+    random.Random(SEED).shuffle(out)
+    return out
+
+
+def fuzz(rig: Rig, total: int, *, staged: bool) -> None:
+    """``total`` hostile frames in batches, all families mixed; a full check after each batch."""
+    r = random.Random(SEED ^ zlib.crc32(rig.driver.encode()))
+    started = time.monotonic()
+    corpus = shared_corpus(rig.captured)[: int(total * HYPOTHESIS_SHARE)]
+    print(f"[{rig.driver}] seed {SEED}: {len(corpus)} hypothesis frames in {time.monotonic() - started:.1f} s")
+    mutator = Mutator(SEED, rig.captured.all)
+    sprayers = [rig.attacker() for _ in range(4)]
+    batch_no = 0
+    timing: list[tuple[float, float, float]] = []
+    while rig.sent < total and time.monotonic() - started < FUZZ_TIME_LIMIT:
+        batch_no += 1
+        label = f"atk-{batch_no}"
+        s = rig.session(label, senders=150, receivers=8)
+        region = s.victim_region()
+        early = [f"{label}-e{i}" for i in range(20)]
+        slots = granted_slots(s.attacker, 4) if staged else []
+        n = min(BATCH, total - rig.sent)
+        session_gen = session_frames(r, s.sender_tags, s.recv_tags, PAGES)
+        frames_for: dict[int, list[bytes | list[bytes]]] = {id(a): [] for a in (*sprayers, s.attacker)}
+        expected_out: set[str] = set()  # sender tags given a well-formed expect
+        for _ in range(n):
+            k = r.randrange(100)
+            if k < 12 and corpus:
+                frame: bytes | list[bytes] = corpus.pop()
+                target = r.choice(sprayers)
+            elif k < 72:
+                frame, target = mutator.frame(), r.choice(sprayers)
+            elif k < 76 and early:
+                frame = message(
+                    "expect",
+                    tag=early.pop(),
+                    pages=u64s(r.randrange(PAGES)),
+                    aux=r.choice([-1, 2**64 - 1, 2**63, 3, -(2**63)]),
+                )
+                target = s.attacker
+                expected_out.add(unpack(frame)["tag"])
+            elif k < 80 and staged and slots:
+                frame, target = next(hostile_chunks(r, slots, region, 64 << 10)), s.attacker
+            elif k < 86:
+                frame = session_notice(r)
+                target = s.attacker
+            else:
+                frame, target = next(session_gen), s.attacker
+                obj = well_formed(frame)
+                if obj is not None and obj["t"] == "expect" and obj["tag"].startswith(f"{label}-s"):
+                    expected_out.add(obj["tag"])
+            frames_for[id(target)].append(frame)
+        t0 = time.monotonic()
+        # near the size limit: a few per batch (each is 4 MiB), on every kind of route
+        frames_for[id(r.choice(sprayers))].append(near_limit(r))
+        frames_for[id(s.attacker)].append(near_limit(r))
+        frames_for[id(s.attacker)].append(message("expect", tag=f"{label}-huge", pages=b"\x00" * (LIMIT - 200), aux=-1))
+        for a in (*sprayers, s.attacker):
+            rig.send(a, frames_for[id(a)])
+        t1 = time.monotonic()
+        for a in (*sprayers, s.attacker):
+            rig.sync(a, f"batch {batch_no}")
+        t2 = time.monotonic()
+        rig.check(f"batch {batch_no}")
+        timing.append((round(t1 - t0, 2), round(t2 - t1, 2), round(time.monotonic() - t2, 2)))
+        # Transfers the attacker announced before the victim created them: each must leave
+        # BOOTSTRAPPING (to WAITING_FOR_INPUT, or FAILED on a bad announcement), never hang.
+        announced_early = sorted(t for t in expected_out if t.startswith(f"{label}-e"))
+        if announced_early:
+            rig.victim.call("send", conn=s.index, transfers={t: [[]] for t in announced_early}, timeout=0.01)
+            time.sleep(0.05)
+            states = rig.victim.ok("state", tags=announced_early)["states"]
+            stuck = {t: v for t, v in states.items() if v[0] == "BOOTSTRAPPING"}
+            assert not stuck, (
+                f"batch {batch_no}: transfers whose announcement arrived early hang in BOOTSTRAPPING: {stuck}; "
+                f"stderr:\n{rig.victim.stderr_tail()}"
+            )
+        # Sending transfers the attacker announced in the session: none may still wait for it.
+        answered = sorted(t for t in expected_out if t.startswith(f"{label}-s"))
+        if answered:
+            states = rig.victim.ok("state", tags=answered)["states"]
+            stuck = {t: v for t, v in states.items() if v[0] == "BOOTSTRAPPING"}
+            assert not stuck, f"batch {batch_no}: well-formed expects left these sending transfers waiting: {stuck}"
+        rig.assert_no_crash(f"batch {batch_no}")
+    elapsed = time.monotonic() - started
+    print(f"[{rig.driver}] {rig.sent} hostile frames in {batch_no} batches, {rig.checks} checks, {elapsed:.1f} s")
+    print(f"[{rig.driver}] seconds to send, to drain, to check, per batch: {timing}")
+
+
+def session_notice(r: random.Random) -> bytes:
+    """A notice in the session: staged payloads with hostile fields (to a one-sided driver
+    too, which must ignore or refuse them, not die)."""
+    ops = [
+        {"op": "want", "n": r.choice([0, -1, 1, 2**63 - 1, 2**64 - 1, "x", None, 1.5])},
+        {"op": "grant", "slots": r.choice([[], [0], [2**63], ["x"], 5, None, [[1]], [-(2**63)]])},
+        {"op": "release", "slots": r.choice([[], [0], [2**64 - 1], [[1]], 5, None, ["x"], {"a": 1}])},
+        {"op": r.choice(["chunk", "nope", "", 7, None])},
+        {"no-op": 1},
+        [1, 2, 3],
+    ]
+    payload = r.choice(ops)
+    if r.randrange(8) == 0:
+        return message("notice", payload=r.randbytes(r.randrange(20)))
+    return notice(payload)
+
+
+def test_fuzz_fake_driver_shared_memory(rig_factory: Callable[..., Rig]) -> None:
+    """The fake driver, KV in /dev/shm (every page of the victim checked after each batch)."""
+    rig = rig_factory("fake", private=False)
+    fuzz(rig, int(TOTAL * SHARE["fake"]), staged=False)
+    rig.check("the end of the run")
+
+
+@pytest.mark.engines
+def test_fuzz_nixl_ucx_private_memory(rig_factory: Callable[..., Rig]) -> None:
+    """The real engine (NIXL/UCX), KV in private memory."""
+    require_engines()
+    rig = rig_factory("nixl-ucx", private=True)
+    fuzz(rig, int(TOTAL * SHARE["nixl-ucx"]), staged=False)
+    rig.check("the end of the run")
+
+
+@pytest.mark.engines
+def test_fuzz_nixl_staged_notices(rig_factory: Callable[..., Rig]) -> None:
+    """A staged victim: hostile want/grant/release/chunk notices in granted slots as well."""
+    require_engines()
+    rig = rig_factory("nixl-staged", private=True, options=TINY_RING)
+    fuzz(rig, int(TOTAL * SHARE["nixl-staged"]), staged=True)
+    rig.check("the end of the run")
+
+
+# --- the catalogue: one hostile input, a fresh victim, the same checks ---------------------------
+
+
+def _hello_with(rig: Rig, path: tuple[Any, ...], value: Any) -> bytes:
+    obj = rig.captured.hello_obj
+    obj["conn"] = uuid.uuid4().hex
+    node = obj
+    for p in path[:-1]:
+        node = node[p]
+    node[path[-1]] = value
+    return pack(obj)
+
+
+def _region(**changes: Any) -> dict[str, Any]:
+    return {"ptr": 1 << 40, "length": 4096, "kind": "host", "item_len": 4096, "name": "", **changes}
+
+
+#: name -> (victim driver, builder(rig) -> frames sent before any handshake)
+PRE_HANDSHAKE: dict[str, tuple[str, Callable[[Rig], list[bytes]]]] = {
+    "hello-regions-kv-is-a-string": ("fake", lambda rig: [_hello_with(rig, ("regions",), {"kv": "abc"})]),
+    "hello-regions-ptr-infinite": (
+        "fake",
+        lambda rig: [_hello_with(rig, ("regions",), {"kv": [_region(ptr=math.inf)]})],
+    ),
+    "hello-regions-negative-length": (
+        "fake",
+        lambda rig: [_hello_with(rig, ("regions",), {"kv": [_region(length=-4096)]})],
+    ),
+    "hello-api-version-infinite": (
+        "fake",
+        lambda rig: [_hello_with(rig, ("hello", "drivers", "fake", "api_version"), math.inf)],
+    ),
+    "hello-endpoint-label-nested-1000-deep": (
+        "fake",
+        lambda rig: [_hello_with(rig, ("hello", "protocol", "endpoint"), deep(DEEP))],
+    ),
+    "hello-driver-conn-is-a-huge-int": (
+        "fake",
+        lambda rig: [_hello_with(rig, ("hello", "drivers", "fake", "conn"), 2**62)],
+    ),
+    "hello-fake-conn-not-msgpack": (
+        "fake",
+        lambda rig: [_hello_with(rig, ("hello", "drivers", "fake", "conn"), base64.b64encode(b"\xc1").decode())],
+    ),
+    "hello-fake-conn-missing-shm-file": (
+        "fake",
+        lambda rig: [
+            _hello_with(
+                rig,
+                ("hello", "drivers", "fake", "conn"),
+                base64.b64encode(
+                    pack(
+                        {
+                            "pid": 1,
+                            "regions": [{"ptr": 1 << 40, "length": 4096, "path": "/dev/shm/no-such", "offset": 0}],
+                        }
+                    )
+                ).decode(),
+            )
+        ],
+    ),
+    "message-type-nested-1000-deep": ("fake", lambda rig: [pack({"v": 1, "t": deep(DEEP)})]),
+    "hello-region-kind-nested-1000-deep": (
+        "fake",
+        lambda rig: [_hello_with(rig, ("regions",), {"kv": [_region(kind=deep(DEEP))]})],
+    ),
+    "garbage-and-truncated-msgpack": (
+        "fake",
+        lambda rig: [b"", b"\xc1", b"\xdb\xff\xff\xff\xff", b"\x93\x01", rig.captured.hello[:100], b"\x00" * 64],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PRE_HANDSHAKE))
+def test_catalogue_before_the_handshake(case: str, rig_factory: Callable[..., Rig]) -> None:
+    driver, build = PRE_HANDSHAKE[case]
+    rig = rig_factory(driver, private=driver != "fake")
+    a = rig.attacker()
+    rig.send(a, build(rig))
+    rig.sync(a, case, timeout=10)
+    rig.check(case)
+
+
+def test_notice_to_a_one_sided_driver(rig_factory: Callable[..., Rig]) -> None:
+    rig = rig_factory("fake", private=False)
+    s = rig.session("atk")
+    rig.send(s.attacker, [message("notice", payload=pack({"op": "want", "n": 1}))])
+    rig.sync(s.attacker, "a notice to a one-sided driver", timeout=10)
+    rig.check("a notice to a one-sided driver")
+
+
+@pytest.mark.parametrize("aux", [2**64 - 1, 2**63])
+def test_expect_with_an_aux_slot_beyond_int64(aux: int, rig_factory: Callable[..., Rig]) -> None:
+    rig = rig_factory("fake", private=False)
+    s = rig.session("atk", senders=1)
+    rig.send(s.attacker, [message("expect", tag=s.sender_tags[0], pages=u64s(1), aux=aux)])
+    rig.sync(s.attacker, f"expect aux={aux}", timeout=10)
+    rig.check(f"expect aux={aux}")
+
+
+def test_expect_pages_odd_bytes_huge_and_repeated_fail_only_their_transfer(rig_factory: Callable[..., Rig]) -> None:
+    rig = rig_factory("fake", private=False)
+    s = rig.session("atk", senders=5)
+    bodies = [b"\x01\x02\x03", u64s(2**63 - 1), u64s(2**64 - 1), u64s(3, 3), u64s(PAGES)]
+    rig.send(
+        s.attacker, [message("expect", tag=t, pages=b, aux=-1) for t, b in zip(s.sender_tags, bodies, strict=True)]
+    )
+    rig.sync(s.attacker, "bad pages", timeout=10)
+    states = rig.victim.ok("state", tags=s.sender_tags)["states"]
+    assert all(v[0] == "FAILED" and v[1] == "InvalidPages" for v in states.values()), states
+    rig.check("bad pages")
+
+
+def test_early_expect_with_a_bad_aux_does_not_hang_the_victims_sender(rig_factory: Callable[..., Rig]) -> None:
+    """The attacker announces before the victim creates its sender: the announcement is
+    checked when the sender registers, and a bad one must fail it, not leave it waiting."""
+    rig = rig_factory("fake", private=False)
+    s = rig.session("atk")
+    rig.send(s.attacker, [message("expect", tag="early", pages=u64s(1), aux=2**64 - 1)])
+    rig.sync(s.attacker, "early expect")
+    rig.victim.call("send", conn=s.index, transfers={"early": [[]]}, timeout=1)
+    state = rig.victim.ok("state", tags=["early"])["states"]["early"]
+    assert state[0] == "FAILED", f"the victim's sender is {state}; stderr:\n{rig.victim.stderr_tail()}"
+    rig.check("early expect")
+
+
+def test_done_with_a_wrong_byte_count_is_not_a_success(rig_factory: Callable[..., Rig]) -> None:
+    """A receiver knows how many bytes its announced pages hold; a 'done' claiming 0 (nothing
+    was written) must not make the transfer a Success over stale pages."""
+    rig = rig_factory("fake", private=False)
+    s = rig.session("atk", receivers=1)
+    tag = s.recv_tags[0]
+    rig.send(s.attacker, [message("done", tag=tag, bytes=0)])
+    rig.sync(s.attacker, "done bytes=0")
+    state = rig.victim.ok("state", tags=[tag])["states"][tag]
+    assert state[0] != "SUCCESS", f"the victim reports {state} for a transfer nobody wrote a byte of"
+    rig.check("done bytes=0")
+
+
+def test_welcome_on_an_accepted_connection(rig_factory: Callable[..., Rig]) -> None:
+    """A welcome is the acceptor's answer; an initiator sending one after its hello must be
+    refused, and regions holding a string must not reach the I/O loop as a ValueError."""
+    rig = rig_factory("fake", private=False)
+    s = rig.session("atk")
+    hello_doc = rig.captured.hello_obj["hello"]
+    rig.send(s.attacker, [message("welcome", conn="x", hello=hello_doc, regions={"kv": "abc"}, decision={})])
+    rig.sync(s.attacker, "welcome on an accepted connection")
+    rig.check("welcome on an accepted connection")
+
+
+def test_a_peer_cannot_direct_the_victims_writes_into_its_own_pool(rig_factory: Callable[..., Rig]) -> None:
+    """The attacker hands back the victim's own connection info and regions as its own, then
+    announces destination pages: the victim sending to it must not overwrite its own KV."""
+    rig = rig_factory("fake", private=False)
+    peek = rig.session("peek")
+    victim_conn = peek.victim_conn("fake")
+    obj = rig.captured.hello_obj
+    obj["conn"] = uuid.uuid4().hex
+    obj["hello"]["protocol"]["endpoint"] = "mirror"
+    obj["hello"]["drivers"]["fake"]["conn"] = base64.b64encode(pack(victim_conn)).decode()
+    obj["regions"] = peek.welcome["regions"]
+    s = rig.session("mirror", hello=pack(obj))
+    victim_pages = rig.victim.all_digests()
+    target = [p for p in range(PAGES) if victim_pages[p] != victim_pages[0]][:1]
+    rig.send(s.attacker, [message("expect", tag="mirror", pages=u64s(*target), aux=-1)])
+    rig.sync(s.attacker, "mirror")
+    rig.victim.call("send", conn=s.index, transfers={"mirror": [[0]]}, timeout=5)
+    rig.victim.call("wait", tags=["mirror"], timeout=5)
+    rig.check(f"a mirrored hello and an expect for page {target}")
+
+
+@pytest.mark.engines
+def test_a_peer_impersonating_another_endpoint_cannot_direct_writes_into_it(rig_factory: Callable[..., Rig]) -> None:
+    """The attacker replays the legitimate endpoint's hello (its NIXL agent and regions) as its
+    own: the victim, sending to the attacker, must not write into the legitimate endpoint."""
+    require_engines()
+    rig = rig_factory("nixl-ucx", private=True)
+    s = rig.session("impostor", hello=rig.legit_hello("impostor"))
+    rig.send(s.attacker, [message("expect", tag="impostor", pages=u64s(9, 10), aux=-1)])
+    rig.sync(s.attacker, "impostor")
+    rig.victim.call("send", conn=s.index, transfers={"impostor": [[0, 1]]}, timeout=5)
+    rig.victim.call("wait", tags=["impostor"], timeout=5)
+    rig.check("an impostor's expect for pages [9, 10]")
+
+
+@pytest.mark.engines
+def test_a_replayed_hello_that_goes_quiet_does_not_cut_off_the_endpoint_it_copied(
+    rig_factory: Callable[..., Rig],
+) -> None:
+    """An attacker replays the legitimate endpoint's hello (same NIXL agent) and goes quiet;
+    when the victim drops that connection, its sends to the legitimate endpoint must still work
+    (the NIXL remote agent is shared by both connections)."""
+    require_engines()
+    rig = rig_factory("nixl-ucx", private=True, victim_timeouts={"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0})
+    s = rig.session("replay", hello=rig.legit_hello("replay"))
+    s.attacker.close()
+    time.sleep(1.8)  # the victim declares the quiet copy lost
+    rig.check("a replayed hello dropped by the heartbeat")
+
+
+@pytest.mark.engines
+def test_hellos_with_a_corrupted_copy_of_another_endpoints_metadata(rig_factory: Callable[..., Rig]) -> None:
+    """Hellos carrying the legitimate endpoint's NIXL metadata with one byte changed (refused or
+    not) must not change how the victim reaches the legitimate endpoint."""
+    require_engines()
+    rig = rig_factory("nixl-ucx", private=True)
+    conn = unpack(rig.legit.hello.drivers["nixl-ucx"].conn)
+    meta = conn["meta"]
+    r = random.Random(SEED)
+    a = rig.attacker()
+    for i in range(24):
+        bad = bytearray(meta)
+        bad[r.randrange(len(bad))] = r.randrange(256)
+        a.handshake(rig.captured.with_driver_conn(f"poison-{i}", "nixl-ucx", {**conn, "meta": bytes(bad)}), 10)
+    rig.check("24 hellos with corrupted copies of the legitimate endpoint's NIXL metadata")
+    reply = a.handshake(rig.legit_hello("legit-again"), 10)
+    assert reply["t"] == "welcome", f"the legitimate endpoint's own hello is now refused: {reply.get('reason')}"
+
+
+def test_a_second_connection_from_one_endpoint_does_not_cut_off_the_first(rig_factory: Callable[..., Rig]) -> None:
+    """Not hostile, found by this suite's rig: both connections from one endpoint to one address
+    share its zmq DEALER, hence one route at the victim, which keeps only the newest connection
+    per route; the first is then declared lost although its peer pings."""
+    fast = {"heartbeat_interval": 0.1, "heartbeat_timeout": 1.0}
+    rig = rig_factory("fake", private=False, victim_timeouts=fast)
+    second = rig.legit.connect(rig.victim.address, 10)
+    assert second.decision is not None
+    time.sleep(1.5)
+    rig.check("a second connection from the legitimate endpoint")
+
+
+# --- staged notices, one at a time ------------------------------------------------------------------
+
+STAGED_NOTICES: dict[str, Callable[[Rig, Session], list[bytes]]] = {
+    "grant-slots-not-numbers": lambda rig, s: [notice({"op": "grant", "slots": ["x"]})],
+    "want-n-not-a-number": lambda rig, s: [notice({"op": "want", "n": "x"})],
+    "release-unhashable-slot": lambda rig, s: [notice({"op": "release", "slots": [[1]]})],
+    "chunk-dst-wraps-past-2**64": lambda rig, s: [
+        notice({"op": "chunk", "slot": slot, "dst": u64s(2**64 - 4096), "len": u64s(8192), "off": u64s(0)})
+        for slot in granted_slots(s.attacker, 1)
+    ],
+    "chunk-into-a-page-nobody-announced": lambda rig, s: [
+        notice(
+            {
+                "op": "chunk",
+                "slot": slot,
+                "dst": u64s(int(s.victim_region()["ptr"]) + 5 * ITEM),
+                "len": u64s(ITEM),
+                "off": u64s(0),
+            }
+        )
+        for slot in granted_slots(s.attacker, 1)
+    ],
+}
+
+
+@pytest.mark.engines
+@pytest.mark.parametrize("case", sorted(STAGED_NOTICES))
+def test_catalogue_staged_notice(case: str, rig_factory: Callable[..., Rig]) -> None:
+    require_engines()
+    rig = rig_factory("nixl-staged", private=True, options=TINY_RING)
+    s = rig.session("atk")
+    frames = STAGED_NOTICES[case](rig, s)
+    assert frames, "the victim granted no slot"
+    rig.send(s.attacker, frames)
+    rig.sync(s.attacker, case, timeout=10)
+    time.sleep(0.2)  # the scatter thread
+    rig.check(case)
+
+
+@pytest.mark.engines
+def test_staged_ring_description_with_an_infinite_address(rig_factory: Callable[..., Rig]) -> None:
+    require_engines()
+    rig = rig_factory("nixl-staged", private=True, options=TINY_RING)
+    conn = unpack(rig.legit.hello.drivers["nixl-staged"].conn)  # a live agent: NIXL loads it
+    conn["ring"] = {**conn["ring"], "ring": math.inf}
+    a = rig.attacker()
+    rig.send(a, [rig.captured.with_driver_conn("inf-ring", "nixl-staged", conn)])
+    rig.sync(a, "an infinite ring address", timeout=10)
+    rig.check("an infinite ring address")
+
+
+@pytest.mark.engines
+def test_one_peer_cannot_hoard_every_inbound_slot(rig_factory: Callable[..., Rig]) -> None:
+    """An attacker asks for every slot of the victim's inbound ring and never uses them: a
+    legitimate sender must still get credits and finish its transfer."""
+    require_engines()
+    rig = rig_factory("nixl-staged", private=True, options=TINY_RING, legit_timeouts=Timeouts(transfer=3.0))
+    s = rig.session("hoarder")
+    got = granted_slots(s.attacker, 2**40, timeout=1)
+    assert got, "the victim granted nothing"
+    stop = threading.Event()
+
+    def keep_alive() -> None:
+        while not stop.wait(0.3):
+            s.attacker.sock.send(message("ping", seq=1))
+
+    pinger = threading.Thread(target=keep_alive, daemon=True)
+    pinger.start()
+    try:
+        rig.check(f"an attacker holding {len(got)} granted slots")
+    finally:
+        stop.set()
+        pinger.join(2)
+
+
+# --- resources ------------------------------------------------------------------------------------
+
+
+def test_a_frame_far_over_the_limit_is_not_buffered_whole(rig_factory: Callable[..., Rig]) -> None:
+    """The control channel refuses frames over 4 MiB, but only after zmq has received the whole
+    frame: a 64 MiB frame must not cost the victim 64 MiB (zmq's MAXMSGSIZE exists for this)."""
+    rig = rig_factory("fake", private=False)
+    before = rig.victim.proc_status()["VmHWM"]
+    a = rig.attacker()
+    rig.send(a, [b"\x00" * (64 << 20)])
+    rig.sync(a, "a 64 MiB frame", timeout=30)
+    grown = rig.victim.proc_status()["VmHWM"] - before
+    assert grown < 16 << 10, f"the victim's peak memory grew by {grown >> 10} MiB for one rejected frame"
+    rig.check("a 64 MiB frame")
+
+
+def test_early_announcements_are_bounded_in_bytes_not_only_in_count(rig_factory: Callable[..., Rig]) -> None:
+    """Expects for transfers the victim never creates are kept (up to 65536 per connection),
+    each up to 4 MiB: 24 of them must not pin 96 MiB of the victim's memory."""
+    rig = rig_factory("fake", private=False)
+    s = rig.session("hoarder")
+    before = rig.victim.proc_status()["VmRSS"]
+    body = b"\x00" * ((4 << 20) - 200)
+    rig.send(s.attacker, [message("expect", tag=f"never-{i}", pages=body, aux=-1) for i in range(24)])
+    rig.sync(s.attacker, "24 large early expects", timeout=30)
+    grown = rig.victim.proc_status()["VmRSS"] - before
+    assert grown < 32 << 10, f"the victim holds {grown >> 10} MiB more after 24 announcements nobody sends for"
+    rig.check("24 large early expects")
+
+
+@pytest.mark.engines
+def test_a_nine_byte_field_does_not_allocate_hundreds_of_mib(rig_factory: Callable[..., Rig]) -> None:
+    """A driver's connection info given as the integer 2**28 instead of a base64 string becomes
+    bytes(2**28) at the victim: 256 MiB (and a copy) for a 9-byte field."""
+    require_engines()
+    rig = rig_factory("nixl-ucx", private=True)
+    before = rig.victim.proc_status()["VmHWM"]
+    a = rig.attacker()
+    rig.send(a, [_hello_with(rig, ("hello", "drivers", "nixl-ucx", "conn"), 2**28)])
+    rig.sync(a, "a hello whose connection info is 2**28", timeout=30)
+    grown = rig.victim.proc_status()["VmHWM"] - before
+    assert grown < 32 << 10, f"the victim's peak memory grew by {grown >> 10} MiB for one 9-byte field"
+    rig.check("a hello whose connection info is 2**28")
+
+
+@pytest.mark.engines
+def test_hellos_reusing_one_connection_id_leak_no_threads(rig_factory: Callable[..., Rig]) -> None:
+    """Each accepted hello on a staged driver starts two pipeline threads; hellos that reuse a
+    connection id replace the old pipeline without stopping it. After the attacker goes quiet
+    and the heartbeat timeout passes, the victim's thread count must come back."""
+    require_engines()
+    rig = rig_factory(
+        "nixl-staged",
+        private=True,
+        options=TINY_RING,
+        victim_timeouts={"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0},
+    )
+    before = rig.victim.proc_status()["Threads"]
+    a = rig.attacker()
+    conn = uuid.uuid4().hex
+    for i in range(10):
+        reply = a.handshake(rig.replay_hello(f"again-{i}", conn=conn), 10)
+        assert reply["t"] == "welcome", reply
+    a.close()
+    time.sleep(2.5)  # > the heartbeat timeout + the stages' 0.5 s wake-ups
+    after = rig.victim.proc_status()["Threads"]
+    assert after - before < 6, f"the victim went from {before} to {after} threads after 10 hellos with one id"
+    rig.check("10 hellos with one connection id")
+
+
+def test_one_slow_hello_does_not_stall_the_io_loop(rig_factory: Callable[..., Rig]) -> None:
+    """A hello listing 200k drivers (1.7 MB) is within the size limit; handling it must not stall the
+    I/O loop past a legitimate connection's heartbeat timeout (here 1 s)."""
+    fast = {"heartbeat_interval": 0.1, "heartbeat_timeout": 1.0}
+    rig = rig_factory("fake", private=False, victim_timeouts=fast, legit_timeouts=Timeouts(**fast))
+    obj = rig.captured.hello_obj
+    obj["conn"] = uuid.uuid4().hex
+    obj["hello"]["drivers"] = {**{f"d{i}": {} for i in range(200_000)}, **obj["hello"]["drivers"]}
+    frame = pack(obj)
+    assert len(frame) < 4 << 20
+    a = rig.attacker()
+    t0 = time.monotonic()
+    rig.send(a, [frame])
+    rig.sync(a, "a hello listing 200k drivers", timeout=60)
+    took = time.monotonic() - t0
+    time.sleep(0.3)  # a heartbeat tick on each side
+    assert rig.conn.alive, (
+        f"the legitimate connection was declared lost ({rig.conn.error}); the hello took {took:.1f} s"
+    )
+    rig.check(f"a hello listing 200k drivers ({took:.1f} s)")
+
+
+# --- liveness under a flood -------------------------------------------------------------------------
+
+
+FLOODER = """
+import random, sys, time, zmq
+address, seconds, limit, seed = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+r = random.Random(seed)
+garbage = [r.randbytes(r.randrange(1, 48)) for _ in range(512)]
+ctx = zmq.Context()
+sock = ctx.socket(zmq.DEALER)
+sock.setsockopt(zmq.LINGER, 0)
+sock.connect(address)
+print("ready", flush=True)
+deadline, i = time.monotonic() + seconds, 0
+while time.monotonic() < deadline and i < limit:
+    try:
+        sock.send(garbage[i % 512], zmq.NOBLOCK)
+        i += 1
+    except zmq.Again:
+        time.sleep(0.0005)
+print(i, flush=True)
+"""
+
+
+def test_a_garbage_flood_does_not_starve_heartbeats(rig_factory: Callable[..., Rig]) -> None:
+    """Another process floods the control port with garbage for a few seconds; a legitimate
+    connection with a 1 s heartbeat timeout (both sides) must stay up and complete a transfer."""
+    fast = {"heartbeat_interval": 0.1, "heartbeat_timeout": 1.0}
+    rig = rig_factory("fake", private=False, victim_timeouts=fast, legit_timeouts=Timeouts(**fast, transfer=10.0))
+    flooder = subprocess.Popen(
+        [sys.executable, "-c", FLOODER, rig.victim.address, "4", "3000000", str(SEED)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert flooder.stdout is not None
+        assert flooder.stdout.readline().strip() == "ready"
+        time.sleep(2.5)  # flooding for longer than the heartbeat timeout
+        assert rig.conn.alive, f"the legitimate connection was declared lost during the flood: {rig.conn.error}"
+        rig.check("2.5 s of flood")
+        assert rig.conn.alive, f"the legitimate connection was declared lost during the flood: {rig.conn.error}"
+    finally:
+        try:
+            out, _ = flooder.communicate(timeout=15)
+            rig.sent += int(out.split()[-1])
+        except (subprocess.TimeoutExpired, ValueError, IndexError):
+            flooder.kill()
+            flooder.wait(5)
+        print(f"flood: {rig.sent} garbage frames")
