@@ -284,3 +284,50 @@ def test_finished_transfers_are_forgotten_and_tags_can_be_reused() -> None:
                 time.sleep(0.01)
             assert not send_conn.transfers and not recv_conn.transfers
             assert senders[0].state is State.SUCCESS  # the caller's objects stay valid
+
+
+def test_a_failed_bind_releases_the_drivers_already_opened() -> None:
+    from typing import ClassVar
+
+    from kvtransport.driver import DRIVER_API_VERSION, Capabilities
+    from kvtransport.errors import ConfigError
+
+    opened: list[FakeDriver] = []
+
+    class Recording(FakeDriver):
+        name: ClassVar[str] = "fake"
+        api_version: ClassVar[int] = DRIVER_API_VERSION
+        capabilities: ClassVar[Capabilities] = FakeDriver.capabilities
+
+        def open(self, regions):  # type: ignore[no-untyped-def]
+            opened.append(self)
+            return super().open(regions)
+
+    pool = KVPool(8, 1, 64)
+    with pytest.raises(ConfigError, match="cannot listen"):
+        Endpoint(pool.regions, pool.layout, drivers={"fake": Recording}, listen="tcp://256.0.0.1:1")
+    assert opened and all(d.closed for d in opened)
+    pool.close()
+
+
+def test_limits_refuse_what_exceeds_them_and_name_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtransport.config import Limits
+    from kvtransport.errors import ConfigError, NegotiationError
+
+    monkeypatch.setenv("KVTRANSPORT_MAX_CONNECTIONS", "0")
+    with pytest.raises(ConfigError, match="KVTRANSPORT_MAX_CONNECTIONS"):
+        Limits.from_env()
+    monkeypatch.setenv("KVTRANSPORT_MAX_CONNECTIONS", "1")
+    a_pool, b_pool, c_pool = KVPool(8, 1, 64), KVPool(8, 1, 64), KVPool(8, 1, 64)
+    with (
+        Endpoint(a_pool.regions, a_pool.layout, drivers=FAKE, timeouts=FAST, name="a") as a,
+        Endpoint(b_pool.regions, b_pool.layout, drivers=FAKE, timeouts=FAST, name="b") as b,
+        Endpoint(c_pool.regions, c_pool.layout, drivers=FAKE, timeouts=FAST, name="c") as c,
+    ):
+        assert a.limits.max_connections == 1
+        b.connect(a.address)
+        with pytest.raises(NegotiationError, match="KVTRANSPORT_MAX_CONNECTIONS"):
+            c.connect(a.address)
+        assert a.stats()["sessions"] == 1
+    for p in (a_pool, b_pool, c_pool):
+        p.close()
