@@ -90,6 +90,8 @@ class ControlChannel:
         # draining, so the pair socket can never fill up (and never raise zmq.Again).
         self._wake_lock = threading.Lock()
         self._wake_pending = False
+        self._send_lock = threading.Lock()  # the only lock around _wake_tx
+        self._tx_closed = False
         self._calls: collections.deque[Callable[[], None]] = collections.deque()
         self._calls_space = threading.Condition(self._wake_lock)
         self._max_queued_calls = max_queued_calls
@@ -138,9 +140,20 @@ class ControlChannel:
                 if not self._running:
                     raise ChannelDown("the endpoint's I/O thread is not running")
             self._calls.append(fn)
-            if not self._wake_pending and not in_loop:
+            wake = not self._wake_pending and not in_loop
+            if wake:
                 self._wake_pending = True
-                self._wake_tx.send(b"", zmq.NOBLOCK)
+        if wake:
+            # Outside the queue's lock, so the I/O thread never waits for a caller's send.
+            self._send_wake()
+
+    def _send_wake(self) -> None:
+        with self._send_lock:
+            if not self._tx_closed:
+                try:
+                    self._wake_tx.send(b"", zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass  # already woken: a byte is waiting
 
     def in_io_thread(self) -> bool:
         return threading.current_thread() is self._thread
@@ -162,12 +175,7 @@ class ControlChannel:
             except ChannelDown:
                 pass
         self._stop.set()
-        with self._wake_lock:
-            if self._running:
-                try:
-                    self._wake_tx.send(b"", zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
+        self._send_wake()
         if not self.in_io_thread():
             self._thread.join(timeout)
 
@@ -252,25 +260,27 @@ class ControlChannel:
             self._dealers.clear()
             self._router.close(0)
             self._wake_rx.close(0)
-            with self._wake_lock:
+            with self._send_lock:
                 self._wake_tx.close(0)
+                self._tx_closed = True
             self._ctx.term()
 
     def _clear_wake(self) -> None:
+        # Drain first, then clear the flag: while it is set no caller sends another byte, so a
+        # call queued meanwhile is either drained in this pass or announced by a fresh byte.
+        while int(self._wake_rx.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            self._wake_rx.recv(zmq.NOBLOCK)
         with self._wake_lock:
             self._wake_pending = False
-            while self._wake_rx.poll(0):
-                self._wake_rx.recv()
 
     def _drain_calls(self) -> None:
         # Only the calls queued when the pass began: a call that queues another (or a flood of
         # callers) cannot keep the loop from its sockets and timers.
         with self._wake_lock:
-            n = len(self._calls)
-        for _ in range(n):
-            with self._wake_lock:
-                fn = self._calls.popleft()
-                self._calls_space.notify()
+            calls, self._calls = self._calls, collections.deque()
+            if calls:
+                self._calls_space.notify_all()
+        for fn in calls:
             try:
                 fn()
             except Exception:
