@@ -11,11 +11,12 @@ the encoder and the decoder cannot hide itself. What lives here:
 - :class:`Attacker`: one DEALER socket dialling the victim;
 - hypothesis strategies over the schema, and :class:`Mutator`, a seeded ``random.Random``
   generator of cheap hostile frames from the captures.
+- :class:`StrikeLedger`: what each frame costs an attacker session (the victim closes a session
+  at its 16th protocol violation), so a fuzz batch can keep its checked session open.
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import math
 import os
@@ -39,6 +40,11 @@ from hypothesis import strategies as st
 
 VERSION = 1
 LIMIT = 4 << 20  # DEFAULT_MAX_MESSAGE_BYTES
+#: Frames larger than this make zmq drop the connection (MAXMSGSIZE: the limit plus framing room):
+#: the attacker's DEALER reconnects with a new route, so a session on the old one is orphaned.
+ZMQ_LIMIT = LIMIT + 1024
+#: Every integer the wire carries is in [lo, MAX_INT] (wire.py's Int: lo is 0, -1 for expect.aux).
+MAX_INT = (1 << 62) - 1
 SCHEMA: dict[str, dict[str, type]] = {
     "hello": {"conn": str, "hello": dict, "regions": dict},
     "welcome": {"conn": str, "hello": dict, "regions": dict, "decision": dict},
@@ -50,6 +56,9 @@ SCHEMA: dict[str, dict[str, type]] = {
     "ping": {"seq": int},
     "bye": {"reason": str},
 }
+#: Bounds on the fields above (wire.py: connection ids 64 characters, tags 256, reasons 4096).
+INT_LOW = {("expect", "aux"): -1}
+TEXT_MAX = {"conn": 64, "tag": 256, "reason": 4096}
 KINDS = tuple(SCHEMA)
 STAGED_OPS = ("want", "grant", "release", "chunk")
 
@@ -67,6 +76,7 @@ EXTREME_INTS = (
     2**31 - 1,
     2**32,
     2**53 + 1,
+    2**62 - 1,
     2**62,
     2**63 - 1,
     2**63,
@@ -103,16 +113,20 @@ def deep(depth: int = DEEP, leaf: Any = 0) -> Any:
 
 def well_formed(frame: bytes) -> dict[str, Any] | None:
     """The decoded map if ``frame`` passes the schema as wire.py states it (size, map, version,
-    type, exactly the fields, each of its type, no bool for an int); else ``None``."""
+    type, exactly the fields, each of its type and within its bounds, no bool for an int);
+    else ``None``."""
     if len(frame) > LIMIT:
         return None
     try:
         obj = msgpack.unpackb(frame, raw=False, strict_map_key=True)
     except Exception:  # noqa: BLE001 - anything msgpack refuses is not well formed
         return None
-    if not isinstance(obj, dict) or obj.get("v") != VERSION or obj.get("t") not in SCHEMA:
+    if not isinstance(obj, dict):
         return None
-    schema = SCHEMA[obj["t"]]
+    version, kind = obj.get("v"), obj.get("t")
+    if version != VERSION or isinstance(version, bool) or not isinstance(kind, str) or kind not in SCHEMA:
+        return None
+    schema = SCHEMA[kind]
     fields = {k: v for k, v in obj.items() if k not in ("v", "t")}
     if set(fields) != set(schema):
         return None
@@ -120,7 +134,18 @@ def well_formed(frame: bytes) -> dict[str, Any] | None:
         value = fields[name]
         if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
             return None
+        if isinstance(value, int) and not INT_LOW.get((kind, name), 0) <= value <= MAX_INT:
+            return None
+        if isinstance(value, str) and len(value) > TEXT_MAX.get(name, 4096):
+            return None
     return obj
+
+
+def hello_message(hello: dict[str, Any], regions: dict[str, Any], label: str, conn: str | None = None) -> bytes:
+    """A hello frame carrying these documents, under endpoint label ``label``."""
+    doc = dict(hello)
+    doc["protocol"] = {**doc["protocol"], "endpoint": label}
+    return message("hello", conn=conn or uuid.uuid4().hex, hello=doc, regions=regions)
 
 
 # --- the victim process --------------------------------------------------------------------
@@ -405,15 +430,6 @@ class Captured:
     def of_kind(self, kind: str) -> list[bytes]:
         return [f for f in self.all if (well_formed(f) or {}).get("t") == kind]
 
-    def hello_as(self, label: str, conn: str | None = None, **doc_changes: Any) -> bytes:
-        """The captured hello, with a fresh connection id and endpoint label ``label``."""
-        obj = self.hello_obj
-        obj["conn"] = conn or uuid.uuid4().hex
-        obj["hello"]["protocol"]["endpoint"] = label
-        for key, value in doc_changes.items():
-            obj[key] = value
-        return pack(obj)
-
     def refusable_hello(self, conn: str) -> bytes:
         """A well-formed hello that any endpoint refuses (KV layout with other pages): answered
         with a ``refuse`` naming ``conn`` once the victim has handled everything before it."""
@@ -423,17 +439,59 @@ class Captured:
         obj["hello"]["layout"]["page_size"] = 12345
         return pack(obj)
 
-    def with_driver_conn(
-        self, label: str, driver: str, conn_doc: Any, raw: bytes | None = None, conn: str | None = None
-    ) -> bytes:
-        """The captured hello with another connection info for ``driver`` (``conn_doc``
-        packed, or ``raw`` bytes as they are)."""
-        obj = self.hello_obj
-        obj["conn"] = conn or uuid.uuid4().hex
-        obj["hello"]["protocol"]["endpoint"] = label
-        blob = raw if raw is not None else pack(conn_doc)
-        obj["hello"]["drivers"][driver]["conn"] = base64.b64encode(blob).decode()
-        return pack(obj)
+
+class StrikeLedger:
+    """What each frame costs one attacker session on the victim, as ``endpoint.py`` and
+    ``session.py`` count it: ``"ok"`` (handled, no strike), ``"strike"`` (a protocol violation:
+    the 16th closes the session with a ``bye``) or ``"close"`` (ends the session at once: a
+    ``bye``, any notice to a staged driver, whose bad notices end the connection, a frame so large
+    that zmq drops the connection). The fuzz keeps a session under the strike limit while the
+    transfers it holds are checked, so those checks are about a live session."""
+
+    def __init__(self, *, two_sided: bool, recv_bytes: dict[str, int], send_tags: list[str]) -> None:
+        self.two_sided = two_sided
+        self.recv_bytes = dict(recv_bytes)  # live receiving transfers -> the bytes a done must say
+        self.send_tags = set(send_tags)
+        self.strikes = 0
+
+    def cost(self, frame: bytes | list[bytes]) -> str:
+        if isinstance(frame, list):
+            return "ok"  # a message of several frames is dropped unread
+        if len(frame) > ZMQ_LIMIT:
+            return "close"
+        obj = well_formed(frame)
+        if obj is None:
+            return "strike"
+        kind = obj["t"]
+        if kind in ("welcome", "refuse"):
+            return "strike"
+        if kind in ("bye",):
+            return "close"
+        if kind == "notice":
+            return "close" if self.two_sided else "strike"
+        if kind == "done":
+            tag = obj["tag"]
+            if tag in self.send_tags:
+                return "strike"
+            if tag in self.recv_bytes:
+                # Right count: the transfer ends; wrong count: a violation that fails it. Either
+                # way later dones for it are ignored.
+                return "ok" if self.recv_bytes.pop(tag) == obj["bytes"] else "strike"
+        return "ok"
+
+    def place(self, frame: bytes | list[bytes], budget: int) -> str:
+        """Where ``frame`` goes for a session that may take ``budget`` strikes in all while it is
+        checked: ``"live"`` (counted in, if a strike), ``"struck"`` (a strike over the budget) or
+        ``"closing"`` (it ends the session). The ledger's state changes only for ``"live"``."""
+        saved = dict(self.recv_bytes)
+        c = self.cost(frame)
+        if c == "ok":
+            return "live"
+        if c == "strike" and self.strikes < budget:
+            self.strikes += 1
+            return "live"
+        self.recv_bytes = saved
+        return "struck" if c == "strike" else "closing"
 
 
 # --- the attacker's socket -------------------------------------------------------------------

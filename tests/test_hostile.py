@@ -12,6 +12,14 @@ for its receiving ones, notices), staged-driver notices (want/grant/release/chun
 whose documents hold the wrong things. Then a catalogue of single hostile inputs, each against
 a fresh victim, and a flood that must not starve a legitimate connection's heartbeats.
 
+A victim refuses a hello whose engine identity (its driver connection info) is its own or a
+live connection's, so attacker sessions present "donors": real endpoints in this process, each
+with its own pool and engine agent, that never connect themselves (one live session each; a
+donor serves again once the victim has forgotten its session). Copying a live identity is an
+attack of its own (the identity tests). A session is closed at its 16th protocol violation, so
+the fuzz keeps each checked session under that and spends the violations over it on short-lived
+striker sessions.
+
 ``KVTRANSPORT_HOSTILE_MESSAGES`` (default 100000) sets how many hostile frames the fuzz tests
 send in all; ``KVTRANSPORT_HOSTILE_SEED`` makes a run reproducible (the seed is printed).
 """
@@ -23,13 +31,14 @@ import dataclasses
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 import threading
 import time
 import uuid
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +48,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
-from kvtransport.endpoint import Connection, Endpoint, State, Timeouts
+from kvtransport.endpoint import Connection, Endpoint, State, Timeouts, regions_to_dict
+from kvtransport.errors import NegotiationError
 from kvtransport.registry import load_driver
 from kvtransport.testing.fake import FakeDriver
 from kvtransport.testing.kv import KVPool
@@ -53,9 +63,11 @@ from .hostile_messages import (
     Deaf,
     Mutator,
     RecordingProxy,
+    StrikeLedger,
     Victim,
     deep,
     env_int,
+    hello_message,
     hello_mutations,
     message,
     near_limit,
@@ -81,9 +93,12 @@ BATCH = 5000
 FUZZ_TIME_LIMIT = 60.0  # seconds per fuzz test, whatever the count
 
 PAGES, LAYERS, ITEM, AUX = 64, 4, 4096, 4
-TINY_RING = {"staging.ring_bytes": str(1 << 20), "staging.chunk_bytes": str(64 << 10)}  # 8 slots each way
-#: The victim's own timeouts: default heartbeats, and transfers that outlive the test.
-VICTIM_TIMEOUTS = {"bootstrap": 600.0, "waiting": 600.0}
+TINY_RING = {"staging.ring_bytes": str(1 << 20), "staging.chunk_bytes": str(64 << 10)}
+RING_SLOTS = 8  # TINY_RING's inbound slots (the ring is halved: outbound, inbound)
+#: The victim's own timeouts: transfers that outlive the test, and a heartbeat timeout that lets a
+#: silent attacker session live through a batch and its checks (attackers end theirs with a bye;
+#: the tests about silent peers set their own).
+VICTIM_TIMEOUTS = {"bootstrap": 600.0, "waiting": 600.0, "heartbeat_timeout": 20.0}
 #: The legitimate endpoint tolerates long silences in the fuzz tests (the flood test is the one
 #: about heartbeats), so what fails there is a crash, deafness or corruption.
 PATIENT = Timeouts(connect=20, heartbeat_interval=0.5, heartbeat_timeout=60.0, transfer=30.0)
@@ -94,7 +109,7 @@ def driver_classes(driver: str) -> dict[str, Any]:
     return {"fake": FakeDriver} if driver == "fake" else {driver: load_driver(driver)}
 
 
-# --- the rig: victim, legitimate endpoint, captures, checks --------------------------------------
+# --- the rig: victim, legitimate endpoint, donors, captures, checks ------------------------------
 
 
 _SPARES: dict[str, Victim] = {}
@@ -102,7 +117,7 @@ _SPARES: dict[str, Victim] = {}
 
 def spawn_victim(driver: str, **kwargs: Any) -> Victim:
     """A victim process. Fake-driver victims are booted one ahead (the next test of the same
-    kind finds its victim up); engine victims are not: an idle NIXL agent busy-polls a core."""
+    kind finds its victim up); engine victims are not (their agents cost memory and start-up)."""
     key = repr((driver, sorted(kwargs.items())))
     victim = _SPARES.pop(key, None) or Victim(driver, **kwargs)
     for other in list(_SPARES):
@@ -112,11 +127,58 @@ def spawn_victim(driver: str, **kwargs: Any) -> Victim:
     return victim
 
 
+class Donor:
+    """An engine identity of its own for attacker sessions: a real endpoint in this process with
+    its own pool (fake: shared memory the victim maps; engines: private memory registered with
+    its own agent), which never connects to the victim. The victim refuses a hello whose
+    connection info is its own or that of a live connection, so every attacker session presents
+    a donor's hello, and a donor serves one session at a time (again once the victim has
+    forgotten the last one)."""
+
+    def __init__(self, driver: str, options: dict[str, str] | None, name: str) -> None:
+        self.name = name
+        self.pool = KVPool(PAGES, LAYERS, ITEM, AUX, shared=driver == "fake")
+        self.pool.fill(zlib.crc32(name.encode()) % 1000)
+        try:
+            self.endpoint = Endpoint(
+                self.pool.regions,
+                self.pool.layout,
+                drivers=driver_classes(driver),
+                name=name,
+                timeouts=PATIENT,
+                driver_options=options,
+            )
+        except BaseException:
+            self.pool.close()
+            raise
+        assert self.endpoint.drivers, f"donor {name}: no driver opened"
+        self.hello_doc = self.endpoint.hello.to_dict()
+        self.regions_doc = regions_to_dict(self.pool.regions)
+        self.busy = False
+
+    def hello(self, label: str, conn: str | None = None) -> bytes:
+        return hello_message(self.hello_doc, self.regions_doc, label, conn)
+
+    def hello_with_conn(self, label: str, driver: str, conn: bytes) -> bytes:
+        """This donor's hello with another connection info for ``driver``."""
+        doc = self.endpoint.hello.to_dict()
+        doc["drivers"][driver]["conn"] = base64.b64encode(conn).decode()
+        return hello_message(doc, self.regions_doc, label)
+
+    def conn_doc(self, driver: str) -> dict[str, Any]:
+        """This donor's connection info for ``driver``, decoded."""
+        doc: dict[str, Any] = unpack(self.endpoint.hello.drivers[driver].conn)
+        return doc
+
+    def close(self) -> None:
+        self.endpoint.close()
+        self.pool.close()
+
+
 @dataclass
 class LegitSide:
     """The legitimate endpoint in this process: one connection to each victim, transfers both
-    ways on it. Kept for the module for the fake driver; per test for engines (an idle NIXL
-    agent busy-polls a core, and this machine has two)."""
+    ways on it. Kept for the module for the fake driver; per test for engines."""
 
     pool: KVPool
     endpoint: Endpoint
@@ -128,6 +190,9 @@ class LegitSide:
 
 _LEGIT: dict[tuple[Any, ...], LegitSide] = {}
 _CAPTURED: dict[tuple[Any, ...], Captured] = {}
+#: Fake-driver capturers stay up for the module: their pools back the captured hellos, which the
+#: fuzz replays and mutates (a closed engine agent's hello is refused by the engine instead).
+_CAPTURERS: list[Donor] = []
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -140,6 +205,9 @@ def _legit_endpoints() -> Iterator[None]:
         side.close()
     _LEGIT.clear()
     _CAPTURED.clear()
+    for capturer in _CAPTURERS:
+        capturer.close()
+    _CAPTURERS.clear()
 
 
 @dataclass
@@ -150,6 +218,7 @@ class Session:
     label: str
     index: int  # in the victim's connection list
     welcome: dict[str, Any]
+    donor: Donor | None = None  # whose identity it presents
     sender_tags: list[str] = field(default_factory=list)  # victim sends, waiting for an expect
     recv_tags: list[str] = field(default_factory=list)  # victim receives
 
@@ -158,10 +227,17 @@ class Session:
         region: dict[str, Any] = self.welcome["regions"][kind][i]
         return region
 
+    def victim_conn_raw(self, driver: str) -> bytes:
+        """The victim's own connection info for ``driver``, as its welcome carries it."""
+        return base64.b64decode(self.welcome["hello"]["drivers"][driver]["conn"])
+
     def victim_conn(self, driver: str) -> dict[str, Any]:
-        """The victim's own connection info for ``driver``, from its welcome."""
-        doc: dict[str, Any] = unpack(base64.b64decode(self.welcome["hello"]["drivers"][driver]["conn"]))
+        doc: dict[str, Any] = unpack(self.victim_conn_raw(driver))
         return doc
+
+
+#: What the victim answers, on a socket whose session is still open, to another hello.
+SOCKET_TAKEN = "this socket already carries a connection"
 
 
 class Rig:
@@ -180,6 +256,7 @@ class Rig:
         self.rng = random.Random(seed)
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.attackers: list[Attacker] = []
+        self.donors: list[Donor] = []
         self.victim = spawn_victim(
             driver,
             private=private,
@@ -223,22 +300,16 @@ class Rig:
     # capture -----------------------------------------------------------------------------------
 
     def _capture(self) -> Captured:
-        """A legitimate endpoint of its own (same pool, its own engine agent) through a
-        recording proxy, a transfer each way and an abort: real hello, welcome, expect, done,
-        abort, notice and ping frames. Once per kind of legitimate endpoint; later victims reuse
-        them. Attackers replay this endpoint's hello after it closed (stale, never the live
-        legitimate endpoint's; tests that copy that one say so)."""
-        capturer = Endpoint(
-            self.pool.regions,
-            self.pool.layout,
-            drivers=driver_classes(self.driver),
-            name="capturer",
-            timeouts=self.legit.timeouts,
-            driver_options=self.options,
-        )
+        """A capturer endpoint of its own (its own pool and engine agent) through a recording
+        proxy, a transfer each way and an abort: real hello, welcome, expect, done, abort,
+        notice and ping frames. Once per kind of legitimate endpoint; later victims reuse them.
+        The capturer's identity is never the legitimate endpoint's, so replays of its hello
+        are refused (or not) for what the attacker changed in them, not as a copy of a live
+        connection."""
+        capturer = Donor(self.driver, self.options, "capturer")
         proxy = RecordingProxy(self.victim.address)
         try:
-            conn = capturer.connect(proxy.address, 20)
+            conn = capturer.endpoint.connect(proxy.address, 20)
             index = self.victim.accept_labelled("capturer")
             self._move_in(conn, index, "capture-in", [1, 2], [3, 4], aux=(0, 1))
             # victim -> capturer, so the victim's expect and done are recorded as well
@@ -248,8 +319,13 @@ class Rig:
             conn.sender("capture-abort").abort("captured abort")
             time.sleep(0.05)
         finally:
-            capturer.close()
+            capturer.endpoint.close()  # says bye: the victim forgets the connection
+            time.sleep(0.2)  # the bye through the proxy
             proxy.close()
+            if self.driver == "fake":
+                _CAPTURERS.append(capturer)
+            else:
+                capturer.pool.close()
         hello = proxy.frames("up", "hello")[0]
         welcome = proxy.frames("down", "welcome")[0]
         assert unpack(welcome)["t"] == "welcome"
@@ -260,25 +336,37 @@ class Rig:
             [f for d, f in proxy.records if d == "down"],
         )
 
-    def legit_hello(self, label: str, conn: str | None = None) -> bytes:
-        """A hello as the LIVE legitimate endpoint would send it (its engine connection info):
-        what attackers replay on real engines (the captured endpoint is closed, and an engine
-        refuses a dead agent's address)."""
-        info = self.legit.hello.drivers[self.driver].conn
-        obj = unpack(self.captured.with_driver_conn(label, self.driver, None, raw=info, conn=conn))
-        obj["regions"] = {
-            kind: [
-                {"ptr": r.ptr, "length": r.length, "kind": str(r.kind), "item_len": r.item_len, "name": r.name}
-                for r in getattr(self.pool.regions, kind)
-            ]
-            for kind in ("kv", "aux", "state")
-        }
-        return pack(obj)
+    def legit_hello(self, label: str, conn: str | None = None, driver_conn: bytes | None = None) -> bytes:
+        """A hello as the LIVE legitimate endpoint sends it (its connection info and regions),
+        under another label and connection id: an impostor's (``driver_conn`` replaces its
+        connection info for the rig's driver)."""
+        doc = self.legit.hello.to_dict()
+        if driver_conn is not None:
+            doc["drivers"][self.driver]["conn"] = base64.b64encode(driver_conn).decode()
+        return hello_message(doc, regions_to_dict(self.pool.regions), label, conn)
 
-    def replay_hello(self, label: str, conn: str | None = None) -> bytes:
-        if self.driver == "fake":
-            return self.captured.hello_as(label, conn=conn)
-        return self.legit_hello(label, conn)
+    # donors ------------------------------------------------------------------------------------
+
+    def donor(self) -> Donor:
+        """A donor no live session of the victim presents now (a new one if all are taken)."""
+        for d in self.donors:
+            if not d.busy:
+                d.busy = True
+                return d
+        d = Donor(self.driver, self.options, f"donor-{len(self.donors)}-{uuid.uuid4().hex[:6]}")
+        self.donors.append(d)
+        d.busy = True
+        return d
+
+    def release(self, s: Session) -> None:
+        """The attacker says bye; once the victim has handled it (a hello behind it is answered
+        as on a fresh socket) it has forgotten the session, and the donor may serve again."""
+        s.attacker.send(message("bye", reason="hostile session over"))
+        reason = self.sync(s.attacker, f"the end of session {s.label}")
+        assert SOCKET_TAKEN not in reason, f"the victim still holds session {s.label} after its bye"
+        if s.donor is not None:
+            s.donor.busy = False
+            s.donor = None
 
     # the legitimate transfer -------------------------------------------------------------------
 
@@ -307,9 +395,8 @@ class Rig:
         assert states[tag][0] == "SUCCESS", states
 
     def connect_legit(self) -> tuple[Connection, int]:
-        """The legitimate connection the victim writes into (made once per victim: a second
-        connect() from one endpoint to one address shares its zmq route with the first, and the
-        victim then declares the first one lost; see the catalogue)."""
+        """The legitimate connection the victim writes into (one per victim: a second one from
+        the same endpoint has the same engine identity and is refused, see the catalogue)."""
         self.legit.hello = dataclasses.replace(self.legit.hello, endpoint="legit-main")
         conn = self.legit.connect(self.victim.address, 20)
         return conn, self.victim.accept_labelled("legit-main")
@@ -329,6 +416,7 @@ class Rig:
         self.checks += 1
         context = f"after {what} ({self.sent} hostile frames so far)"
         self.assert_no_crash(context)
+        self.assert_untouched(context)  # before this check's own transfers can overwrite anything
         tag = f"check-{self.checks}"
         src, dst = self.rng.sample(range(PAGES), 3), self.rng.sample(range(PAGES), 3)
         aux = (self.rng.randrange(AUX), self.rng.randrange(AUX))
@@ -346,17 +434,22 @@ class Rig:
         for s_, d in zip(src, dst, strict=True):
             self.baseline[d] = self.legit_digests[s_]
         self.aux_baseline[aux[1]] = self.legit_aux[aux[0]]
+        for s_, d in zip(out_src, out_dst, strict=True):
+            self.legit_digests[d] = self.baseline[s_]
+        self.assert_untouched(context)
+        self.assert_no_crash(context)
+
+    def assert_untouched(self, context: str) -> None:
+        """No byte of the victim's pool, nor of the legitimate endpoint's, differs from what the
+        legitimate transfers so far wrote."""
         now = self.victim.all_digests()
         changed = [p for p in range(PAGES) if now[p] != self.baseline[p]]
         assert not changed, f"{context}: victim pages {changed} changed, no legitimate transfer wrote them"
         aux_now = self.victim.aux_digests()
         assert aux_now == self.aux_baseline, f"{context}: victim aux slots changed: {aux_now} != {self.aux_baseline}"
-        for s_, d in zip(out_src, out_dst, strict=True):
-            self.legit_digests[d] = self.baseline[s_]
         mine = self.pool.page_digests(list(range(PAGES)))
         hit = [p for p in range(PAGES) if mine[p] != self.legit_digests[p]]
         assert not hit, f"{context}: pages {hit} of the legitimate endpoint changed, no legitimate transfer wrote them"
-        self.assert_no_crash(context)
 
     def assert_no_crash(self, context: str) -> None:
         death = self.victim.death()
@@ -372,20 +465,21 @@ class Rig:
         self.attackers.append(a)
         return a
 
-    def send(self, a: Attacker, frames: Iterator[bytes | list[bytes]] | list[bytes | list[bytes]]) -> None:
+    def send(self, a: Attacker, frames: Iterable[bytes | list[bytes]]) -> None:
         for f in frames:
             a.send(f)
             self.sent += 1
 
-    def sync(self, a: Attacker, context: str, timeout: float = 30.0) -> None:
-        """Everything ``a`` sent has been handled: a refusable hello behind it is answered."""
-        conn = f"sync-{uuid.uuid4().hex}"
+    def sync(self, a: Attacker, context: str, timeout: float = 30.0) -> str:
+        """Everything ``a`` sent has been handled: a refusable hello behind it is answered. The
+        refusal's reason (``SOCKET_TAKEN`` while ``a`` still carries an open session)."""
+        conn = f"sync-{uuid.uuid4().hex[:24]}"
         a.send(self.captured.refusable_hello(conn))
         deadline = time.monotonic() + timeout
         while True:
             try:
-                a.wait_for(lambda m: m["t"] == "refuse" and m.get("conn") == conn, 0.25)
-                return
+                reply = a.wait_for(lambda m: m["t"] == "refuse" and m.get("conn") == conn, 0.25)
+                return str(reply["reason"])
             except Deaf:
                 pass
             if self.victim.death() is not None or "I/O loop crashed" in self.victim.stderr:
@@ -397,13 +491,32 @@ class Rig:
                     f"its threads now:\n{self.victim.stacks()}"
                 )
 
-    def session(self, label: str, *, senders: int = 0, receivers: int = 0, hello: bytes | None = None) -> Session:
-        """An attacker connection the victim accepted, with ``senders`` transfers the victim
-        sends on it (waiting for the attacker's expect) and ``receivers`` it receives on it."""
+    def session(
+        self,
+        label: str,
+        *,
+        senders: int = 0,
+        receivers: int = 0,
+        hello: bytes | None = None,
+        accept: bool = True,
+    ) -> Session:
+        """An attacker connection the victim accepted, presenting a donor's identity (or
+        ``hello``), with ``senders`` transfers the victim sends on it (waiting for the
+        attacker's expect) and ``receivers`` it receives on it. ``accept=False``: not popped
+        from the victim's accept queue (no transfers on it; ``index`` is -1)."""
         a = self.attacker()
-        reply = a.handshake(hello or self.replay_hello(label), 20)
-        assert reply["t"] == "welcome", f"the victim refused the attacker's replayed hello: {reply}"
-        s = Session(a, label, self.victim.accept_labelled(label), reply)
+        donor = self.donor() if hello is None else None
+        try:
+            reply = a.handshake(hello or donor.hello(label), 20)  # type: ignore[union-attr]
+        except BaseException:
+            if donor is not None:
+                donor.busy = False
+            raise
+        if reply["t"] != "welcome":
+            if donor is not None:
+                donor.busy = False
+            raise AssertionError(f"the victim refused the attacker's hello: {reply}")
+        s = Session(a, label, self.victim.accept_labelled(label) if accept else -1, reply, donor)
         if senders:
             s.sender_tags = [f"{label}-s{i}" for i in range(senders)]
             # A chunk of no pages fails at once (nothing announced yet): the transfers stay
@@ -421,6 +534,8 @@ class Rig:
         self.victim.close()
         if self.side not in _LEGIT.values():
             self.side.close()
+        for d in self.donors:
+            d.close()
         if STDERR_DIR:
             path = os.path.join(STDERR_DIR, f"victim-{self.driver}-{self.victim.pid}.log")
             with open(path, "w") as f:
@@ -539,8 +654,21 @@ def shared_corpus(captured: Captured) -> list[bytes]:
     return out
 
 
+#: Violations an attacker session commits while the transfers it holds are checked (the victim
+#: closes a session at its 16th); the rest go to striker sessions, then to the end of the batch.
+STRIKE_BUDGET = 12
+#: Short-lived sessions per batch that take a budget of violations each, then say bye.
+STRIKERS_PER_BATCH = 32
+
+
 def fuzz(rig: Rig, total: int, *, staged: bool) -> None:
-    """``total`` hostile frames in batches, all families mixed; a full check after each batch."""
+    """``total`` hostile frames in batches, all families mixed; a full check after each batch.
+
+    Each batch: sprayer sockets (no session) get garbage, mutations and hypothesis frames; an
+    attacker session (a donor's identity) first gets the hostile frames it survives (at most
+    ``STRIKE_BUDGET`` violations), which must leave it open and none of its transfers hanging;
+    then striker sessions take the violations over the budget, and the session gets what ends
+    it (more violations, staged notices and chunks, which close a staged connection) and a bye."""
     r = random.Random(SEED ^ zlib.crc32(rig.driver.encode()))
     started = time.monotonic()
     corpus = shared_corpus(rig.captured)[: int(total * HYPOTHESIS_SHARE)]
@@ -548,58 +676,83 @@ def fuzz(rig: Rig, total: int, *, staged: bool) -> None:
     mutator = Mutator(SEED, rig.captured.all)
     sprayers = [rig.attacker() for _ in range(4)]
     batch_no = 0
-    timing: list[tuple[float, float, float]] = []
+    timing: list[tuple[float, float, float, float]] = []
+    counts = {"spray": 0, "live": 0, "struck": 0, "closing": 0, "strikers": 0}
     while rig.sent < total and time.monotonic() - started < FUZZ_TIME_LIMIT:
         batch_no += 1
         label = f"atk-{batch_no}"
         s = rig.session(label, senders=150, receivers=8)
+        page_bytes = sum(int(region["item_len"]) for region in s.welcome["regions"]["kv"])
+        ledger = StrikeLedger(
+            two_sided=staged, recv_bytes={t: page_bytes for t in s.recv_tags}, send_tags=s.sender_tags
+        )
         region = s.victim_region()
         early = [f"{label}-e{i}" for i in range(20)]
         slots = granted_slots(s.attacker, 4) if staged else []
         n = min(BATCH, total - rig.sent)
         session_gen = session_frames(r, s.sender_tags, s.recv_tags, PAGES)
-        frames_for: dict[int, list[bytes | list[bytes]]] = {id(a): [] for a in (*sprayers, s.attacker)}
-        expected_out: set[str] = set()  # sender tags given a well-formed expect
+        spray: dict[int, list[bytes | list[bytes]]] = {id(a): [] for a in sprayers}
+        placed: dict[str, list[bytes | list[bytes]]] = {"live": [], "struck": [], "closing": []}
+        expected_out: set[str] = set()  # sender tags given a well-formed expect the session survives
+
+        def to_session(
+            frame: bytes | list[bytes],
+            ledger: StrikeLedger = ledger,
+            placed: dict[str, list[bytes | list[bytes]]] = placed,
+        ) -> str:
+            where = ledger.place(frame, STRIKE_BUDGET)
+            placed[where].append(frame)
+            return where
+
         for _ in range(n):
             k = r.randrange(100)
             if k < 12 and corpus:
-                frame: bytes | list[bytes] = corpus.pop()
-                target = r.choice(sprayers)
+                spray[id(r.choice(sprayers))].append(corpus.pop())
             elif k < 72:
-                frame, target = mutator.frame(), r.choice(sprayers)
+                spray[id(r.choice(sprayers))].append(mutator.frame())
             elif k < 76 and early:
+                tag = early.pop()
                 frame = message(
                     "expect",
-                    tag=early.pop(),
+                    tag=tag,
                     pages=u64s(r.randrange(PAGES)),
-                    aux=r.choice([-1, 2**64 - 1, 2**63, 3, -(2**63)]),
+                    aux=r.choice([-1, 2**64 - 1, 2**63, 3, -(2**63), 2**62 - 1, AUX]),
                 )
-                target = s.attacker
-                expected_out.add(unpack(frame)["tag"])
+                if to_session(frame) == "live" and well_formed(frame) is not None:
+                    expected_out.add(tag)
             elif k < 80 and staged and slots:
-                frame, target = next(hostile_chunks(r, slots, region, 64 << 10)), s.attacker
+                placed["closing"].append(next(hostile_chunks(r, slots, region, 64 << 10)))
             elif k < 86:
-                frame = session_notice(r)
-                target = s.attacker
+                to_session(session_notice(r))
             else:
-                frame, target = next(session_gen), s.attacker
+                frame = next(session_gen)
                 obj = well_formed(frame)
-                if obj is not None and obj["t"] == "expect" and obj["tag"].startswith(f"{label}-s"):
+                if (
+                    to_session(frame) == "live"
+                    and obj is not None
+                    and obj["t"] == "expect"
+                    and obj["tag"].startswith(f"{label}-s")
+                ):
                     expected_out.add(obj["tag"])
-            frames_for[id(target)].append(frame)
-        t0 = time.monotonic()
         # near the size limit: a few per batch (each is 4 MiB), on every kind of route
-        frames_for[id(r.choice(sprayers))].append(near_limit(r))
-        frames_for[id(s.attacker)].append(near_limit(r))
-        frames_for[id(s.attacker)].append(message("expect", tag=f"{label}-huge", pages=b"\x00" * (LIMIT - 200), aux=-1))
-        for a in (*sprayers, s.attacker):
-            rig.send(a, frames_for[id(a)])
+        spray[id(r.choice(sprayers))].append(near_limit(r))
+        to_session(near_limit(r))
+        to_session(message("expect", tag=f"{label}-huge", pages=b"\x00" * (LIMIT - 200), aux=-1))
+
+        # phase 1: what the session survives, and the sprayers
+        t0 = time.monotonic()
+        for a in sprayers:
+            rig.send(a, spray[id(a)])
+        rig.send(s.attacker, placed["live"])
         t1 = time.monotonic()
-        for a in (*sprayers, s.attacker):
+        for a in sprayers:
             rig.sync(a, f"batch {batch_no}")
+        reason = rig.sync(s.attacker, f"batch {batch_no}")
+        assert SOCKET_TAKEN in reason, (
+            f"batch {batch_no}: the victim closed attacker session {label} after {ledger.strikes} protocol "
+            f"violations (it may take 15): {reason}; stderr:\n{rig.victim.stderr_tail()}"
+        )
         t2 = time.monotonic()
-        rig.check(f"batch {batch_no}")
-        timing.append((round(t1 - t0, 2), round(t2 - t1, 2), round(time.monotonic() - t2, 2)))
         # Transfers the attacker announced before the victim created them: each must leave
         # BOOTSTRAPPING (to WAITING_FOR_INPUT, or FAILED on a bad announcement), never hang.
         announced_early = sorted(t for t in expected_out if t.startswith(f"{label}-e"))
@@ -618,10 +771,39 @@ def fuzz(rig: Rig, total: int, *, staged: bool) -> None:
             states = rig.victim.ok("state", tags=answered)["states"]
             stuck = {t: v for t, v in states.items() if v[0] == "BOOTSTRAPPING"}
             assert not stuck, f"batch {batch_no}: well-formed expects left these sending transfers waiting: {stuck}"
+
+        # phase 2: violations over the budget in striker sessions, then what ends the session
+        t3 = time.monotonic()
+        for key in ("live", "struck", "closing"):
+            counts[key] += len(placed[key])
+        counts["spray"] += sum(len(v) for v in spray.values())
+        struck = placed["struck"]
+        for i in range(STRIKERS_PER_BATCH):
+            if not struck:
+                break
+            striker = rig.session(f"{label}-x{i}", accept=False)
+            sub = StrikeLedger(two_sided=staged, recv_bytes={}, send_tags=[])
+            frames: list[bytes | list[bytes]] = []
+            while struck and len(frames) < 64 and sub.place(struck[-1], 15) == "live":
+                frames.append(struck.pop())
+            if not frames:  # not a strike on a session that holds no transfers: the session's own
+                break
+            rig.send(striker.attacker, frames)
+            counts["strikers"] += len(frames)
+            rig.release(striker)
+        rig.send(s.attacker, [*struck, *placed["closing"]])
+        rig.release(s)
+        rig.check(f"batch {batch_no}")
+        timing.append((round(t1 - t0, 2), round(t2 - t1, 2), round(time.monotonic() - t3, 2), round(t3 - t2, 2)))
         rig.assert_no_crash(f"batch {batch_no}")
     elapsed = time.monotonic() - started
+    counts["struck"] -= counts["strikers"]
     print(f"[{rig.driver}] {rig.sent} hostile frames in {batch_no} batches, {rig.checks} checks, {elapsed:.1f} s")
-    print(f"[{rig.driver}] seconds to send, to drain, to check, per batch: {timing}")
+    print(
+        f"[{rig.driver}] to sprayers {counts['spray']}; in sessions: survived {counts['live']}, in strikers "
+        f"{counts['strikers']}, ending a session {counts['struck'] + counts['closing']}"
+    )
+    print(f"[{rig.driver}] seconds to send, to drain, to strike and check, to check states, per batch: {timing}")
 
 
 def session_notice(r: random.Random) -> bytes:
@@ -750,19 +932,55 @@ def test_catalogue_before_the_handshake(case: str, rig_factory: Callable[..., Ri
 
 
 def test_notice_to_a_one_sided_driver(rig_factory: Callable[..., Rig]) -> None:
+    """A notice to a one-sided driver is a protocol violation (counted, answered by nothing)."""
     rig = rig_factory("fake", private=False)
     s = rig.session("atk")
     rig.send(s.attacker, [message("notice", payload=pack({"op": "want", "n": 1}))])
-    rig.sync(s.attacker, "a notice to a one-sided driver", timeout=10)
+    reason = rig.sync(s.attacker, "a notice to a one-sided driver", timeout=10)
+    assert SOCKET_TAKEN in reason, f"one violation closed the session: {reason}"
     rig.check("a notice to a one-sided driver")
 
 
-@pytest.mark.parametrize("aux", [2**64 - 1, 2**63])
-def test_expect_with_an_aux_slot_beyond_int64(aux: int, rig_factory: Callable[..., Rig]) -> None:
+def test_sixteen_violations_close_the_session_with_a_bye(rig_factory: Callable[..., Rig]) -> None:
+    """A session that keeps breaking the protocol is closed at its 16th violation, with a bye,
+    and forgotten (its identity free again); 15 leave it open."""
+    rig = rig_factory("fake", private=False)
+    s = rig.session("striker", receivers=1)
+    bad = [message("ping", seq=-1), message("notice", payload=b"x"), message("done", tag=s.recv_tags[0], bytes=1)]
+    bad += [message("ping", seq=2**62 + i) for i in range(12)]
+    rig.send(s.attacker, bad)
+    assert SOCKET_TAKEN in rig.sync(s.attacker, "15 violations"), "the victim closed the session before 16 violations"
+    state = rig.victim.ok("state", tags=s.recv_tags)["states"][s.recv_tags[0]]
+    assert state[0] == "FAILED", f"a done with a wrong byte count left its transfer {state}"
+    rig.send(s.attacker, [message("welcome", conn="c", hello={}, regions={}, decision={})])
+    reason = rig.sync(s.attacker, "16 violations")
+    assert SOCKET_TAKEN not in reason, "the victim keeps a session after 16 protocol violations"
+    byes = [unpack(f) for f in s.attacker.inbox if (well_formed(f) or {}).get("t") == "bye"]
+    assert byes and "16 protocol violations" in byes[-1]["reason"], f"no bye naming the violations: {byes}"
+    assert s.donor is not None
+    rig.session("after", hello=s.donor.hello("after"))  # forgotten: its identity is free
+    rig.check("16 violations")
+
+
+@pytest.mark.parametrize("aux", [2**64 - 1, 2**63, 2**62, -2, 2**62 - 1, AUX])
+def test_expect_with_an_aux_slot_out_of_range(aux: int, rig_factory: Callable[..., Rig]) -> None:
+    """An aux slot outside the wire's range ([-1, 2**62-1]) makes a malformed message, refused
+    before anything reads it: the sender still waits, and takes a valid announcement after it.
+    One inside the range but past the receiver's slots fails the transfer, and only it."""
     rig = rig_factory("fake", private=False)
     s = rig.session("atk", senders=1)
-    rig.send(s.attacker, [message("expect", tag=s.sender_tags[0], pages=u64s(1), aux=aux)])
+    tag = s.sender_tags[0]
+    rig.send(s.attacker, [message("expect", tag=tag, pages=u64s(1), aux=aux)])
     rig.sync(s.attacker, f"expect aux={aux}", timeout=10)
+    state = rig.victim.ok("state", tags=[tag])["states"][tag]
+    if -1 <= aux <= 2**62 - 1:
+        assert state[:2] == ["FAILED", "InvalidPages"], f"an expect with aux slot {aux} left its transfer {state}"
+    else:
+        assert state[0] == "BOOTSTRAPPING", f"a malformed expect (aux {aux}) moved its transfer to {state}"
+        rig.send(s.attacker, [message("expect", tag=tag, pages=u64s(1), aux=-1)])
+        rig.sync(s.attacker, f"a valid expect after aux={aux}", timeout=10)
+        state = rig.victim.ok("state", tags=[tag])["states"][tag]
+        assert state[0] == "WAITING_FOR_INPUT", f"a valid expect after a malformed one left its transfer {state}"
     rig.check(f"expect aux={aux}")
 
 
@@ -779,30 +997,39 @@ def test_expect_pages_odd_bytes_huge_and_repeated_fail_only_their_transfer(rig_f
     rig.check("bad pages")
 
 
-def test_early_expect_with_a_bad_aux_does_not_hang_the_victims_sender(rig_factory: Callable[..., Rig]) -> None:
-    """The attacker announces before the victim creates its sender: the announcement is
-    checked when the sender registers, and a bad one must fail it, not leave it waiting."""
+@pytest.mark.parametrize("aux", [AUX, 2**62 - 1, 2**64 - 1])
+def test_early_expect_with_a_bad_aux_does_not_hang_the_victims_sender(
+    aux: int, rig_factory: Callable[..., Rig]
+) -> None:
+    """The attacker announces before the victim creates its sender: a well-formed announcement
+    is checked when the sender registers, and a bad aux slot must fail it, not leave it
+    waiting. One the wire refuses (aux beyond int64) was never kept: the sender waits for a
+    valid one, as for no announcement, and is not failed by the refused one."""
     rig = rig_factory("fake", private=False)
     s = rig.session("atk")
-    rig.send(s.attacker, [message("expect", tag="early", pages=u64s(1), aux=2**64 - 1)])
+    rig.send(s.attacker, [message("expect", tag="early", pages=u64s(1), aux=aux)])
     rig.sync(s.attacker, "early expect")
     rig.victim.call("send", conn=s.index, transfers={"early": [[]]}, timeout=1)
     state = rig.victim.ok("state", tags=["early"])["states"]["early"]
-    assert state[0] == "FAILED", f"the victim's sender is {state}; stderr:\n{rig.victim.stderr_tail()}"
+    expected = "FAILED" if aux <= 2**62 - 1 else "BOOTSTRAPPING"
+    assert state[0] == expected, f"the victim's sender is {state}; stderr:\n{rig.victim.stderr_tail()}"
     rig.check("early expect")
 
 
-def test_done_with_a_wrong_byte_count_is_not_a_success(rig_factory: Callable[..., Rig]) -> None:
-    """A receiver knows how many bytes its announced pages hold; a 'done' claiming 0 (nothing
-    was written) must not make the transfer a Success over stale pages."""
+@pytest.mark.parametrize("count", ["0", "1", "right-1", "right+1", "2**62-1"])
+def test_done_with_a_wrong_byte_count_is_not_a_success(count: str, rig_factory: Callable[..., Rig]) -> None:
+    """A receiver knows how many bytes its announced pages hold; a 'done' claiming anything else
+    (0: nothing was written) must fail the transfer, not make it a Success over stale pages."""
     rig = rig_factory("fake", private=False)
     s = rig.session("atk", receivers=1)
     tag = s.recv_tags[0]
-    rig.send(s.attacker, [message("done", tag=tag, bytes=0)])
-    rig.sync(s.attacker, "done bytes=0")
+    right = sum(int(region["item_len"]) for region in s.welcome["regions"]["kv"])
+    n = {"0": 0, "1": 1, "right-1": right - 1, "right+1": right + 1, "2**62-1": 2**62 - 1}[count]
+    rig.send(s.attacker, [message("done", tag=tag, bytes=n)])
+    rig.sync(s.attacker, f"done bytes={n}")
     state = rig.victim.ok("state", tags=[tag])["states"][tag]
-    assert state[0] != "SUCCESS", f"the victim reports {state} for a transfer nobody wrote a byte of"
-    rig.check("done bytes=0")
+    assert state[0] == "FAILED", f"the victim reports {state} for a transfer whose done says {n} bytes, not {right}"
+    rig.check(f"done bytes={n}")
 
 
 def test_welcome_on_an_accepted_connection(rig_factory: Callable[..., Rig]) -> None:
@@ -816,84 +1043,177 @@ def test_welcome_on_an_accepted_connection(rig_factory: Callable[..., Rig]) -> N
     rig.check("welcome on an accepted connection")
 
 
-def test_a_peer_cannot_direct_the_victims_writes_into_its_own_pool(rig_factory: Callable[..., Rig]) -> None:
-    """The attacker hands back the victim's own connection info and regions as its own, then
-    announces destination pages: the victim sending to it must not overwrite its own KV."""
+# --- identities: a peer's engine identity must be its own ------------------------------------------
+
+
+def repacked(raw: bytes) -> bytes:
+    """The same connection document packed again, its keys in reverse order: other bytes, the
+    same meaning (a byte-for-byte comparison does not see that it is a copy)."""
+    doc = unpack(raw)
+    return pack(dict(reversed(list(doc.items()))))
+
+
+def renamed_agent(raw: bytes) -> bytes:
+    """A NIXL connection info whose agent is renamed (in its metadata too, same length): the
+    copied agent's UCX address and memory keys under a name nobody knows."""
+    doc = unpack(raw)
+    old = doc["agent"]
+    new = old[:-4] + ("zzzz" if not old.endswith("zzzz") else "yyyy")
+    assert doc["meta"].count(old.encode()) == 1, "the agent name is not in the metadata once"
+    doc["agent"], doc["meta"] = new, doc["meta"].replace(old.encode(), new.encode())
+    return pack(doc)
+
+
+def attempt_identity(rig: Rig, label: str, hello: bytes, reason: str, target: list[int]) -> None:
+    """``hello`` presents an engine identity that is not the attacker's own: the victim must
+    refuse it, for ``reason`` (a regular expression). Were it accepted, the attacker announces
+    ``target`` and the victim sends its first pages there: the pools show whose memory that
+    wrote, and the legitimate connection must still work."""
+    a = rig.attacker()
+    rig.sent += 1
+    reply = a.handshake(hello, 20)
+    if reply["t"] == "welcome":
+        index = rig.victim.accept_labelled(label)
+        rig.send(a, [message("expect", tag=label, pages=u64s(*target), aux=-1)])
+        rig.sync(a, label)
+        src = list(range(len(target)))
+        rig.victim.call("send", conn=index, transfers={label: [src]}, timeout=5)
+        state = rig.victim.call("wait", tags=[label], timeout=5).get("states", {}).get(label)
+        rig.assert_untouched(f"{label}: accepted; the victim sent its pages {src} to pages {target} ({state})")
+        rig.check(f"{label}: accepted")
+        raise AssertionError(f"{label}: the victim accepted a hello presenting an identity not the attacker's own")
+    assert re.search(reason, str(reply["reason"])), f"{label}: refused, but not as a copied identity: {reply['reason']}"
+    rig.check(label)
+
+
+@pytest.mark.parametrize("how", ["exact", "re-encoded"])
+def test_a_peer_cannot_present_the_victims_own_identity(how: str, rig_factory: Callable[..., Rig]) -> None:
+    """The attacker hands the victim its own connection info and regions (from its welcome) as
+    its own: accepted, the victim would write its own KV where the attacker announces. Refused
+    by the core for the exact bytes, by the fake driver for a re-encoded copy."""
     rig = rig_factory("fake", private=False)
     peek = rig.session("peek")
-    victim_conn = peek.victim_conn("fake")
-    obj = rig.captured.hello_obj
-    obj["conn"] = uuid.uuid4().hex
-    obj["hello"]["protocol"]["endpoint"] = "mirror"
-    obj["hello"]["drivers"]["fake"]["conn"] = base64.b64encode(pack(victim_conn)).decode()
-    obj["regions"] = peek.welcome["regions"]
-    s = rig.session("mirror", hello=pack(obj))
+    raw = peek.victim_conn_raw("fake")
+    doc = peek.welcome["hello"]
+    doc["drivers"]["fake"]["conn"] = base64.b64encode(raw if how == "exact" else repacked(raw)).decode()
     victim_pages = rig.victim.all_digests()
     target = [p for p in range(PAGES) if victim_pages[p] != victim_pages[0]][:1]
-    rig.send(s.attacker, [message("expect", tag="mirror", pages=u64s(*target), aux=-1)])
-    rig.sync(s.attacker, "mirror")
-    rig.victim.call("send", conn=s.index, transfers={"mirror": [[0]]}, timeout=5)
-    rig.victim.call("wait", tags=["mirror"], timeout=5)
-    rig.check(f"a mirrored hello and an expect for page {target}")
+    hello = hello_message(doc, peek.welcome["regions"], "mirror")
+    attempt_identity(rig, "mirror", hello, r"endpoint's own", target)
 
 
-@pytest.mark.engines
-def test_a_peer_impersonating_another_endpoint_cannot_direct_writes_into_it(rig_factory: Callable[..., Rig]) -> None:
-    """The attacker replays the legitimate endpoint's hello (its NIXL agent and regions) as its
-    own: the victim, sending to the attacker, must not write into the legitimate endpoint."""
-    require_engines()
-    rig = rig_factory("nixl-ucx", private=True)
-    s = rig.session("impostor", hello=rig.legit_hello("impostor"))
-    rig.send(s.attacker, [message("expect", tag="impostor", pages=u64s(9, 10), aux=-1)])
-    rig.sync(s.attacker, "impostor")
-    rig.victim.call("send", conn=s.index, transfers={"impostor": [[0, 1]]}, timeout=5)
-    rig.victim.call("wait", tags=["impostor"], timeout=5)
-    rig.check("an impostor's expect for pages [9, 10]")
+IMPOSTORS: dict[str, tuple[str, Callable[[bytes], bytes], str]] = {
+    # name -> (driver, the legitimate connection info -> the impostor's, refusal expected)
+    "fake-exact": ("fake", lambda raw: raw, r"another live connection \(legit-main\) has this fake identity"),
+    "fake-re-encoded": ("fake", repacked, r"identity|legit-main|known|own"),
+    "nixl-ucx-exact": ("nixl-ucx", lambda raw: raw, r"another live connection \(legit-main\) has this nixl-ucx"),
+    "nixl-ucx-re-encoded": ("nixl-ucx", repacked, r"names agent .* which is known here"),
+    "nixl-ucx-renamed-agent": ("nixl-ucx", renamed_agent, r"identity|legit-main|known|own"),
+}
+
+
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(c, marks=[pytest.mark.engines] if IMPOSTORS[c][0] != "fake" else []) for c in sorted(IMPOSTORS)],
+)
+def test_a_peer_cannot_impersonate_a_live_connection(case: str, rig_factory: Callable[..., Rig]) -> None:
+    """The attacker presents the legitimate endpoint's hello (its engine identity and regions),
+    copied while that endpoint's connection to the victim is live: accepted, the victim sending
+    to the attacker would write into the legitimate endpoint's memory. Byte for byte (refused by
+    the core), re-encoded (the same document in other bytes) and, for NIXL, with the agent
+    renamed in the metadata (the same UCX address and memory keys under a new name)."""
+    driver, forge, reason = IMPOSTORS[case]
+    if driver != "fake":
+        require_engines()
+    rig = rig_factory(driver, private=driver != "fake")
+    hello = rig.legit_hello("impostor", driver_conn=forge(rig.legit.hello.drivers[driver].conn))
+    attempt_identity(rig, "impostor", hello, reason, [9, 10])
+
+
+def test_a_live_donor_identity_is_refused_and_free_again_after_its_bye(rig_factory: Callable[..., Rig]) -> None:
+    """The rig's own premise: while an attacker session presents a donor's identity, a second
+    hello with it (another socket, another connection id) is refused, and the first session
+    still works (the victim writes where it announced, into the donor's pool, every byte
+    right); after that session's bye the identity is accepted again."""
+    rig = rig_factory("fake", private=False)
+    s = rig.session("first")
+    assert s.donor is not None
+    second = rig.attacker()
+    rig.sent += 1
+    reply = second.handshake(s.donor.hello("second"), 10)
+    assert reply["t"] == "refuse", f"a second live session with one identity was accepted: {reply}"
+    assert re.search(r"another live connection \(first\) has this fake identity", reply["reason"]), reply
+    rig.send(s.attacker, [message("expect", tag="to-donor", pages=u64s(20, 21), aux=-1)])
+    rig.sync(s.attacker, "an expect on the first session")
+    rig.victim.ok("send", conn=s.index, transfers={"to-donor": [[2, 3]]}, timeout=10)
+    state = rig.victim.ok("wait", tags=["to-donor"], timeout=10)["states"]["to-donor"]
+    assert state[0] == "SUCCESS", f"the first session's transfer: {state}"
+    got = s.donor.pool.page_digests([20, 21])
+    assert got == [rig.baseline[2], rig.baseline[3]], "the victim's pages did not arrive whole in the donor's pool"
+    donor = s.donor
+    rig.release(s)
+    again = rig.attacker()
+    reply = again.handshake(donor.hello("again"), 10)
+    assert reply["t"] == "welcome", f"the donor's identity is still taken after its session's bye: {reply}"
+    rig.check("a live identity presented twice")
 
 
 @pytest.mark.engines
 def test_a_replayed_hello_that_goes_quiet_does_not_cut_off_the_endpoint_it_copied(
     rig_factory: Callable[..., Rig],
 ) -> None:
-    """An attacker replays the legitimate endpoint's hello (same NIXL agent) and goes quiet;
-    when the victim drops that connection, its sends to the legitimate endpoint must still work
-    (the NIXL remote agent is shared by both connections)."""
+    """An attacker replays the legitimate endpoint's hello (same NIXL agent) and goes quiet: the
+    copy is refused, and after longer than the victim's heartbeat timeout its sends to the
+    legitimate endpoint still work (were the copy accepted and then dropped, the victim would
+    unload the NIXL agent both connections share)."""
     require_engines()
     rig = rig_factory("nixl-ucx", private=True, victim_timeouts={"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0})
-    s = rig.session("replay", hello=rig.legit_hello("replay"))
-    s.attacker.close()
-    time.sleep(1.8)  # the victim declares the quiet copy lost
-    rig.check("a replayed hello dropped by the heartbeat")
+    a = rig.attacker()
+    rig.sent += 1
+    reply = a.handshake(rig.legit_hello("replay"), 10)
+    assert reply["t"] == "refuse", f"the victim accepted a copy of a live connection's hello: {reply}"
+    a.close()
+    time.sleep(1.8)  # a quiet copy would have been declared lost by now
+    rig.check("a replayed hello, refused, and a heartbeat timeout")
 
 
 @pytest.mark.engines
 def test_hellos_with_a_corrupted_copy_of_another_endpoints_metadata(rig_factory: Callable[..., Rig]) -> None:
-    """Hellos carrying the legitimate endpoint's NIXL metadata with one byte changed (refused or
-    not) must not change how the victim reaches the legitimate endpoint."""
+    """Hellos carrying the legitimate endpoint's NIXL metadata with one byte changed, each on a
+    socket of its own (refused or not) must not change how the victim reaches the legitimate
+    endpoint, which it still knows (a copy of its hello is still refused), nor stop the victim
+    from accepting a new peer."""
     require_engines()
     rig = rig_factory("nixl-ucx", private=True)
     conn = unpack(rig.legit.hello.drivers["nixl-ucx"].conn)
     meta = conn["meta"]
     r = random.Random(SEED)
-    a = rig.attacker()
+    replies = []
     for i in range(24):
         bad = bytearray(meta)
         bad[r.randrange(len(bad))] = r.randrange(256)
-        a.handshake(rig.captured.with_driver_conn(f"poison-{i}", "nixl-ucx", {**conn, "meta": bytes(bad)}), 10)
+        hello = rig.legit_hello(f"poison-{i}", driver_conn=pack({**conn, "meta": bytes(bad)}))
+        replies.append(rig.attacker().handshake(hello, 10)["t"])
+        rig.sent += 1
+    print(f"corrupted copies: {replies.count('welcome')} accepted, {replies.count('refuse')} refused")
     rig.check("24 hellos with corrupted copies of the legitimate endpoint's NIXL metadata")
-    reply = a.handshake(rig.legit_hello("legit-again"), 10)
-    assert reply["t"] == "welcome", f"the legitimate endpoint's own hello is now refused: {reply.get('reason')}"
+    reply = rig.attacker().handshake(rig.legit_hello("legit-again"), 10)
+    assert reply["t"] == "refuse", f"a copy of the live legitimate endpoint's hello is accepted now: {reply}"
+    rig.session("newcomer")
 
 
-def test_a_second_connection_from_one_endpoint_does_not_cut_off_the_first(rig_factory: Callable[..., Rig]) -> None:
-    """Not hostile, found by this suite's rig: both connections from one endpoint to one address
-    share its zmq DEALER, hence one route at the victim, which keeps only the newest connection
-    per route; the first is then declared lost although its peer pings."""
+def test_a_second_connection_from_one_endpoint_is_refused_and_the_first_keeps_working(
+    rig_factory: Callable[..., Rig],
+) -> None:
+    """Not hostile: one endpoint connecting twice to one victim presents the same engine
+    identity twice; the second connection is refused, and the first must neither be cut off
+    (it once was: both shared one zmq route) nor miss its heartbeats."""
     fast = {"heartbeat_interval": 0.1, "heartbeat_timeout": 1.0}
     rig = rig_factory("fake", private=False, victim_timeouts=fast)
-    second = rig.legit.connect(rig.victim.address, 10)
-    assert second.decision is not None
+    with pytest.raises(NegotiationError, match=r"another live connection \(legit-main\)"):
+        rig.legit.connect(rig.victim.address, 10)
     time.sleep(1.5)
+    assert rig.conn.alive, f"the first connection was lost: {rig.conn.error}"
     rig.check("a second connection from the legitimate endpoint")
 
 
@@ -938,25 +1258,32 @@ def test_catalogue_staged_notice(case: str, rig_factory: Callable[..., Rig]) -> 
 
 @pytest.mark.engines
 def test_staged_ring_description_with_an_infinite_address(rig_factory: Callable[..., Rig]) -> None:
+    """A staged connection info whose ring address is infinite (a donor's, whose agent NIXL
+    loads, so the ring description is what gets read)."""
     require_engines()
     rig = rig_factory("nixl-staged", private=True, options=TINY_RING)
-    conn = unpack(rig.legit.hello.drivers["nixl-staged"].conn)  # a live agent: NIXL loads it
+    d = rig.donor()
+    conn = d.conn_doc("nixl-staged")
     conn["ring"] = {**conn["ring"], "ring": math.inf}
     a = rig.attacker()
-    rig.send(a, [rig.captured.with_driver_conn("inf-ring", "nixl-staged", conn)])
-    rig.sync(a, "an infinite ring address", timeout=10)
+    rig.sent += 1
+    reply = a.handshake(d.hello_with_conn("inf-ring", "nixl-staged", pack(conn)), 20)
+    assert reply["t"] == "refuse", "the victim accepted a staged peer whose ring address is infinite"
     rig.check("an infinite ring address")
+    d.busy = False
+    rig.session("after-inf-ring")  # the refused connection left nothing of the donor's agent behind
 
 
 @pytest.mark.engines
 def test_one_peer_cannot_hoard_every_inbound_slot(rig_factory: Callable[..., Rig]) -> None:
-    """An attacker asks for every slot of the victim's inbound ring and never uses them: a
-    legitimate sender must still get credits and finish its transfer."""
+    """An attacker asks for every slot of the victim's inbound ring (a valid want) and never
+    uses them, pinging to stay alive: a legitimate sender must still get credits (grants unused
+    for long are taken back for a peer that waits) and finish its transfer in time."""
     require_engines()
     rig = rig_factory("nixl-staged", private=True, options=TINY_RING, legit_timeouts=Timeouts(transfer=3.0))
     s = rig.session("hoarder")
-    got = granted_slots(s.attacker, 2**40, timeout=1)
-    assert got, "the victim granted nothing"
+    got = granted_slots(s.attacker, RING_SLOTS, timeout=2)
+    assert len(got) == RING_SLOTS, f"the victim granted {got} of its {RING_SLOTS} inbound slots"
     stop = threading.Event()
 
     def keep_alive() -> None:
@@ -970,6 +1297,8 @@ def test_one_peer_cannot_hoard_every_inbound_slot(rig_factory: Callable[..., Rig
     finally:
         stop.set()
         pinger.join(2)
+    reason = rig.sync(s.attacker, "the hoarder")
+    assert SOCKET_TAKEN in reason, f"the hoarder's session ended, so nothing was hoarded during the check: {reason}"
 
 
 # --- resources ------------------------------------------------------------------------------------
@@ -989,8 +1318,9 @@ def test_a_frame_far_over_the_limit_is_not_buffered_whole(rig_factory: Callable[
 
 
 def test_early_announcements_are_bounded_in_bytes_not_only_in_count(rig_factory: Callable[..., Rig]) -> None:
-    """Expects for transfers the victim never creates are kept (up to 65536 per connection),
-    each up to 4 MiB: 24 of them must not pin 96 MiB of the victim's memory."""
+    """Expects for transfers the victim never creates are kept (up to 4096 per connection), each
+    up to 4 MiB: 24 of them must not pin 96 MiB of the victim's memory; those over the bound are
+    answered with an abort."""
     rig = rig_factory("fake", private=False)
     s = rig.session("hoarder")
     before = rig.victim.proc_status()["VmRSS"]
@@ -999,6 +1329,12 @@ def test_early_announcements_are_bounded_in_bytes_not_only_in_count(rig_factory:
     rig.sync(s.attacker, "24 large early expects", timeout=30)
     grown = rig.victim.proc_status()["VmRSS"] - before
     assert grown < 32 << 10, f"the victim holds {grown >> 10} MiB more after 24 announcements nobody sends for"
+    aborted = {
+        m["tag"]
+        for m in map(well_formed, s.attacker.inbox)
+        if m and m["t"] == "abort" and m["tag"].startswith("never-")
+    }
+    assert len(aborted) >= 24 - (16 << 20) // len(body), f"only {sorted(aborted)} were refused with an abort"
     rig.check("24 large early expects")
 
 
@@ -1019,9 +1355,10 @@ def test_a_nine_byte_field_does_not_allocate_hundreds_of_mib(rig_factory: Callab
 
 @pytest.mark.engines
 def test_hellos_reusing_one_connection_id_leak_no_threads(rig_factory: Callable[..., Rig]) -> None:
-    """Each accepted hello on a staged driver starts two pipeline threads; hellos that reuse a
-    connection id replace the old pipeline without stopping it. After the attacker goes quiet
-    and the heartbeat timeout passes, the victim's thread count must come back."""
+    """One connection id, used again and again on a staged victim: ten sessions in turn (each
+    ended by a bye, the last by going quiet past the heartbeat timeout), and while each lives,
+    the same id from another socket (refused). Afterwards the victim must hold only the
+    legitimate connection, and its thread count must come back."""
     require_engines()
     rig = rig_factory(
         "nixl-staged",
@@ -1030,16 +1367,23 @@ def test_hellos_reusing_one_connection_id_leak_no_threads(rig_factory: Callable[
         victim_timeouts={"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0},
     )
     before = rig.victim.proc_status()["Threads"]
-    a = rig.attacker()
     conn = uuid.uuid4().hex
+    d = rig.donor()
     for i in range(10):
-        reply = a.handshake(rig.replay_hello(f"again-{i}", conn=conn), 10)
-        assert reply["t"] == "welcome", reply
-    a.close()
-    time.sleep(2.5)  # > the heartbeat timeout + the stages' 0.5 s wake-ups
+        a = rig.attacker()
+        reply = a.handshake(d.hello(f"again-{i}", conn=conn), 10)
+        assert reply["t"] == "welcome", f"hello {i} with a connection id no live session holds: {reply}"
+        dup = rig.attacker().handshake(d.hello(f"dup-{i}", conn=conn), 10)
+        assert dup["t"] == "refuse" and "in use" in dup["reason"], f"a second live session with id {conn}: {dup}"
+        rig.sent += 2
+        if i < 9:
+            rig.release(Session(a, f"again-{i}", -1, reply))
+    time.sleep(2.5)  # > the heartbeat timeout (the last one is quiet) + the stages' wake-ups
     after = rig.victim.proc_status()["Threads"]
-    assert after - before < 6, f"the victim went from {before} to {after} threads after 10 hellos with one id"
-    rig.check("10 hellos with one connection id")
+    assert after - before < 6, f"the victim went from {before} to {after} threads after 10 sessions with one id"
+    stats = rig.victim.ok("stats")["stats"]
+    assert stats["sessions"] == 1, f"the victim holds {stats['sessions']} connections, only the legitimate one is live"
+    rig.check("10 sessions with one connection id")
 
 
 def test_one_slow_hello_does_not_stall_the_io_loop(rig_factory: Callable[..., Rig]) -> None:
