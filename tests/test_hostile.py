@@ -1110,11 +1110,28 @@ IMPOSTORS: dict[str, tuple[str, Callable[[bytes], bytes], str]] = {
     "nixl-ucx-re-encoded": ("nixl-ucx", repacked, r"names agent .* which is known here"),
     "nixl-ucx-renamed-agent": ("nixl-ucx", renamed_agent, r"identity|legit-main|known|own"),
 }
+#: Holes that only authentication closes (issue 11: a deployment secret, sessions bound to it):
+#: without it, a stranger who copied a live endpoint's NIXL metadata can present the same UCX
+#: address and memory keys under a new agent name, and nothing in the bytes says it is a copy.
+NEEDS_AUTHENTICATION = {"nixl-ucx-renamed-agent"}
 
 
 @pytest.mark.parametrize(
     "case",
-    [pytest.param(c, marks=[pytest.mark.engines] if IMPOSTORS[c][0] != "fake" else []) for c in sorted(IMPOSTORS)],
+    [
+        pytest.param(
+            c,
+            marks=[
+                *([pytest.mark.engines] if IMPOSTORS[c][0] != "fake" else []),
+                *(
+                    [pytest.mark.xfail(strict=True, reason="needs the authenticated control plane of issue 11")]
+                    if c in NEEDS_AUTHENTICATION
+                    else []
+                ),
+            ],
+        )
+        for c in sorted(IMPOSTORS)
+    ],
 )
 def test_a_peer_cannot_impersonate_a_live_connection(case: str, rig_factory: Callable[..., Rig]) -> None:
     """The attacker presents the legitimate endpoint's hello (its engine identity and regions),

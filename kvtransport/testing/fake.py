@@ -64,6 +64,7 @@ class FakeDriver(KVTransport):
         self.lose = opts.get("fake.lose", "") == "1"
         self.regions: RegionSet | None = None
         self.peers: dict[str, tuple[RegionSet, dict[int, int], list[shm.SharedBuffer]]] = {}
+        self.identities: dict[str, tuple[object, ...]] = {}  # peer -> (pid, its regions)
         self.in_flight: dict[int, tuple[float, str]] = {}  # handle -> (completion time, peer)
         self.failed: dict[int, str] = {}
         self.aborted = 0  # batches aborted so far
@@ -96,6 +97,11 @@ class FakeDriver(KVTransport):
             for mine in self.regions.all()
         ):
             raise DriverError("fake: the peer's regions are this endpoint's own (a mirrored connection info)")
+        identity = (doc["pid"], tuple(sorted((r["ptr"], r["length"], r["path"], r["offset"]) for r in doc["regions"])))
+        if identity in self.identities.values():
+            # The same memory, however the info is encoded: writes to "this" peer would land in
+            # another connected peer's pool.
+            raise DriverError("fake: the peer presents the identity (process and regions) of another connected peer")
         translate: dict[int, int] = {}
         mapped: list[shm.SharedBuffer] = []
         for r in doc["regions"]:
@@ -108,6 +114,7 @@ class FakeDriver(KVTransport):
             else:
                 raise DriverError(f"fake: peer region {r['ptr']:#x} is not in shared memory; cannot reach it")
         self.peers[peer] = (peer_regions, translate, mapped)
+        self.identities[peer] = identity
 
     def submit(self, peer: str, runs: Runs) -> int:
         if self.regions is None or peer not in self.peers:
@@ -151,6 +158,7 @@ class FakeDriver(KVTransport):
         return len(self.in_flight.keys() | self.failed.keys())
 
     def disconnect(self, peer: str) -> None:
+        self.identities.pop(peer, None)
         entry = self.peers.pop(peer, None)
         if entry:
             for buf in entry[2]:
