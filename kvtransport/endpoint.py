@@ -348,9 +348,6 @@ class Endpoint:
         except ChannelDown as exc:
             raise self._down or EndpointDown(f"endpoint {self.name}: {exc}") from exc
 
-    # Kept for callers of the first API.
-    _call = call
-
     def _post(self, fn: Callable[[], None]) -> None:
         """From a runner thread: a driver call's result, to the I/O thread."""
         self.channel.call_soon(fn)
