@@ -53,6 +53,7 @@ from .handshake import check_agreement, decide, label_of, read_peer, regions_fro
 from .hello import DriverHello, Hello, build_hello, describe_driver, load_drivers
 from .inbound import U64
 from .memory import KVLayout, RegionSet
+from .negotiate import Decision
 from .registry import Policy, warn_unknown_env_vars
 from .runner import DriverRunner
 from .session import Connection, Phase, Session
@@ -541,11 +542,7 @@ class Endpoint:
         try:
             peer_hello, peer_regions = read_peer(msg["hello"], msg["regions"])
             decision = decide(peer_hello, self.hello, self.classes)
-            driver = self.drivers.get(decision.driver)
-            if driver is None:
-                raise NegotiationError(f"{decision.driver} was chosen but is not open on {self.name}")
-            peer_info = peer_hello.drivers[decision.driver].conn
-            self._check_identity(decision.driver, peer_info)
+            driver, peer_info = self._chosen(decision, peer_hello)
         except KVTransportError as exc:
             refuse(f"{type(exc).__name__}: {exc}")
             return
@@ -585,11 +582,7 @@ class Endpoint:
             session.peer_label = label_of(peer_hello)
             decision = decide(self.hello, peer_hello, self.classes)
             check_agreement(msg["decision"], decision, session.peer_label)
-            driver = self.drivers.get(decision.driver)
-            if driver is None:
-                raise NegotiationError(f"{decision.driver} was chosen but is not open on {self.name}")
-            peer_info = peer_hello.drivers[decision.driver].conn
-            self._check_identity(decision.driver, peer_info)
+            driver, peer_info = self._chosen(decision, peer_hello)
         except KVTransportError as exc:
             session.send("bye", reason=f"handshake failed: {exc}")
             self.end_session(session, exc, notify=False)
@@ -614,6 +607,15 @@ class Endpoint:
                     self._violation(session.route, session, f"invalid {early.type} message: {exc}", early)
 
         self._connect_driver(session, peer_info, peer_regions, connected)
+
+    def _chosen(self, decision: Decision, peer_hello: Hello) -> tuple[KVTransport, bytes]:
+        """The open driver the decision names, and the peer's (checked) connection info for it."""
+        driver = self.drivers.get(decision.driver)
+        entry = peer_hello.drivers.get(decision.driver)
+        if driver is None or entry is None:
+            raise NegotiationError(f"{decision.driver} was chosen but is not open on both sides")
+        self._check_identity(decision.driver, entry.conn)
+        return driver, entry.conn
 
     def _check_identity(self, driver: str, peer_info: Any) -> None:
         """A peer's engine identity (its driver connection info) is its own: not this

@@ -71,10 +71,6 @@ class InboundGuard:
         if aux >= 0:
             self._revoked_aux[aux] -= 1
 
-    @property
-    def announced_pages(self) -> int:
-        return int(np.count_nonzero(self._pages))
-
     # -- driver thread ---------------------------------------------------------------------
 
     def check(self, dst: U64, length: U64, what: str) -> bool:

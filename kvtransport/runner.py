@@ -149,6 +149,13 @@ class DriverRunner:
             self._post_then(w.then, True, None)
         return done
 
+    def _check_all(self) -> bool:
+        """Check every watch; ``True`` if any of them ended."""
+        finished = [k for k, w in list(self._watches.items()) if self._check(k, w)]
+        for k in finished:
+            self._watches.pop(k, None)
+        return bool(finished)
+
     def _post_then(self, then: Then, result: Any, error: KVTransportError | None) -> None:
         try:
             self._post(lambda: then(result, error))
@@ -199,14 +206,9 @@ class DriverRunner:
                     self._delay = POLL_MIN_S
             if spin:
                 time.sleep(0)  # let the engine's and the caller's threads run between checks
-                finished = [k for k, w in list(self._watches.items()) if self._check(k, w)]
-                for k in finished:
-                    self._watches.pop(k, None)
+                self._check_all()
                 continue
-            now = time.monotonic()
-            if self._watches and now >= self._next_check:
-                finished = [k for k, w in list(self._watches.items()) if self._check(k, w)]
-                for k in finished:
-                    self._watches.pop(k, None)
+            if self._watches and time.monotonic() >= self._next_check:
+                finished = self._check_all()
                 self._delay = POLL_MIN_S if finished else min(self._delay * 2, self._cap)
                 self._next_check = time.monotonic() + self._delay

@@ -483,8 +483,11 @@ class StagingPipeline:
             # Overflow-safe: "offset <= room and length <= room - offset", never "offset + length".
             if np.any(offset > room) or np.any(length > room - np.minimum(offset, room)):
                 raise ProtocolError("a piece reaches past its ring slot")
-            check_runs_within(dst, length, self._regions.all(), "staged chunk destination")
-            live = self._guard(peer, dst, length) if self._guard is not None else True
+            if self._guard is None:
+                check_runs_within(dst, length, self._regions.all(), "staged chunk destination")
+                live = True
+            else:  # the guard checks the regions too, and the pages announced to this peer
+                live = self._guard(peer, dst, length)
         except KVTransportError as exc:
             error = ProtocolError(f"{self.name}: bad chunk from {peer}: {exc}; nothing of it was written")
             with self._lock:
