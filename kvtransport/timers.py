@@ -4,7 +4,8 @@ Timeouts, heartbeats and retention each schedule a :class:`Timer`; the loop asks
 :meth:`TimerHeap.next_delay` how long it may block and runs what is due with :meth:`run_due`.
 Cancelling is lazy (a flag), and the heap is rebuilt without cancelled entries once they are the
 majority, so it never holds more than about twice the live timers. Single-threaded: only the
-I/O thread touches a heap.
+I/O thread changes a heap; ``len()`` may be read from any thread (one counter, never a
+difference of two fields read at different moments).
 """
 
 from __future__ import annotations
@@ -35,14 +36,16 @@ class TimerHeap:
         self._heap: list[tuple[float, int, Timer]] = []
         self._seq = itertools.count()
         self._cancelled = 0
+        self._live = 0
 
     def __len__(self) -> int:
-        """Live (not cancelled) timers."""
-        return len(self._heap) - self._cancelled
+        """Live (not cancelled, not fired) timers."""
+        return self._live
 
     def call_at(self, deadline: float, callback: Callable[[], None]) -> Timer:
         timer = Timer(deadline, callback)
         heapq.heappush(self._heap, (deadline, next(self._seq), timer))
+        self._live += 1
         return timer
 
     def call_later(self, delay: float, callback: Callable[[], None]) -> Timer:
@@ -51,6 +54,7 @@ class TimerHeap:
     def cancel(self, timer: Timer | None) -> None:
         if timer is not None and not timer.cancelled:
             timer.cancel()
+            self._live -= 1
             self._cancelled += 1
             if self._cancelled > 64 and self._cancelled * 2 > len(self._heap):
                 self._heap = [entry for entry in self._heap if not entry[2].cancelled]
@@ -76,6 +80,7 @@ class TimerHeap:
                 self._cancelled -= 1
                 continue
             timer.cancelled = True  # fired: a later cancel() must not count it again
+            self._live -= 1
             try:
                 timer.callback()
             except Exception:
