@@ -122,3 +122,8 @@ class PeerLost(TransferError):
 
 class ConnectError(TransferError):
     """The control connection to a peer could not be established."""
+
+
+class AuthenticationFailed(ConnectError):
+    """The peer did not prove it holds this deployment's secret (or this side does not hold
+    the peer's). Deliberately vague towards the peer; the local log has the details."""
