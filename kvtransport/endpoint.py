@@ -33,10 +33,23 @@ from typing import Any
 
 import numpy as np
 
+from .auth import (
+    NONCE_BYTES,
+    RateLimitedLog,
+    Seal,
+    Secret,
+    control_plane_policy,
+    is_sealed,
+    load_secret,
+    new_nonce,
+    proof,
+    proof_ok,
+)
 from .config import Limits, Timeouts
 from .control import ControlChannel, Route, advertised_host
 from .driver import DriverStatus, KVTransport
 from .errors import (
+    AuthenticationFailed,
     ChannelDown,
     ConnectError,
     DriverError,
@@ -66,6 +79,10 @@ log = logging.getLogger(__name__)
 MAX_STRIKES = 16
 #: Messages kept for an initiator between the welcome and its own driver connect.
 MAX_HELD = 4096
+#: What a peer that failed authentication is told, and nothing more.
+AUTH_FAILED = "authentication failed"
+
+_insecure_warned = False
 
 __all__ = [
     "Connection",
@@ -116,6 +133,19 @@ class _Context:
         return self._endpoint.check_inbound(peer, dst, length)
 
 
+class PendingAuth:
+    """Acceptor side of an authentication exchange on one route, until the peer's hello."""
+
+    __slots__ = ("conn", "nonce_a", "nonce_i", "seal", "timer")
+
+    def __init__(self, conn: str, nonce_i: bytes) -> None:
+        self.conn = conn
+        self.nonce_i = nonce_i
+        self.nonce_a = new_nonce()
+        self.seal: Seal | None = None  # set once the initiator's proof verified
+        self.timer: Any = None
+
+
 class Endpoint:
     """A rank's KV regions, registered once, reachable at a control address."""
 
@@ -132,6 +162,7 @@ class Endpoint:
         limits: Limits | None = None,
         driver_options: Mapping[str, str] | None = None,
         max_run_bytes: int | None = None,
+        secret: bytes | str | Secret | None = None,
     ) -> None:
         if layout.kv_item_lens != regions.kv_item_lens:
             raise MemoryLayoutError(
@@ -143,6 +174,17 @@ class Endpoint:
         self.regions = regions
         self.layout = layout
         self.name = name or f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        # Before any driver registers memory: an endpoint that may not listen never starts.
+        self.secret = secret if isinstance(secret, Secret) else load_secret(secret)
+        #: One line: whether the control plane is authenticated, and why (``doctor`` shows it).
+        self.security = control_plane_policy(listen, self.secret)
+        if not self.secret.authenticated and self.security.startswith("NOT"):
+            global _insecure_warned
+            if not _insecure_warned:
+                _insecure_warned = True
+                log.warning("kvtransport control plane %s", self.security)
+        self._auth_log = RateLimitedLog(log)
+        self._pending_auth: collections.OrderedDict[Route, PendingAuth] = collections.OrderedDict()
         self.timeouts = timeouts or Timeouts.from_env()
         self.limits = limits or Limits.from_env()
         self.max_run_bytes = max_run_bytes
@@ -253,7 +295,10 @@ class Endpoint:
                 session = Session(self, conn_id, route, address, address, initiator=True)
                 self._file(session)
                 holder.append(session)
-                session.send("hello", conn=conn_id, hello=self.hello.to_dict(), regions=self._regions_doc)
+                # Nothing about this endpoint goes out before the peer proved the secret.
+                session.nonce_i = new_nonce()
+                session.auth_step = "auth"
+                session.send("auth", conn=conn_id, nonce=session.nonce_i)
             except KVTransportError as exc:
                 holder.append(exc)
             finally:
@@ -301,6 +346,7 @@ class Endpoint:
             "routes": len(self._by_route),
             "incoming": len(self._incoming),
             "pending_handshakes": self.pending_handshakes,
+            "pending_auth": len(self._pending_auth),
             "transfers": sum(len(s.transfers) for s in sessions),
             "early_expects": self.early_expects_total,
             "early_expect_bytes": self.early_expect_bytes_total,
@@ -408,7 +454,7 @@ class Endpoint:
             peer, data = self._notices.popleft()
             session = self.sessions.get(peer)
             if session is not None and session.phase is Phase.READY:
-                self.channel.send(session.route, data)
+                session.send_frame(data)
 
     def _file(self, session: Session) -> None:
         self.sessions[session.id] = session
@@ -437,14 +483,88 @@ class Endpoint:
 
     def _on_frame(self, route: Route, frame: bytes) -> None:
         session = self._by_route.get(route)
-        if session is not None:
-            session.last_seen = time.monotonic()
+        if is_sealed(frame):
+            self._on_sealed(route, session, frame)
+            return
+        # Unsealed: only the authentication exchange (and a refusal) travels in the clear.
         try:
             msg = decode(frame)
         except ProtocolError as exc:
+            self._stranger(route, f"bad unauthenticated control message from {self._describe(route)}: {exc}")
+            return
+        if session is not None and session.seal is not None:
+            # Whoever sent this does not hold the session's keys: not the peer.
+            self._stranger(route, f"dropped an unsealed {msg.type} message on authenticated {session.peer_label}")
+            return
+        try:
+            if msg.type == "auth":
+                self._on_auth(route, session, msg)
+            elif msg.type == "challenge" and session is not None and session.initiator:
+                self._on_challenge(session, msg)
+            elif msg.type == "proof" and session is not None and session.initiator:
+                self._on_acceptor_proof(session, msg)
+            elif msg.type == "proof" and session is None:
+                self._on_initiator_proof(route, msg)
+            elif msg.type == "hello" and session is None:
+                # A peer that skipped authentication (no secret, an older kvtransport): told no more.
+                self._stranger(route, f"hello from {self._describe(route)} without authentication")
+                self.channel.send(route, encode("refuse", conn=msg["conn"], reason=AUTH_FAILED))
+            elif msg.type == "refuse" and session is not None and session.initiator:
+                reason = msg["reason"]
+                error: KVTransportError = (
+                    AuthenticationFailed(
+                        f"{session.peer_address} refused the connection: authentication failed (this side's "
+                        f"secret: {self.secret.source}; every process of a deployment needs the same secret)"
+                    )
+                    if reason == AUTH_FAILED
+                    else NegotiationError(f"{session.peer_address} refused the connection: {reason}")
+                )
+                self.end_session(session, error, notify=False)
+            else:
+                self._stranger(route, f"unauthenticated {msg.type} message from {self._describe(route)}")
+        except KVTransportError as exc:
+            self._stranger(route, f"invalid {msg.type} message from {self._describe(route)}: {exc}")
+
+    def _on_sealed(self, route: Route, session: Session | None, frame: bytes) -> None:
+        pending = None
+        if session is not None:
+            seal = session.seal
+        else:
+            pending = self._pending_auth.get(route)
+            seal = pending.seal if pending is not None else None
+        if seal is None:
+            self._stranger(route, f"sealed message from {self._describe(route)}, which has not authenticated")
+            return
+        body = seal.open(frame)
+        if body is None:
+            self._stranger(
+                route,
+                f"dropped a control message for {self._describe(route)} that failed authentication "
+                "(forged, replayed or corrupted)",
+            )
+            return
+        if session is not None:
+            session.last_seen = time.monotonic()
+        try:
+            msg = decode(body)
+        except ProtocolError as exc:
             self._violation(route, session, f"bad control message from {self._describe(route)}: {exc}")
             return
-        if session is not None and session.held is not None and msg.type not in ("welcome", "refuse", "ping"):
+        if pending is not None:
+            if msg.type != "hello":
+                self._warn_once(route, f"{msg.type} message from {self._describe(route)} before its hello")
+                return
+            try:
+                self._on_hello(route, pending, msg)
+            except Exception:
+                log.exception("kvtransport: handling a hello from %s failed", self._describe(route))
+            return
+        assert session is not None
+        self._on_message(route, session, msg)
+
+    def _on_message(self, route: Route, session: Session, msg: Message) -> None:
+        """An authenticated message of ``session``."""
+        if session.held is not None and msg.type not in ("welcome", "refuse", "ping"):
             # Initiator between welcome and its driver's connect: the acceptor is ready and may
             # already talk; keep what it says for when this side is ready too.
             if len(session.held) < MAX_HELD:
@@ -456,9 +576,7 @@ class Endpoint:
             return
         try:
             if msg.type == "hello":
-                self._on_hello(route, session, msg)
-            elif session is None:
-                self._warn_once(route, f"{msg.type} message from {self._describe(route)} before any handshake")
+                session.send("refuse", conn=msg["conn"], reason="this socket already carries a connection")
             else:
                 self._dispatch(session, msg)
         except KVTransportError as exc:
@@ -467,10 +585,93 @@ class Endpoint:
             # A bug of ours (or a driver's) on this message: this session can no longer be
             # trusted to be in a consistent state, every other one can.
             log.exception("kvtransport: handling a %s message from %s failed", msg.type, self._describe(route))
-            if session is not None:
-                self.end_session(
-                    session, ProtocolError(f"internal error on a {msg.type} message: {type(exc).__name__}"), notify=True
-                )
+            self.end_session(
+                session, ProtocolError(f"internal error on a {msg.type} message: {type(exc).__name__}"), notify=True
+            )
+
+    # -- authentication (docs/security.md; the primitives are in auth.py) ---------------------
+
+    def _on_auth(self, route: Route, session: Session | None, msg: Message) -> None:
+        """Acceptor: a peer opens an exchange. It learns one fresh nonce, nothing else."""
+        if session is not None or route[0] != "in" or route in self._pending_auth:
+            raise ProtocolError("auth on a route that already authenticates or carries a connection")
+        if len(msg["nonce"]) != NONCE_BYTES:
+            raise ProtocolError(f"auth nonce of {len(msg['nonce'])} bytes, expected {NONCE_BYTES}")
+        while len(self._pending_auth) >= self.limits.max_pending_handshakes:
+            # The oldest exchange goes: a flood of strangers cannot lock out a peer that answers
+            # its challenge within a round trip.
+            _, old = self._pending_auth.popitem(last=False)
+            self.channel.timers.cancel(old.timer)
+        entry = PendingAuth(msg["conn"], msg["nonce"])
+
+        def expire() -> None:
+            if self._pending_auth.get(route) is entry:
+                del self._pending_auth[route]
+
+        entry.timer = self.channel.timers.call_later(self.timeouts.connect, expire)
+        self._pending_auth[route] = entry
+        self.channel.send(route, encode("challenge", conn=entry.conn, nonce=entry.nonce_a))
+
+    def _on_challenge(self, session: Session, msg: Message) -> None:
+        """Initiator: prove the secret, bound to both nonces and the connection id."""
+        nonce_a = msg["nonce"]
+        if session.auth_step != "auth" or msg["conn"] != session.id or len(nonce_a) != NONCE_BYTES:
+            raise ProtocolError("unexpected challenge")
+        session.nonce_a = nonce_a
+        session.auth_step = "proof"
+        session.send(
+            "proof", conn=session.id, mac=proof(self.secret, "initiator", session.id, session.nonce_i, nonce_a)
+        )
+
+    def _on_initiator_proof(self, route: Route, msg: Message) -> None:
+        """Acceptor: the initiator proved the secret (or not); prove it back."""
+        entry = self._pending_auth.get(route)
+        if entry is None or entry.seal is not None or msg["conn"] != entry.conn:
+            raise ProtocolError("proof without a challenge")
+        if not proof_ok(self.secret, "initiator", entry.conn, entry.nonce_i, entry.nonce_a, msg["mac"]):
+            del self._pending_auth[route]
+            self.channel.timers.cancel(entry.timer)
+            self._auth_log.warning(
+                "refused a connection from %s: authentication failed (its proof does not verify under this "
+                "endpoint's secret, %s: the peer has another KVTRANSPORT_SECRET, or none)",
+                self._describe(route),
+                self.secret.source,
+            )
+            self.channel.send(route, encode("refuse", conn=entry.conn, reason=AUTH_FAILED))
+            return
+        entry.seal = Seal(self.secret, entry.conn, entry.nonce_i, entry.nonce_a, initiator=False)
+        self.channel.send(
+            route,
+            encode(
+                "proof", conn=entry.conn, mac=proof(self.secret, "acceptor", entry.conn, entry.nonce_i, entry.nonce_a)
+            ),
+        )
+
+    def _on_acceptor_proof(self, session: Session, msg: Message) -> None:
+        """Initiator: the acceptor proved the secret; only now does this side say who it is."""
+        if session.auth_step != "proof" or msg["conn"] != session.id:
+            raise ProtocolError("unexpected proof")
+        if not proof_ok(self.secret, "acceptor", session.id, session.nonce_i, session.nonce_a, msg["mac"]):
+            self._auth_log.warning(
+                "%s did not prove it holds this deployment's secret (%s)", session.peer_address, self.secret.source
+            )
+            self.end_session(
+                session,
+                AuthenticationFailed(
+                    f"authentication failed: {session.peer_address} did not prove it holds this deployment's "
+                    f"secret (this side's: {self.secret.source}); is it a kvtransport endpoint of this deployment?"
+                ),
+                notify=False,
+            )
+            return
+        session.seal = Seal(self.secret, session.id, session.nonce_i, session.nonce_a, initiator=True)
+        session.auth_step = "done"
+        session.send("hello", conn=session.id, hello=self.hello.to_dict(), regions=self._regions_doc)
+
+    def _stranger(self, route: Route, text: str) -> None:
+        """Something from a party that has not authenticated: dropped, logged rate-limited,
+        no strike (it could not have come from the session's peer)."""
+        self._auth_log.warning("%s", text)
 
     def _violation(self, route: Route, session: Session | None, text: str, msg: Message | None = None) -> None:
         """A peer broke the protocol: fail the transfer it named, count a strike on its session."""
@@ -514,21 +715,23 @@ class Endpoint:
             self.end_session(
                 session, PeerLost(f"peer {session.peer_label} closed its endpoint ({msg['reason']})"), notify=False
             )
-        elif kind in ("hello", "welcome", "refuse"):
+        elif kind in ("hello", "welcome", "refuse", "auth", "challenge", "proof"):
             raise ProtocolError(f"{kind} on a connection that is already open")
         # "ping" needs nothing beyond last_seen
 
     # -- handshake ---------------------------------------------------------------------------
 
-    def _on_hello(self, route: Route, existing: Session | None, msg: Message) -> None:
+    def _on_hello(self, route: Route, auth: PendingAuth, msg: Message) -> None:
         conn_id = msg["conn"]
+        seal = auth.seal
+        assert seal is not None
 
         def refuse(reason: str) -> None:
             log.warning("refusing connection from %s: %s", self._describe(route), reason)
-            self.channel.send(route, encode("refuse", conn=conn_id, reason=reason))
+            self.channel.send(route, seal.seal(encode("refuse", conn=conn_id, reason=reason)))
 
-        if existing is not None:
-            refuse("this socket already carries a connection")
+        if conn_id != auth.conn:
+            refuse("the hello's connection id is not the one authenticated")
             return
         if conn_id in self.sessions:
             refuse(f"connection id {conn_id[:16]!r} is in use")
@@ -547,6 +750,9 @@ class Endpoint:
             refuse(f"{type(exc).__name__}: {exc}")
             return
         session = Session(self, conn_id, route, label_of(peer_hello), "", initiator=False)
+        session.seal = seal
+        del self._pending_auth[route]
+        self.channel.timers.cancel(auth.timer)
         self._set_driver(session, decision, driver, peer_regions, peer_info)
         self._file(session)
         self.pending_handshakes += 1

@@ -38,6 +38,7 @@ from .transfer import RECV, SEND, State, Transfer
 from .wire import Message, encode
 
 if TYPE_CHECKING:
+    from .auth import Seal
     from .config import Timeouts
     from .control import Route
     from .driver import KVTransport
@@ -150,6 +151,13 @@ class Session:
         #: Initiator between welcome and ready: messages the (already ready) acceptor sent.
         self.held: list[Message] | None = None
         self.connect_queued = False
+        #: This session's message authentication, once the secret was proved both ways.
+        self.seal: Seal | None = None
+        #: Initiator: its step in the authentication exchange ("auth", "proof", "done") and
+        #: the two nonces the session's keys are bound to.
+        self.auth_step = ""
+        self.nonce_i = b""
+        self.nonce_a = b""
         # driver thread only: batch id -> driver handle
         self._handles: dict[int, int] = {}
 
@@ -251,7 +259,14 @@ class Session:
     def send(self, kind: str, **fields: Any) -> bool:
         if self.phase is Phase.CLOSED:
             return False
-        return self.endpoint.channel.send(self.route, encode(kind, **fields))
+        return self.send_frame(encode(kind, **fields))
+
+    def send_frame(self, data: bytes) -> bool:
+        """One encoded message, sealed once the session is authenticated (only the
+        authentication exchange itself goes out unsealed)."""
+        if self.seal is not None:
+            data = self.seal.seal(data)
+        return self.endpoint.channel.send(self.route, data)
 
     def file(self, transfer: Transfer) -> bool:
         """File ``transfer`` under its tag; fail it at once if it cannot proceed."""

@@ -53,6 +53,13 @@ Field = type | Int | Text
 # Message types and their fields. ``bytes`` fields carry packed int64 page arrays or driver
 # payloads; ``dict`` fields carry documents validated by their own parsers (hello, regions).
 SCHEMAS: dict[str, dict[str, Field]] = {
+    # The authentication exchange, the only messages sent unsealed (auth.py, docs/security.md).
+    # initiator -> acceptor: a connection id and a fresh nonce
+    "auth": {"conn": Text(64), "nonce": bytes},
+    # acceptor -> initiator: the acceptor's fresh nonce
+    "challenge": {"conn": Text(64), "nonce": bytes},
+    # either side, initiator first: HMAC of the secret over its role, the id and both nonces
+    "proof": {"conn": Text(64), "mac": bytes},
     # initiator -> acceptor: open a connection
     "hello": {"conn": Text(64), "hello": dict, "regions": dict},
     # acceptor -> initiator: accepted, with the acceptor's hello and the decision it computed

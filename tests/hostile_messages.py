@@ -17,6 +17,8 @@ the encoder and the decoder cannot hide itself. What lives here:
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import math
 import os
@@ -38,14 +40,19 @@ from hypothesis import strategies as st
 
 # --- the wire schema, as read from kvtransport/wire.py (deliberately not imported) -----------
 
-VERSION = 1
+VERSION = 2
 LIMIT = 4 << 20  # DEFAULT_MAX_MESSAGE_BYTES
 #: Frames larger than this make zmq drop the connection (MAXMSGSIZE: the limit plus framing room):
 #: the attacker's DEALER reconnects with a new route, so a session on the old one is orphaned.
 ZMQ_LIMIT = LIMIT + 1024
+#: What sealing adds to a message (docs/security.md): marker byte, u64 sequence, HMAC-SHA256.
+SEAL_OVERHEAD = 1 + 8 + 32
 #: Every integer the wire carries is in [lo, MAX_INT] (wire.py's Int: lo is 0, -1 for expect.aux).
 MAX_INT = (1 << 62) - 1
 SCHEMA: dict[str, dict[str, type]] = {
+    "auth": {"conn": str, "nonce": bytes},
+    "challenge": {"conn": str, "nonce": bytes},
+    "proof": {"conn": str, "mac": bytes},
     "hello": {"conn": str, "hello": dict, "regions": dict},
     "welcome": {"conn": str, "hello": dict, "regions": dict, "decision": dict},
     "refuse": {"conn": str, "reason": str},
@@ -199,6 +206,7 @@ class Victim:
             args.append("--private")
         self.proc = subprocess.Popen(
             [sys.executable, "-c", PEER_MAIN, *args],
+            env={**os.environ, "KVTRANSPORT_SECRET": SECRET.decode()},
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -349,7 +357,11 @@ class RecordingProxy:
 
     def __init__(self, target: str) -> None:
         self.target = target
+        #: Every frame, its body if it was sealed (the proxy holds the deployment's secret and
+        #: sees both nonces go by), and :attr:`sealed` the frames exactly as they went by.
         self.records: list[tuple[str, bytes]] = []
+        self.sealed: list[tuple[str, bytes]] = []
+        self._links: dict[bytes, Any] = {}
         self._stop = threading.Event()
         self._ready = threading.Event()
         self.address = ""
@@ -381,18 +393,36 @@ class RecordingProxy:
                             owner[back] = ident
                             poller.register(back, zmq.POLLIN)
                         for f in frames:
-                            self.records.append(("up", f))
+                            self._record(ident, "up", f)
                         back.send_multipart(frames)
                     else:
                         frames = sock.recv_multipart()
                         for f in frames:
-                            self.records.append(("down", f))
+                            self._record(owner[sock], "down", f)
                         front.send_multipart([owner[sock], *frames])
         finally:
             for s in backs.values():
                 s.close(0)
             front.close(0)
             ctx.term()
+
+    def _record(self, ident: bytes, direction: str, frame: bytes) -> None:
+        self.sealed.append((direction, frame))
+        state = self._links.setdefault(ident, {})
+        if frame[:1] == b"\xc1" and "link" in state:
+            link = state["link"]
+            key = link.out_key if direction == "up" else link.in_key
+            if hmac.compare_digest(
+                frame[9:41], hmac.new(key, frame[:9] + frame[41:], hashlib.sha256).digest()
+            ):
+                frame = frame[41:]
+        else:
+            obj = well_formed(frame)
+            if obj is not None and obj["t"] == "auth":
+                state.update(conn=obj["conn"], nonce_i=obj["nonce"])
+            elif obj is not None and obj["t"] == "challenge" and "nonce_i" in state:
+                state["link"] = Link(master_key(SECRET), state["conn"], state["nonce_i"], obj["nonce"])
+        self.records.append((direction, frame))
 
     def frames(self, direction: str, kind: str | None = None) -> list[bytes]:
         out = []
@@ -457,13 +487,13 @@ class StrikeLedger:
     def cost(self, frame: bytes | list[bytes]) -> str:
         if isinstance(frame, list):
             return "ok"  # a message of several frames is dropped unread
-        if len(frame) > ZMQ_LIMIT:
+        if len(frame) + SEAL_OVERHEAD > ZMQ_LIMIT:
             return "close"
         obj = well_formed(frame)
         if obj is None:
             return "strike"
         kind = obj["t"]
-        if kind in ("welcome", "refuse"):
+        if kind in ("welcome", "refuse", "auth", "challenge", "proof"):
             return "strike"
         if kind in ("bye",):
             return "close"
@@ -501,11 +531,102 @@ class Deaf(AssertionError):
     pass
 
 
+# --- the authentication exchange, as docs/security.md specifies it (deliberately not imported) ---
+
+#: The secret every process of the test deployment shares (victims get it in KVTRANSPORT_SECRET).
+SECRET = b"hostile-suite-deployment-secret-0123456789"
+
+
+def master_key(secret: bytes) -> bytes:
+    """K = HMAC-SHA256(key="kvtransport deployment secret v1", msg=secret); b"" when none is set."""
+    return hmac.new(b"kvtransport deployment secret v1", secret, hashlib.sha256).digest()
+
+
+def derive(key: bytes, label: bytes, *parts: bytes) -> bytes:
+    """HMAC-SHA256(K, "kvtransport/1 " + label + for each part: u64be(len) + part)."""
+    data = b"kvtransport/1 " + label + b"".join(len(p).to_bytes(8, "big") + p for p in parts)
+    return hmac.new(key, data, hashlib.sha256).digest()
+
+
+class Link:
+    """One authenticated direction pair: frames out are ``0xC1 | u64be seq | mac | body``,
+    mac = HMAC-SHA256(k_i2a, first 9 bytes + body); frames in verify under k_a2i."""
+
+    def __init__(self, key: bytes, conn: str, nonce_i: bytes, nonce_a: bytes) -> None:
+        parts = (conn.encode(), nonce_i, nonce_a)
+        self.out_key = derive(key, b"session initiator->acceptor", *parts)
+        self.in_key = derive(key, b"session acceptor->initiator", *parts)
+        self.seq = 0
+
+    def seal(self, body: bytes, seq: int | None = None) -> bytes:
+        if seq is None:
+            self.seq += 1
+            seq = self.seq
+        header = bytes([0xC1]) + seq.to_bytes(8, "big")
+        return header + hmac.new(self.out_key, header + body, hashlib.sha256).digest() + body
+
+    def open(self, frame: bytes) -> bytes | None:
+        if len(frame) < 41 or frame[0] != 0xC1:
+            return None
+        mac = hmac.new(self.in_key, frame[:9] + frame[41:], hashlib.sha256).digest()
+        return frame[41:] if hmac.compare_digest(mac, frame[9:41]) else None
+
+
+class AuthRefused(Exception):
+    pass
+
+
+def authenticate(sock: zmq.Socket[bytes], secret: bytes, timeout: float = 10.0, conn: str | None = None) -> Link:
+    """The initiator's side of the exchange on ``sock`` (a DEALER dialled to the victim)."""
+    conn = conn or uuid.uuid4().hex
+    key = master_key(secret)
+    nonce_i = os.urandom(32)
+    sock.send(message("auth", conn=conn, nonce=nonce_i))
+    challenge = _expect_plain(sock, "challenge", timeout)
+    nonce_a = challenge["nonce"]
+    sock.send(message("proof", conn=conn, mac=derive(key, b"proof initiator", conn.encode(), nonce_i, nonce_a)))
+    answer = _expect_plain(sock, "proof", timeout)
+    if not hmac.compare_digest(answer["mac"], derive(key, b"proof acceptor", conn.encode(), nonce_i, nonce_a)):
+        raise AuthRefused("the victim's proof does not verify")
+    link = Link(key, conn, nonce_i, nonce_a)
+    link.conn = conn  # type: ignore[attr-defined]
+    return link
+
+
+def _expect_plain(sock: zmq.Socket[bytes], kind: str, timeout: float) -> dict[str, Any]:
+    """The next unsealed ``kind`` (or a refusal) on ``sock``; sealed leftovers of an earlier
+    session on the socket are skipped."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not sock.poll(int(left * 1000) + 1):
+            raise AuthRefused(f"no {kind} within {timeout} s")
+        obj = well_formed(sock.recv())
+        if obj is None:
+            continue
+        if obj["t"] == "refuse":
+            raise AuthRefused(str(obj["reason"]))
+        if obj["t"] == kind:
+            return obj
+
+
 class Attacker:
     """One DEALER dialling the victim's ROUTER over loopback (one route on the victim)."""
 
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], address: str, *, send_timeout_ms: int = 10000) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        address: str,
+        *,
+        send_timeout_ms: int = 10000,
+        secret: bytes | None = SECRET,
+    ) -> None:
+        """``secret``: the attacker is an insider holding the deployment's secret (every frame
+        it sends is sealed in its own authenticated session, so the hostile bytes reach the
+        victim's message handlers); ``None``: a stranger whose frames go out as they are."""
         assert address.startswith("tcp://127.0.0.1:"), address
+        self.secret = secret
+        self.link: Link | None = None
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 0)
@@ -515,7 +636,18 @@ class Attacker:
         self.sent = 0
         self.inbox: list[bytes] = []
 
-    def send(self, frame: bytes | list[bytes]) -> None:
+    def authenticate(self, conn: str | None = None) -> Link:
+        if self.link is None:
+            assert self.secret is not None, "a stranger has no secret to authenticate with"
+            self.link = authenticate(self.sock, self.secret, conn=conn)
+        return self.link
+
+    def send(self, frame: bytes | list[bytes], *, raw: bool = False) -> None:
+        """``frame`` sealed in this attacker's session (authenticating first), or as it is for
+        a stranger or with ``raw`` (a replayed capture, a forged seal)."""
+        if self.secret is not None and not raw:
+            link = self.authenticate()
+            frame = [link.seal(f) for f in frame] if isinstance(frame, list) else link.seal(frame)
         try:
             if isinstance(frame, list):
                 self.sock.send_multipart(frame)
@@ -529,9 +661,17 @@ class Attacker:
         """Frames the victim sent us so far (kept in :attr:`inbox` too)."""
         got = []
         while self.sock.poll(0):
-            got.extend(self.sock.recv_multipart())
+            got.extend(self._opened(f) for f in self.sock.recv_multipart())
         self.inbox.extend(got)
         return got
+
+    def _opened(self, frame: bytes) -> bytes:
+        """A sealed frame's body once it verifies in this attacker's session; else as it came."""
+        if self.link is not None and frame[:1] == b"\xc1":
+            body = self.link.open(frame)
+            if body is not None:
+                return body
+        return frame
 
     def wait_for(self, pred: Callable[[dict[str, Any]], bool], timeout: float) -> dict[str, Any]:
         """The first well-formed frame from the victim matching ``pred``."""
@@ -541,7 +681,7 @@ class Attacker:
             if left <= 0:
                 raise Deaf(f"no matching answer from the victim within {timeout} s")
             if self.sock.poll(int(min(left, 0.05) * 1000) + 1):
-                for f in self.sock.recv_multipart():
+                for f in map(self._opened, self.sock.recv_multipart()):
                     self.inbox.append(f)
                     obj = well_formed(f)
                     if obj is not None and pred(obj):
@@ -550,6 +690,11 @@ class Attacker:
     def handshake(self, hello: bytes, timeout: float = 10.0) -> dict[str, Any]:
         """Send a hello; the victim's welcome or refuse for its connection id."""
         conn = unpack(hello)["conn"]
+        if self.secret is not None and self.link is None:
+            try:
+                self.authenticate(conn if isinstance(conn, str) else None)
+            except AuthRefused as exc:
+                return {"t": "refuse", "conn": conn, "reason": str(exc)}
         self.send(hello)
         return self.wait_for(lambda m: m["t"] in ("welcome", "refuse") and m.get("conn") == conn, timeout)
 
@@ -627,7 +772,7 @@ def schema_messages(draw: st.DrawFn) -> bytes:
             obj[name] = draw(nested)
     for _ in range(draw(st.integers(0, 2))):
         obj[draw(st.one_of(text_garbage, st.sampled_from(["v", "t", "tag", "conn", "hello"])))] = draw(nested)
-    obj["v"] = draw(st.one_of(st.just(VERSION), st.sampled_from([0, 2, -1, "1", None, 1.0, True, 2**64 - 1]), scalar))
+    obj["v"] = draw(st.one_of(st.just(VERSION), st.sampled_from([0, 1, 3, -1, "2", None, 2.0, True, 2**64 - 1]), scalar))
     obj["t"] = kind
     if draw(st.booleans()) and "v" in obj and draw(st.integers(0, 9)) == 0:
         del obj["v"]
