@@ -47,6 +47,7 @@ import time
 import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, cast
 
@@ -265,6 +266,7 @@ class RequestVerifier:
 class _Handler(BaseHTTPRequestHandler):
     server_version = "kvtransport-bootstrap"
     sys_version = ""  # no need to tell strangers the Python version
+    default_request_version = "HTTP/1.0"  # so even a garbled request line gets a status line back
 
     @property
     def _srv(self) -> _HTTPServer:
@@ -294,6 +296,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, fmt: str, *args: Any) -> None:
         log.debug("bootstrap %s: " + fmt, self.address_string(), *args)
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        # http.server's own (unparsable request, unknown method, ...) answers in HTML; this API is JSON.
+        self.close_connection = True
+        self._reply(code, {"error": message or HTTPStatus(code).phrase})
 
     def _reply(self, code: int, body: Mapping[str, Any]) -> None:
         data = json.dumps(body).encode()
@@ -492,7 +499,10 @@ class BootstrapServer:
             raise ConfigError(f"bootstrap server cannot listen on {_host_port(host, port)}: {exc}") from exc
         self.host, self.port = host, int(self._server.server_address[1])
         self.table = table
-        self._thread = threading.Thread(target=self._server.serve_forever, name="kvtransport-bootstrap", daemon=True)
+        # The poll interval is how long close() waits for the loop to notice (0.5 s by default).
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, args=(0.1,), name="kvtransport-bootstrap", daemon=True
+        )
         self._thread.start()
         log.info("bootstrap registry on %s, routes live %g s; %s", self.url, ttl, policy)
 
