@@ -480,7 +480,10 @@ class BootstrapServer:
         max_connections_per_client: int | None = None,
     ) -> None:
         self.secret = load_secret() if secret is None else secret
-        policy = control_plane_policy(f"tcp://{_host_port(host, port)}", self.secret)
+        try:
+            policy = control_plane_policy(f"tcp://{_host_port(host, port)}", self.secret)
+        except ConfigError as exc:  # the same rule as an endpoint's: whoever rewrites routes redirects KV
+            raise ConfigError(f"bootstrap server: {exc}") from None
         ttl = _positive("ttl", route_ttl() if ttl is None else ttl)
         per_client = max(1, max_connections // 4) if max_connections_per_client is None else max_connections_per_client
         for name, value in (("max_routes", max_routes), ("max_connections", max_connections)):
