@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
+from .auth import ENV_INSECURE, ENV_SECRET, ENV_SECRET_FILE
 from .config import ENV_VARS as CONFIG_ENV_VARS
 from .driver import DRIVER_API_VERSION, KVTransport, declared_capabilities
 from .errors import (
@@ -50,6 +51,12 @@ CORE_ENV_VARS = frozenset(
         "KVTRANSPORT_STAGING_RING_BYTES",
         "KVTRANSPORT_STAGING_CHUNK_BYTES",
         "KVTRANSPORT_MAX_MESSAGE_BYTES",
+        # integrations.bootstrap's, named: importing it would pull an HTTP server into every process
+        "KVTRANSPORT_BOOTSTRAP_ROUTE_TTL",
+        # the deployment secret (auth), read by the bootstrap registry
+        ENV_SECRET,
+        ENV_SECRET_FILE,
+        ENV_INSECURE,
         *CONFIG_ENV_VARS,
     }
 )

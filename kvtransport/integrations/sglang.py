@@ -158,12 +158,20 @@ class KVTransportKVManager(BaseKVManager):
         )
         self._peers: dict[tuple[str, int], Connection] = {}
         self._peers_lock = threading.Lock()
+        self._bootstrap: BootstrapClient | None = None
         if self.mode == "prefill":
-            self.register_to_bootstrap()
+            try:
+                self.register_to_bootstrap()
+            except BaseException:
+                self.endpoint.close()
+                raise
 
     def register_to_bootstrap(self) -> None:
-        """Prefill: publish this rank's endpoint under (dp, tp) at the instance's bootstrap server."""
-        BootstrapClient(f"{self.bootstrap_host}:{self.bootstrap_port}").register(
+        """Prefill: publish this rank's endpoint under (dp, tp) at the instance's bootstrap server
+        and keep refreshing it (the registry forgets a route its owner stopped refreshing)."""
+        # One client for the rank's life: its owner token is what lets it refresh the route.
+        client = self._bootstrap or BootstrapClient(f"{self.bootstrap_host}:{self.bootstrap_port}")
+        client.keep_registered(
             {
                 "address": self.endpoint.address,
                 "tp_rank": self.tp_rank,
@@ -172,6 +180,7 @@ class KVTransportKVManager(BaseKVManager):
                 "endpoint": self.endpoint.name,
             }
         )
+        self._bootstrap = client
 
     def connection_to(self, bootstrap_addr: str, prefill_dp_rank: int) -> Connection:
         """Decode: the connection to the prefill rank serving this rank, made once and reused."""
@@ -191,7 +200,21 @@ class KVTransportKVManager(BaseKVManager):
             return conn
 
     def teardown(self) -> None:
+        self._unregister()
         self.endpoint.close()
+
+    def _unregister(self) -> None:
+        """Prefill: stop refreshing and remove this rank's route, best effort: the bootstrap
+        server may be gone already, and an unremoved route expires by itself."""
+        client, self._bootstrap = self._bootstrap, None
+        if client is None:
+            return
+        try:
+            client.unregister(timeout=1.0)
+        except Exception as exc:  # noqa: BLE001 - teardown never raises
+            log.debug(
+                "rank dp=%d tp=%d: unregistering from the bootstrap server failed: %s", self.dp_rank, self.tp_rank, exc
+            )
 
     close = teardown
 
@@ -387,7 +410,11 @@ class KVTransportKVReceiver(BaseKVReceiver):
 
 class KVTransportKVBootstrapServer(BaseKVBootstrapServer):
     """The instance's registry of prefill rank endpoints (HTTP, see
-    :mod:`kvtransport.integrations.bootstrap`)."""
+    :mod:`kvtransport.integrations.bootstrap`).
+
+    Binds the host SGLang gives it (``--host``, 127.0.0.1 by default). A host reachable from
+    other machines (``0.0.0.0``, a NIC address) needs ``KVTRANSPORT_SECRET`` (or
+    ``KVTRANSPORT_INSECURE=1``), else this raises ``ConfigError`` at start-up."""
 
     def __init__(self, host: str, port: int) -> None:
         self.server = BootstrapServer(host, port)
