@@ -167,6 +167,16 @@ def control_plane_policy(listen: str, secret: Secret, env: Mapping[str, str] | N
     )
 
 
+def control_plane_report(listen: str, env: Mapping[str, str] | None = None) -> tuple[bool, str, str]:
+    """For ``kvtransport doctor``: (authenticated, one line saying so and why, the problem that
+    would stop an endpoint listening on ``listen``, or "")."""
+    try:
+        secret = load_secret(env=env)
+        return secret.authenticated, control_plane_policy(listen, secret, env), ""
+    except ConfigError as exc:
+        return False, f"an endpoint on {listen} would refuse to start", str(exc)
+
+
 # -- the handshake ------------------------------------------------------------------------------
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
+from .auth import control_plane_report
 from .errors import KVTransportError
 from .hello import Hello, LoadedDrivers, build_hello, load_drivers
 from .memory import KVLayout, MemoryKind
@@ -83,6 +84,9 @@ def doctor(args: argparse.Namespace) -> int:
     for name, group in duplicates(entries).items():
         problems.append(f"driver {name!r} is registered by " + " and ".join(e.distribution for e in group))
     hello = build_hello(loaded.hellos, policy=policy, layout=_memory_layout(args.memory))
+    authenticated, control, control_problem = control_plane_report(args.listen)
+    if control_problem:
+        problems.append(control_problem)
     usable = [n for n, d in hello.drivers.items() if d.usable]
     if not usable:
         problems.append("no driver is usable on this host")
@@ -92,14 +96,15 @@ def doctor(args: argparse.Namespace) -> int:
             "entries": [e.to_dict() for e in entries],
             "problems": problems,
             "kvtransport": __version__,
+            "control_plane": {"listen": args.listen, "authenticated": authenticated, "detail": control},
         }
         print(json.dumps(doc, indent=2, sort_keys=True))
     else:
-        print(render_doctor(hello, problems))
-    return 1 if (not usable or any("No such driver" in p for p in problems)) else 0
+        print(render_doctor(hello, problems, control))
+    return 1 if (not usable or control_problem or any("No such driver" in p for p in problems)) else 0
 
 
-def render_doctor(hello: Hello, problems: Sequence[str]) -> str:
+def render_doctor(hello: Hello, problems: Sequence[str], control: str = "") -> str:
     host = hello.host
     lines = [f"kvtransport {__version__} on {host.hostname} (host id {host.host_id})", ""]
     if host.cuda_devices:
@@ -112,6 +117,8 @@ def render_doctor(hello: Hello, problems: Sequence[str]) -> str:
     lines.append(f"  peermem: {'loaded' if host.peermem else 'not loaded'}")
     versions = ", ".join(f"{k} {v}" for k, v in sorted(host.versions.items()))
     lines.append(f"  engines: {versions or 'none installed'}")
+    if control:
+        lines.append(f"  control: {control}")
     lines += ["", f"  {'DRIVER':<18}{'STATUS':<13}{'MEMORY':<12}DETAIL"]
     for name in sorted(hello.drivers):
         entry = hello.drivers[name]
@@ -200,6 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="this host's capabilities and every driver's status")
     p.add_argument("--json", action="store_true", help="print the hello document as JSON")
     p.add_argument("--memory", help="describe KV in this memory (host, cuda:N)")
+    p.add_argument(
+        "--listen",
+        default="tcp://127.0.0.1:0",
+        help="the control address an endpoint would listen on (is it authenticated there?)",
+    )
     p.set_defaults(func=doctor)
 
     p = sub.add_parser("negotiate", help="the driver two hellos would agree on, and why")

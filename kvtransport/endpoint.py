@@ -208,6 +208,9 @@ class Endpoint:
         self._notices: collections.deque[tuple[str, bytes]] = collections.deque()
         self._batch_ids = itertools.count(1)
         self.early_expects_total = 0
+        #: tag -> the one session that owns it (the peer announced or aborted it, or this side
+        #: sends it there): another session cannot announce, abort or receive it (I/O thread).
+        self.tag_owners: dict[str, Session] = {}
         self._receiving: dict[str, int] = {}  # driver -> live receive transfers (I/O thread)
         self.early_expect_bytes_total = 0
         self.pending_handshakes = 0
@@ -327,9 +330,9 @@ class Endpoint:
     def announced(self, tag: str) -> Connection | None:
         """The live connection whose receiver announced pages for ``tag`` (a sender that
         serves many receivers learns here which one a request belongs to), or ``None`` yet."""
-        for session in list(self.sessions.values()):
-            if session.phase is Phase.READY and (tag in session.early_expects or tag in session.early_aborts):
-                return session.handle
+        session = self.tag_owners.get(tag)
+        if session is not None and session.phase is Phase.READY:
+            return session.handle
         return None
 
     @property
@@ -351,6 +354,7 @@ class Endpoint:
             "early_expects": self.early_expects_total,
             "early_expect_bytes": self.early_expect_bytes_total,
             "early_aborts": sum(len(s.early_aborts) for s in sessions),
+            "tag_owners": len(self.tag_owners),
             "timers": len(self.channel.timers),
             "dealers": self.channel.dealer_count,
             "warned": len(self._warned),

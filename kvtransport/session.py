@@ -276,6 +276,16 @@ class Session:
         if self.phase is Phase.CLOSED:
             transfer._set(State.FAILED, self.error or PeerLost(f"peer {self.peer_label} is gone"))
             return False
+        owner = self.endpoint.tag_owners.get(transfer.tag)
+        if transfer.role == SEND and owner is not None and owner is not self:
+            transfer._set(
+                State.FAILED,
+                KVTransportError(
+                    f"tag {transfer.tag!r} was announced by another connection ({owner.peer_label}); "
+                    "send it on that connection (Endpoint.announced tells which)"
+                ),
+            )
+            return False
         limit = self.endpoint.limits.max_transfers_per_connection
         if len(self.transfers) >= limit:
             transfer._set(
@@ -288,6 +298,8 @@ class Session:
             return False
         self.transfers[transfer.tag] = transfer
         transfer.filed = True
+        if transfer.role == SEND:
+            self.endpoint.tag_owners[transfer.tag] = self
         reason = self.early_aborts.pop(transfer.tag, None)
         if reason is not None:
             transfer._set(
@@ -341,7 +353,24 @@ class Session:
     def forget(self, t: Transfer) -> None:
         if self.transfers.get(t.tag) is t:
             del self.transfers[t.tag]
+            self.release_tag(t.tag)
         t.filed = False
+
+    def holds_tag(self, tag: str) -> bool:
+        """Whether this session owns ``tag``: the peer announced it (or aborted it early), or a
+        transfer this side sends is filed under it."""
+        t = self.transfers.get(tag)
+        return tag in self.early_expects or tag in self.early_aborts or (t is not None and t.role == SEND)
+
+    def release_tag(self, tag: str) -> None:
+        owners = self.endpoint.tag_owners
+        if owners.get(tag) is self and not self.holds_tag(tag):
+            del owners[tag]
+
+    def _claim_tag(self, tag: str) -> Session | None:
+        """Claim ``tag`` for this session; the session that owns it already, if another."""
+        owner = self.endpoint.tag_owners.setdefault(tag, self)
+        return None if owner is self else owner
 
     def submitted(self, transfer: Transfer, bid: int, nbytes: int, last: bool) -> None:
         """A chunk was handed to the driver's thread (batch ``bid``; 0 for a chunk without runs)."""
@@ -430,7 +459,11 @@ class Session:
         ep, limits = self.endpoint, self.endpoint.limits
         size = len(msg["pages"])
         refusal = ""
-        if tag in self.early_expects:
+        owner = self.endpoint.tag_owners.get(tag)
+        if owner is not None and owner is not self:
+            # One tag, one receiver: a second announcement, from whoever, changes nothing.
+            refusal = "this tag was announced by another connection"
+        elif tag in self.early_expects:
             refusal = "duplicate announcement"
         elif ep.early_expects_total >= limits.max_early_expects_total:
             refusal = f"{ep.name} holds {limits.max_early_expects_total} announcements nobody sends for yet"
@@ -444,6 +477,7 @@ class Session:
         if refusal:
             self.send("abort", tag=tag, reason=refusal)
             return
+        self._claim_tag(tag)
         self.early_expects[tag] = msg
         self.early_expect_bytes += size
         ep.early_expects_total += 1
@@ -465,6 +499,7 @@ class Session:
             self.early_expect_bytes -= size
             self.endpoint.early_expects_total -= 1
             self.endpoint.early_expect_bytes_total -= size
+            self.release_tag(tag)
         return msg
 
     def on_done(self, msg: Message) -> None:
@@ -524,10 +559,17 @@ class Session:
                 error=TransferAborted(f"transfer {t.tag!r} aborted by peer {self.peer_label}: {reason}"),
             )
             return
-        self.pop_early_expect(tag)
+        owner = self.endpoint.tag_owners.get(tag)
+        if owner is not None and owner is not self:
+            # Only the session that announced a tag can abort it: this one never did.
+            log.debug("ignoring an abort for %r from %s: another connection owns it", tag, self.peer_label)
+            return
+        self._claim_tag(tag)
         self.early_aborts[tag] = str(reason)
+        self.pop_early_expect(tag)
         while len(self.early_aborts) > self.endpoint.limits.max_early_aborts:
-            self.early_aborts.popitem(last=False)
+            dropped, _ = self.early_aborts.popitem(last=False)
+            self.release_tag(dropped)
 
     def on_notice(self, msg: Message) -> None:
         if not self.two_sided:
@@ -552,13 +594,19 @@ class Session:
         timers = self.endpoint.channel.timers
         timers.cancel(self.heartbeat)
         timers.cancel(self.handshake_timer)
+        owned = list(self.transfers)
         for t in list(self.transfers.values()):
             timers.cancel(t.timer)
             t.filed = False
         self.transfers.clear()
+        owned += [*self.early_expects, *self.early_aborts]
         for tag in list(self.early_expects):
             self.pop_early_expect(tag)
         self.early_aborts.clear()
+        owners = self.endpoint.tag_owners
+        for tag in owned:
+            if owners.get(tag) is self:
+                del owners[tag]
         if self.connect_queued and self.runner is not None and self.driver is not None:
             driver = self.driver
             try:

@@ -31,7 +31,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -362,6 +362,7 @@ class RecordingProxy:
         self.records: list[tuple[str, bytes]] = []
         self.sealed: list[tuple[str, bytes]] = []
         self._links: dict[bytes, Any] = {}
+        self._inject: queue.Queue[bytes] = queue.Queue()
         self._stop = threading.Event()
         self._ready = threading.Event()
         self.address = ""
@@ -382,6 +383,10 @@ class RecordingProxy:
         poller.register(front, zmq.POLLIN)
         try:
             while not self._stop.is_set():
+                while not self._inject.empty():
+                    frame = self._inject.get()
+                    for back in backs.values():
+                        back.send(frame)  # upstream, as if the recorded client had sent it
                 for sock, _ in poller.poll(10):
                     if sock is front:
                         ident, *frames = front.recv_multipart()
@@ -412,9 +417,7 @@ class RecordingProxy:
         if frame[:1] == b"\xc1" and "link" in state:
             link = state["link"]
             key = link.out_key if direction == "up" else link.in_key
-            if hmac.compare_digest(
-                frame[9:41], hmac.new(key, frame[:9] + frame[41:], hashlib.sha256).digest()
-            ):
+            if hmac.compare_digest(frame[9:41], hmac.new(key, frame[:9] + frame[41:], hashlib.sha256).digest()):
                 frame = frame[41:]
         else:
             obj = well_formed(frame)
@@ -434,6 +437,10 @@ class RecordingProxy:
                 out.append(f)
         return out
 
+    def inject(self, frame: bytes) -> None:
+        """Send ``frame`` upstream on the live relayed connection(s), exactly as given."""
+        self._inject.put(frame)
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(10)
@@ -445,8 +452,9 @@ class Captured:
 
     hello: bytes
     welcome: bytes
-    up: list[bytes]  # everything the legitimate initiator sent
-    down: list[bytes]  # everything the victim sent
+    up: list[bytes]  # everything the legitimate initiator sent (bodies of sealed frames)
+    down: list[bytes]  # everything the victim sent (bodies of sealed frames)
+    sealed: list[bytes] = field(default_factory=list)  # every frame both ways, exactly as it went by
 
     @property
     def hello_obj(self) -> dict[str, Any]:
@@ -772,7 +780,8 @@ def schema_messages(draw: st.DrawFn) -> bytes:
             obj[name] = draw(nested)
     for _ in range(draw(st.integers(0, 2))):
         obj[draw(st.one_of(text_garbage, st.sampled_from(["v", "t", "tag", "conn", "hello"])))] = draw(nested)
-    obj["v"] = draw(st.one_of(st.just(VERSION), st.sampled_from([0, 1, 3, -1, "2", None, 2.0, True, 2**64 - 1]), scalar))
+    wrong_versions = st.sampled_from([0, 1, 3, -1, "2", None, 2.0, True, 2**64 - 1])
+    obj["v"] = draw(st.one_of(st.just(VERSION), wrong_versions, scalar))
     obj["t"] = kind
     if draw(st.booleans()) and "v" in obj and draw(st.integers(0, 9)) == 0:
         del obj["v"]

@@ -23,6 +23,7 @@ from kvtransport.errors import (
 from kvtransport.memory import KVLayout
 from kvtransport.testing.fake import FakeDriver
 from kvtransport.testing.kv import KVPool
+from tests.hostile_messages import authenticate
 
 FAKE = {"fake": FakeDriver}
 FAST = Timeouts(connect=5, bootstrap=5, waiting=5, transfer=5, heartbeat_interval=0.1, heartbeat_timeout=1.0)
@@ -169,12 +170,15 @@ def test_garbage_on_the_control_port_does_not_disturb_other_peers(pair) -> None:
     before = [b.array.copy() for b in a_pool.buffers]
     for frame in (
         b"\xff" * 10,
-        msgpack.packb({"v": 1, "t": "expect", "tag": "x", "pages": b"\x00" * 8, "aux": -1}),
+        msgpack.packb({"v": 2, "t": "expect", "tag": "x", "pages": b"\x00" * 8, "aux": -1}),
         msgpack.packb({"v": 1, "t": "hello", "conn": "c", "hello": {"junk": 1}, "regions": {}}),
         msgpack.packb({"v": 9, "t": "ping", "seq": 1}),
+        b"\xc1" + b"\x00" * 60,  # a seal from nobody
         b"",
     ):
         sock.send(frame)
+    # A hello from a peer that skipped authentication: refused, told nothing more.
+    sock.send(msgpack.packb({"v": 2, "t": "hello", "conn": "c", "hello": {"junk": 1}, "regions": {}}))
     # An oversized frame makes zmq drop its sender's connection (MAXMSGSIZE), and with it any
     # answer still queued for that sender: it comes from a socket of its own.
     big = ctx.socket(zmq.DEALER)
@@ -182,7 +186,19 @@ def test_garbage_on_the_control_port_does_not_disturb_other_peers(pair) -> None:
     big.connect(prefill.address)
     big.send(b"x" * (5 << 20))
     refusal = msgpack.unpackb(sock.recv()) if sock.poll(2000) else None
-    assert refusal is not None and refusal["t"] == "refuse" and "ProtocolError" in refusal["reason"]
+    assert refusal == {"v": 2, "t": "refuse", "conn": "c", "reason": "authentication failed"}
+    # Authenticated (the endpoints here run without a secret, on loopback: the well-known key),
+    # a malformed hello is refused for what is wrong with it.
+    insider = ctx.socket(zmq.DEALER)
+    insider.setsockopt(zmq.LINGER, 0)
+    insider.connect(prefill.address)
+    link = authenticate(insider, b"", conn="c2")
+    insider.send(link.seal(msgpack.packb({"v": 2, "t": "hello", "conn": "c2", "hello": {"junk": 1}, "regions": {}})))
+    answer = link.open(insider.recv()) if insider.poll(2000) else None
+    assert answer is not None
+    refusal = msgpack.unpackb(answer)
+    assert refusal["t"] == "refuse" and "ProtocolError" in refusal["reason"], refusal
+    insider.close()
     sock.close()
     big.close()
     ctx.term()
@@ -204,7 +220,8 @@ def test_a_malicious_announcement_fails_only_that_transfer(pair) -> None:  # typ
     from kvtransport.wire import encode
 
     data = encode("expect", tag="evil", pages=np.array([1, 10_000], dtype=np.int64).tobytes(), aux=-1)
-    decode.call(lambda: decode.channel.send(recv_conn._session.route, data))
+    # Sealed in the session, as the peer itself would send it (an unsealed frame is dropped).
+    decode.call(lambda: recv_conn._session.send_frame(data))
     with pytest.raises(InvalidPages, match="outside the registered range"):
         t.wait(5)
     recv_conn.expect("fine", [2])
@@ -311,8 +328,13 @@ def test_a_failed_bind_releases_the_drivers_already_opened() -> None:
 
     pool = KVPool(8, 1, 64)
     with pytest.raises(ConfigError, match="cannot listen"):
-        Endpoint(pool.regions, pool.layout, drivers={"fake": Recording}, listen="tcp://256.0.0.1:1")
+        Endpoint(pool.regions, pool.layout, drivers={"fake": Recording}, listen="tcp://256.0.0.1:1", secret=b"s" * 32)
     assert opened and all(d.closed for d in opened)
+    # Without a secret, an address other hosts could reach is refused before any driver opens.
+    opened.clear()
+    with pytest.raises(ConfigError, match=r"KVTRANSPORT_SECRET.*KVTRANSPORT_INSECURE=1"):
+        Endpoint(pool.regions, pool.layout, drivers={"fake": Recording}, listen="tcp://256.0.0.1:1")
+    assert not opened
     pool.close()
 
 

@@ -58,19 +58,22 @@ from .conftest import require_engines
 from .hostile_messages import (
     DEEP,
     LIMIT,
+    SECRET,
+    VERSION,
     Attacker,
+    AuthRefused,
     Captured,
     Deaf,
     Mutator,
-    SECRET,
-    AuthRefused,
     RecordingProxy,
     StrikeLedger,
     Victim,
     deep,
+    derive,
     env_int,
     hello_message,
     hello_mutations,
+    master_key,
     message,
     near_limit,
     pack,
@@ -80,6 +83,9 @@ from .hostile_messages import (
     u64s,
     unpack,
     well_formed,
+)
+from .hostile_messages import (
+    SCHEMA as SCHEMA_COPY,
 )
 
 # Read at import: the autouse fixture in conftest.py clears KVTRANSPORT_* before each test.
@@ -338,6 +344,7 @@ class Rig:
             welcome,
             [f for d, f in proxy.records if d == "up"],
             [f for d, f in proxy.records if d == "down"],
+            [f for _, f in proxy.sealed],
         )
 
     def legit_hello(self, label: str, conn: str | None = None, driver_conn: bytes | None = None) -> bytes:
@@ -1178,7 +1185,8 @@ def test_an_insider_cannot_impersonate_a_live_connection(case: str, rig_factory:
 
 @pytest.mark.parametrize("stranger", sorted(STRANGERS))
 @pytest.mark.parametrize(
-    "case", [pytest.param(c, marks=[pytest.mark.engines] if IMPOSTORS[c][0] != "fake" else []) for c in sorted(IMPOSTORS)]
+    "case",
+    [pytest.param(c, marks=[pytest.mark.engines] if IMPOSTORS[c][0] != "fake" else []) for c in sorted(IMPOSTORS)],
 )
 def test_a_stranger_cannot_impersonate_a_live_connection(
     case: str, stranger: str, rig_factory: Callable[..., Rig]
@@ -1520,3 +1528,59 @@ def test_a_garbage_flood_does_not_starve_heartbeats(rig_factory: Callable[..., R
             flooder.kill()
             flooder.wait(5)
         print(f"flood: {rig.sent} garbage frames")
+
+
+@pytest.mark.parametrize("stranger", sorted(STRANGERS))
+@pytest.mark.parametrize("driver", ["fake", pytest.param("nixl-ucx", marks=pytest.mark.engines)])
+def test_a_stranger_learns_nothing_and_changes_nothing(
+    driver: str, stranger: str, rig_factory: Callable[..., Rig]
+) -> None:
+    """A party without the deployment's secret (none, or a wrong one) goes as far as it can:
+    it opens the exchange, answers the challenge with what it has, then sends everything the
+    legitimate pair ever said (decoded bodies and the sealed frames as they went by), every
+    message type unsealed and under forged seals. Every byte it gets back is a challenge (a
+    fresh nonce) or "authentication failed"; the victim holds no session for it, and the
+    legitimate pair's transfers go on, every byte right, nothing else touched."""
+    if driver != "fake":
+        require_engines()
+    rig = rig_factory(driver, private=driver != "fake")
+    secret = STRANGERS[stranger]
+    a = rig.attacker(secret=None)  # sends what it is given, unsealed
+    conn = uuid.uuid4().hex
+    nonce_i = os.urandom(32)
+    a.send(message("auth", conn=conn, nonce=nonce_i))
+    challenge = a.wait_for(lambda m: m["t"] == "challenge", 10)
+    if secret is not None:
+        mac = derive(master_key(secret), b"proof initiator", conn.encode(), nonce_i, challenge["nonce"])
+        a.send(message("proof", conn=conn, mac=mac))
+    else:
+        a.send(rig.legit_hello("stranger", conn=conn))
+    a.wait_for(lambda m: m["t"] == "refuse", 10)
+    forged = [
+        b"\xc1" + seq.to_bytes(8, "big") + os.urandom(32) + body
+        for seq, body in enumerate(rig.captured.up + rig.captured.down, start=1)
+    ]
+    every_kind = [
+        message(
+            kind,
+            **{f: (b"x" if t is bytes else {} if t is dict else 1 if t is int else "x") for f, t in fields.items()},
+        )
+        for kind, fields in SCHEMA_COPY.items()
+    ]
+    frames = [*rig.captured.up, *rig.captured.down, *rig.captured.sealed, *forged, *every_kind]
+    fresh = rig.attacker(secret=None)
+    for sock in (a, fresh):
+        rig.send(sock, frames)
+    time.sleep(1.0)  # the victim reads both sockets; nothing it could answer is still queued
+    rig.check(f"a stranger ({stranger}) sent {2 * len(frames)} frames")
+    for sock in (a, fresh):
+        sock.drain()
+        for frame in sock.inbox:
+            obj = well_formed(frame)
+            assert obj is not None, f"the stranger got a frame that is not a plain message: {frame[:60]!r}"
+            if obj["t"] == "challenge":
+                assert set(obj) == {"v", "t", "conn", "nonce"} and len(obj["nonce"]) == 32, obj
+            else:
+                assert obj == {"v": VERSION, "t": "refuse", "conn": obj["conn"], "reason": "authentication failed"}, obj
+    stats = rig.victim.ok("stats")["stats"]
+    assert stats["sessions"] == 1, f"the victim holds {stats['sessions']} connections; only the legitimate one is live"
