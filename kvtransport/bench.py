@@ -389,3 +389,59 @@ def _via_raw(
     raw.write(runs)
     sample.raw_s = time.monotonic() - start
     sample.raw_ok = peer.call("digests", pages=dst, timeout=timeout)["digests"] == expected
+
+
+def connect_cost(count: int, driver: str | None = None, timeout: float = 60.0) -> dict[str, Any]:
+    """``kvtransport bench --connects N``: what a handshake costs, with the deployment secret
+    and without one (loopback: the same exchange under the well-known key, so the difference
+    is the secret's own cost). Per mode a decode process connects to an endpoint of this
+    process and closes again, ``count`` times, in rounds of 5 that alternate between the modes
+    (drift on a noisy machine hits both alike); medians of the decode side's ``connect()``."""
+    import contextlib
+    import os
+    import secrets
+
+    modes = ("secret", "none")
+    samples: dict[str, list[float]] = {m: [] for m in modes}
+    with contextlib.ExitStack() as stack:
+        pairs = {}
+        for mode in modes:
+            secret = secrets.token_hex(32) if mode == "secret" else None
+            env = {k: v for k, v in os.environ.items() if k not in ("KVTRANSPORT_SECRET", "KVTRANSPORT_SECRET_FILE")}
+            if secret is not None:
+                env["KVTRANSPORT_SECRET"] = secret
+            pool = KVPool(64, 1, 4096, 0)
+            stack.callback(pool.close)
+            endpoint = Endpoint(pool.regions, pool.layout, drivers=_classes(driver), name="prefill", secret=secret)
+            stack.callback(endpoint.close)
+            peer = PeerProcess(
+                *("--driver", driver or "auto", "--pages", "64", "--layers", "1", "--item", "4096"),
+                *("--aux-slots", "0", "--private", "--name", "decode"),
+                env=env,
+                timeout=timeout,
+            )
+            stack.callback(peer.close)
+            pairs[mode] = (endpoint, peer)
+        done = 0
+        while done < count:
+            n = min(5, count - done)
+            for mode in modes:
+                endpoint, peer = pairs[mode]
+                got = peer.call("connects", address=endpoint.address, count=n, timeout=timeout)["seconds"]
+                samples[mode] += got
+            done += n
+    out: dict[str, Any] = {"count": count, "driver": driver or "auto"}
+    for mode in modes:
+        ms = sorted(s * 1e3 for s in samples[mode])
+        out[mode] = {"p50_ms": statistics.median(ms), "p90_ms": ms[min(len(ms) - 1, int(0.9 * len(ms)))]}
+    out["secret_minus_none_p50_ms"] = out["secret"]["p50_ms"] - out["none"]["p50_ms"]
+    return out
+
+
+def render_connect_cost(doc: dict[str, Any]) -> str:
+    lines = [f"connect() cost, {doc['count']} handshakes each, driver {doc['driver']} (decode process -> this one)"]
+    for mode, label in (("secret", "with KVTRANSPORT_SECRET"), ("none", "without a secret (loopback)")):
+        d = doc[mode]
+        lines.append(f"  {label:<30} p50 {d['p50_ms']:7.2f} ms   p90 {d['p90_ms']:7.2f} ms")
+    lines.append(f"  difference of the medians: {doc['secret_minus_none_p50_ms']:+.2f} ms")
+    return "\n".join(lines)

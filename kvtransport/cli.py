@@ -319,12 +319,28 @@ def _add_bench(sub: Any) -> None:
     p.add_argument("--compare", metavar="DRIVER", help="also measure this driver on the same requests")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any one step may take")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument(
+        "--connects",
+        type=int,
+        metavar="N",
+        help="instead: time N handshakes with the deployment secret and N without",
+    )
     p.set_defaults(func=bench_cmd)
 
 
 def bench_cmd(args: argparse.Namespace) -> int:
     from .bench import Workload, run
 
+    if args.connects is not None:
+        from .bench import connect_cost, render_connect_cost
+
+        if args.connects < 1:
+            raise KVTransportError("--connects must be positive")
+        os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+        with native_stdout_to_stderr():
+            doc = connect_cost(args.connects, args.driver, args.timeout)
+        print(json.dumps(doc, indent=2) if args.json else render_connect_cost(doc))
+        return 0
     if args.requests < 1 or args.prompt_tokens < 1 or args.pool_factor < 1:
         raise KVTransportError("--requests, --prompt-tokens and --pool-factor must be positive")
     workload = Workload(

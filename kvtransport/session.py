@@ -114,6 +114,22 @@ class Connection:
     def transfer(self, tag: str) -> Transfer | None:
         return self._session.transfers.get(tag)
 
+    def close(self, reason: str = "closed by the caller") -> None:
+        """End this connection: the peer is told (``bye``), its transfers here fail with
+        :class:`~kvtransport.errors.TransferAborted`, the driver forgets the peer. Idempotent."""
+        session = self._session
+        ep = session.endpoint
+
+        def close() -> None:
+            if session.phase is Phase.READY:
+                session.send("bye", reason=reason)
+            ep.end_session(
+                session, TransferAborted(f"connection to {session.peer_label} closed: {reason}"), notify=False
+            )
+
+        if session.phase is not Phase.CLOSED:
+            ep.call(close)
+
     def __repr__(self) -> str:
         driver = self.decision.driver if self.decision else "?"
         return f"<Connection {self.id} to {self.peer_label} via {driver}>"

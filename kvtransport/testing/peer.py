@@ -114,6 +114,15 @@ def _run(cmd: dict[str, Any], session: _Session) -> dict[str, Any]:
     if op == "connect":
         conns.append(ep.connect(cmd["address"], cmd.get("timeout")))
         return {"decision": conns[-1].decision.to_dict() if conns[-1].decision else None}
+    if op == "connects":
+        # Handshake cost: connect, then close, ``count`` times; seconds each.
+        seconds = []
+        for _ in range(cmd["count"]):
+            t0 = time.perf_counter()
+            c = ep.connect(cmd["address"], cmd.get("timeout"))
+            seconds.append(time.perf_counter() - t0)
+            c.close("connect benchmark")
+        return {"seconds": seconds}
     conn = conns[cmd.get("conn", -1)] if conns else None
     if op == "expect":
         assert conn is not None
