@@ -755,6 +755,7 @@ class Endpoint:
             return
         session = Session(self, conn_id, route, label_of(peer_hello), "", initiator=False)
         session.seal = seal
+        session.peer_hello = peer_hello
         del self._pending_auth[route]
         self.channel.timers.cancel(auth.timer)
         self._set_driver(session, decision, driver, peer_regions, peer_info)
@@ -790,6 +791,7 @@ class Endpoint:
         try:
             peer_hello, peer_regions = read_peer(msg["hello"], msg["regions"])
             session.peer_label = label_of(peer_hello)
+            session.peer_hello = peer_hello
             decision = decide(self.hello, peer_hello, self.classes)
             check_agreement(msg["decision"], decision, session.peer_label)
             driver, peer_info = self._chosen(decision, peer_hello)

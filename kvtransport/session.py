@@ -32,7 +32,7 @@ from .errors import (
     TransferTimeout,
 )
 from .inbound import InboundGuard
-from .memory import RegionSet
+from .memory import KVLayout, RegionSet
 from .plan import Runs, as_pages, check_pages, check_unique, plan
 from .transfer import RECV, SEND, State, Transfer
 from .wire import Message, encode
@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from .control import Route
     from .driver import KVTransport
     from .endpoint import Endpoint
+    from .hello import Hello
     from .negotiate import Decision
     from .runner import DriverRunner
     from .timers import Timer
@@ -81,6 +82,18 @@ class Connection:
     @property
     def peer_address(self) -> str:
         return self._session.peer_address
+
+    @property
+    def peer_endpoint(self) -> str:
+        """The peer endpoint's name, as its (authenticated) hello gives it."""
+        hello = self._session.peer_hello
+        return hello.endpoint if hello is not None else ""
+
+    @property
+    def peer_layout(self) -> KVLayout | None:
+        """The peer's KV layout (TP rank and size among it), as its hello gives it."""
+        hello = self._session.peer_hello
+        return hello.layout if hello is not None else None
 
     @property
     def peer_regions(self) -> RegionSet | None:
@@ -151,6 +164,7 @@ class Session:
         self.error: KVTransportError | None = None
         self.decision: Decision | None = None
         self.peer_regions: RegionSet | None = None
+        self.peer_hello: Hello | None = None
         self.driver: KVTransport | None = None
         self.peer_info = b""  # the peer's connection info for the chosen driver
         self.runner: DriverRunner | None = None

@@ -236,3 +236,50 @@ def test_different_tp_sizes_are_refused_clearly(ranks: Ranks) -> None:
     finally:
         mgr.teardown()
         pool.close()
+
+
+def test_a_room_goes_only_to_the_decode_rank_the_registry_pairs_with_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill rank 0 of TP 2. Decode rank 1 (of the deployment, holding its secret) skips the
+    registry, dials prefill rank 0 and announces room 77 first: prefill fails that room rather
+    than send rank 0's KV to rank 1, and rank 1 hears so at once. Decode rank 0, which the
+    registry pairs with prefill rank 0, gets room 78, every byte right."""
+    require_engines()
+    from kvtransport.errors import TransferAborted
+    from kvtransport.integrations.bootstrap import BootstrapClient
+
+    env = {"KVTRANSPORT_DRIVER": "nixl-ucx", **FAST}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    prefill = PeerProcess(
+        *("--pages", str(PAGES), "--layers", str(LAYERS), "--item", str(ITEM), "--aux-slots", str(AUX)),
+        *("--tp-size", "2"),
+        module="tests.sglang_rank",
+        env={**os.environ, **env},
+    )
+    pools = [KVPool(PAGES, LAYERS, ITEM, AUX, shared=False) for _ in range(2)]
+    managers: list[KVTransportKVManager] = []
+    try:
+        for rank, pool in enumerate(pools):
+            managers.append(KVTransportKVManager(kv_args(pool, rank=rank), "decode", server_args(0, tp_size=2)))
+        route = BootstrapClient(prefill.address).lookup(0, 0, 10)
+        wrong = managers[1].endpoint.connect(route["address"])
+        stolen = wrong.expect("77", [1, 2])
+        out = prefill.call("send", requests=[{"room": 77, "chunks": [[3, 4]]}])["states"]
+        assert out["77"][0] == "FAILED" and "announced by the wrong rank" in out["77"][1], out
+        with pytest.raises(TransferAborted, match="not paired with this rank"):
+            stolen.wait(10)
+        assert pools[1].page_digests([1, 2]) != prefill.call("digests", pages=[3, 4])["digests"]
+        rx = KVTransportKVReceiver(managers[0], prefill.address, 78)
+        rx.init(0)
+        assert _until(rx, {KVPoll.WaitingForInput}) == KVPoll.WaitingForInput
+        rx.send_metadata(np.array([10, 11], dtype=np.int32))
+        out = prefill.call("send", requests=[{"room": 78, "chunks": [[5, 6]]}])["states"]
+        assert out["78"][0] == "SUCCESS", out
+        assert _until(rx, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
+        assert pools[0].page_digests([10, 11]) == prefill.call("digests", pages=[5, 6])["digests"]
+    finally:
+        prefill.close()
+        for mgr in managers:
+            mgr.teardown()
+        for pool in pools:
+            pool.close()

@@ -196,8 +196,32 @@ class KVTransportKVManager(BaseKVManager):
                     "SGLang backend needs equal TP sizes on both sides (heterogeneous TP is not supported yet)"
                 )
             conn = self.endpoint.connect(route["address"], self.timeouts.connect)
+            if conn.peer_endpoint != route["endpoint"]:
+                # The address answered, with the secret, but it is not the rank the registry
+                # paired with this one: nothing of this rank's requests goes there.
+                conn.close("not the registered prefill rank")
+                raise ConnectError(
+                    f"the endpoint at {route['address']} is {conn.peer_endpoint!r}; the bootstrap server at "
+                    f"{bootstrap_addr} registers {route['endpoint']!r} for prefill rank dp={prefill_dp_rank} "
+                    f"tp={self.tp_rank}"
+                )
             self._peers[key] = conn
             return conn
+
+    def paired_with(self, conn: Connection) -> str:
+        """Prefill: "" when ``conn``'s peer is a decode rank the registry pairs with this rank
+        (equal TP: the same TP rank and size), else why not. A room is sent only to the decode
+        rank it is paired with, whoever announced it."""
+        layout = conn.peer_layout
+        if layout is None:
+            return f"{conn.peer_label} sent no KV layout"
+        if (layout.tp_rank, layout.tp_size) != (self.tp_rank, self.tp_size):
+            return (
+                f"{conn.peer_label} is decode rank tp={layout.tp_rank}/{layout.tp_size}; this prefill rank is "
+                f"tp={self.tp_rank}/{self.tp_size}, which the bootstrap server pairs with decode rank "
+                f"tp={self.tp_rank} only"
+            )
+        return ""
 
     def teardown(self) -> None:
         self._unregister()
@@ -275,6 +299,12 @@ class KVTransportKVSender(BaseKVSender):
         if self.transfer is None and self.failure.error is None:
             conn = self.mgr.endpoint.announced(self.tag)
             if conn is not None:
+                unpaired = self.mgr.paired_with(conn)
+                if unpaired:
+                    self.failure.set(ConnectError(f"room {self.room} was announced by the wrong rank: {unpaired}"))
+                    # Its announcer learns at once that nothing comes (not at its timeout).
+                    conn.sender(self.tag).abort(f"room {self.room} is not paired with this rank: {unpaired}")
+                    return
                 self.transfer = conn.sender(self.tag)
             elif time.monotonic() - self._created > self.mgr.timeouts.bootstrap:
                 self.failure.set(
