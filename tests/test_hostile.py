@@ -693,7 +693,8 @@ STRIKERS_PER_BATCH = 32
 def fuzz(rig: Rig, total: int, *, staged: bool) -> None:
     """``total`` hostile frames in batches, all families mixed; a full check after each batch.
 
-    Each batch: sprayer sockets (no session) get garbage, mutations and hypothesis frames; an
+    Each batch: sprayer sockets (authenticated, no session: the victim takes nothing from them
+    but a hello) get garbage, mutations and hypothesis frames; an
     attacker session (a donor's identity) first gets the hostile frames it survives (at most
     ``STRIKE_BUDGET`` violations), which must leave it open and none of its transfers hanging;
     then striker sessions take the violations over the budget, and the session gets what ends
@@ -703,13 +704,18 @@ def fuzz(rig: Rig, total: int, *, staged: bool) -> None:
     corpus = shared_corpus(rig.captured)[: int(total * HYPOTHESIS_SHARE)]
     print(f"[{rig.driver}] seed {SEED}: {len(corpus)} hypothesis frames in {time.monotonic() - started:.1f} s")
     mutator = Mutator(SEED, rig.captured.all)
-    sprayers = [rig.attacker() for _ in range(4)]
+    sprayers: list[Attacker] = []
     batch_no = 0
     timing: list[tuple[float, float, float, float]] = []
     counts = {"spray": 0, "live": 0, "struck": 0, "closing": 0, "strikers": 0}
     while rig.sent < total and time.monotonic() - started < FUZZ_TIME_LIMIT:
         batch_no += 1
         label = f"atk-{batch_no}"
+        # Fresh sprayers each batch: an authenticated socket that says no hello is forgotten by
+        # the victim after its connect timeout, and what it sends after that is dropped unread.
+        for a in sprayers:
+            a.close()
+        sprayers = [rig.attacker() for _ in range(4)]
         s = rig.session(label, senders=150, receivers=8)
         page_bytes = sum(int(region["item_len"]) for region in s.welcome["regions"]["kv"])
         ledger = StrikeLedger(
