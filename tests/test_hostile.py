@@ -49,7 +49,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 from kvtransport.endpoint import Connection, Endpoint, State, Timeouts, regions_to_dict
-from kvtransport.errors import NegotiationError
+from kvtransport.errors import AuthenticationFailed, NegotiationError
 from kvtransport.registry import load_driver
 from kvtransport.testing.fake import FakeDriver
 from kvtransport.testing.kv import KVPool
@@ -1588,5 +1588,32 @@ def test_a_stranger_learns_nothing_and_changes_nothing(
                 assert set(obj) == {"v", "t", "conn", "nonce"} and len(obj["nonce"]) == 32, obj
             else:
                 assert obj == {"v": VERSION, "t": "refuse", "conn": obj["conn"], "reason": "authentication failed"}, obj
+    stats = rig.victim.ok("stats")["stats"]
+    assert stats["sessions"] == 1, f"the victim holds {stats['sessions']} connections; only the legitimate one is live"
+
+
+@pytest.mark.parametrize("stranger", sorted(STRANGERS))
+@pytest.mark.parametrize("driver", ["fake", pytest.param("nixl-ucx", marks=pytest.mark.engines)])
+def test_a_kvtransport_endpoint_without_the_secret_is_refused(
+    driver: str, stranger: str, rig_factory: Callable[..., Rig]
+) -> None:
+    """A real kvtransport endpoint of its own (its pool, its engine agent) with no secret or a
+    wrong one dials the victim: ``connect`` raises ``AuthenticationFailed``, the victim holds no
+    session for it, and the legitimate pair's transfers stay byte-exact."""
+    if driver != "fake":
+        require_engines()
+    rig = rig_factory(driver, private=driver != "fake")
+    pool = KVPool(PAGES, LAYERS, ITEM, AUX, shared=driver == "fake")
+    pool.fill(4242)
+    try:
+        with Endpoint(
+            pool.regions, pool.layout, drivers=driver_classes(driver), name="outsider", secret=STRANGERS[stranger]
+        ) as outsider:
+            with pytest.raises(AuthenticationFailed, match="authentication failed"):
+                outsider.connect(rig.victim.address, timeout=10)
+    finally:
+        pool.close()
+    rig.sent += 1
+    rig.check(f"an endpoint with {stranger}")
     stats = rig.victim.ok("stats")["stats"]
     assert stats["sessions"] == 1, f"the victim holds {stats['sessions']} connections; only the legitimate one is live"
