@@ -1,0 +1,105 @@
+"""Zero-patch enablement: the core distribution's ``sglang.srt.plugins`` entry point, exercised
+through SGLang's own ``load_plugins()``, its server-argument parser and its ``get_kv_class``,
+each in a fresh process (SGLang loads plugins once per process, as a server does).
+
+SGLang's scheduler modules need ``transformers`` and friends (tests/requirements-sglang.txt) and
+a ``torchvision`` stand-in (tests/stand_ins/README.md), put on the child's ``PYTHONPATH``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sglang.srt.plugins", reason="needs sglang==0.5.23 (bash scripts/dev setup)")
+pytest.importorskip("transformers", reason="needs SGLang's import-time dependencies (tests/requirements-sglang.txt)")
+
+STAND_INS = Path(__file__).resolve().parent / "stand_ins"
+
+# Runs in the child: what a `python -m sglang.launch_server ...` process does before it serves
+# (load_plugins, then prepare_server_args), then what its schedulers resolve.
+CHILD = textwrap.dedent(
+    """
+    import json, sys
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.server_args import prepare_server_args
+    argv = ["--model-path", "unused", "--disaggregation-mode", "prefill",
+            "--disaggregation-transfer-backend", sys.argv[1]]
+    try:
+        args = prepare_server_args(argv)
+    except SystemExit as exc:
+        print(json.dumps({"parsed": False, "exit": exc.code}))
+        sys.exit(0)
+    import sglang.srt.disaggregation.decode as decode
+    import sglang.srt.disaggregation.prefill as prefill
+    import sglang.srt.managers.disagg_service as service
+    import sglang.srt.managers.scheduler as scheduler
+    from sglang.srt.disaggregation import utils
+    backend = utils.TransferBackend(args.disaggregation_transfer_backend)
+    kinds = {k.name: utils.get_kv_class(backend, k) for k in utils.KVClassType}
+    print(json.dumps({
+        "parsed": True,
+        "backend": backend.name,
+        "classes": {k: (f"{v.__module__}.{v.__qualname__}" if v else None) for k, v in kinds.items()},
+        # every module that imported the enum or the resolver by name sees the plugin's
+        "enum_everywhere": all(m.TransferBackend is utils.TransferBackend for m in (scheduler, service)),
+        "resolver_everywhere": all(m.get_kv_class is utils.get_kv_class for m in (prefill, decode)),
+        "mooncake": utils.TransferBackend("mooncake").name,
+        "others": sorted(m.value for m in utils.TransferBackend),
+    }))
+    """
+)
+
+
+def run_sglang(backend: str, **env: str) -> dict[str, object]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("KVTRANSPORT_", "SGLANG_PLUGINS"))}
+    path = os.pathsep.join(p for p in (str(STAND_INS), clean.get("PYTHONPATH", "")) if p)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, backend],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**clean, "PYTHONPATH": path, **env},
+        cwd=STAND_INS,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    doc: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    return doc
+
+
+def test_the_core_distribution_registers_the_plugin() -> None:
+    (ep,) = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "kvtransport"]
+    assert ep.value == "kvtransport.integrations.sglang_plugin:register"
+    assert ep.dist is not None and ep.dist.name == "kvtransport"
+
+
+def test_sglang_loads_the_plugin_and_resolves_the_backend_to_the_adapter() -> None:
+    doc = run_sglang("kvtransport")
+    assert doc["parsed"] and doc["backend"] == "KVTRANSPORT"
+    adapter = "kvtransport.integrations.sglang.KVTransportKV"
+    assert doc["classes"] == {
+        "KVARGS": "sglang.srt.disaggregation.base.conn.KVArgs",
+        "MANAGER": adapter + "Manager",
+        "SENDER": adapter + "Sender",
+        "RECEIVER": adapter + "Receiver",
+        "BOOTSTRAP_SERVER": adapter + "BootstrapServer",
+    }
+    assert doc["enum_everywhere"] and doc["resolver_everywhere"]
+    # SGLang's own backends are untouched.
+    assert doc["mooncake"] == "MOONCAKE"
+    assert {"mooncake", "nixl", "fake", "kvtransport"} <= set(doc["others"])  # type: ignore[arg-type]
+
+
+def test_without_the_plugin_sglang_refuses_the_backend_name() -> None:
+    """The control: SGLang's whitelist of plugins excludes kvtransport, and the same command
+    line fails in SGLang's parser (so it is the plugin that enables the backend)."""
+    doc = run_sglang("kvtransport", SGLANG_PLUGINS="someone-else")
+    assert doc == {"parsed": False, "exit": 2}
