@@ -261,7 +261,8 @@ class KVLayout:
     """What the handshake compares: the shape of one endpoint's KV pool.
 
     ``kv_item_lens`` is the byte size of one page in each KV region, in region order. Two
-    layouts can exchange pages when everything but ``tp_rank`` and ``memory`` is equal.
+    layouts can exchange pages when everything but ``tp_rank`` and ``memory`` is equal
+    (``num_kv_heads`` and ``head_dim`` of 0 mean "not stated" and match anything).
     """
 
     page_size: int
@@ -327,6 +328,10 @@ class KVLayout:
             "aux_item_lens",
         ):
             a, b = getattr(self, name), getattr(other, name)
+            if name in ("num_kv_heads", "head_dim") and 0 in (a, b):
+                # 0 is "not stated" (SGLang's decode side never sets kv_head_num): equal page
+                # sizes (kv_item_lens, checked too) already mean the bytes line up.
+                continue
             if a != b:
                 problems.append(f"{name}: {a!r} {mine}, {b!r} {theirs}")
         if self.tp_size != other.tp_size:

@@ -23,7 +23,9 @@ from kvtransport.integrations.sglang import (
 from kvtransport.testing.kv import KVPool
 
 
-def kv_args(pool: KVPool, rank: int = 0) -> KVArgs:
+def kv_args(pool: KVPool, rank: int = 0, role: str = "prefill") -> KVArgs:
+    """The fields SGLang 0.5.23 sets on each side (disaggregation/prefill.py and decode.py
+    build ``KVArgs``): only prefill sets ``kv_head_num`` (decode does only with staging on)."""
     args = KVArgs()
     args.engine_rank = rank
     args.kv_data_ptrs = [b.ptr for b in pool.buffers]
@@ -36,7 +38,8 @@ def kv_args(pool: KVPool, rank: int = 0) -> KVArgs:
     args.page_size = 16
     args.kv_cache_dtype_str = "bfloat16"
     args.gpu_id = 0
-    args.kv_head_num = 8
+    if role == "prefill":
+        args.kv_head_num = 8
     args.system_dp_rank = 0
     return args
 

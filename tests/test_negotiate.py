@@ -268,3 +268,29 @@ def test_failure_explains_every_driver(pair: tuple[Hello, Hello]) -> None:
             assert f"{name}: " in str(exc)
     except (NegotiationError, ConfigError, DriverUnavailable):
         pass
+
+
+@given(
+    heads=st.tuples(st.integers(0, 16), st.integers(0, 16)),
+    dims=st.tuples(st.sampled_from([0, 64, 128]), st.sampled_from([0, 64, 128])),
+    pages=st.tuples(st.sampled_from([1, 16, 64]), st.sampled_from([1, 16, 64])),
+)
+def test_layouts_differ_exactly_where_a_stated_field_differs(
+    heads: tuple[int, int], dims: tuple[int, int], pages: tuple[int, int]
+) -> None:
+    """Heads and head size of 0 are "not stated" (SGLang's decode side never sets
+    ``kv_head_num``) and match anything; any other difference is reported by name."""
+    a, b = (
+        KVLayout(page_size=p, dtype="bfloat16", num_layers=2, kv_item_lens=(4096,), num_kv_heads=h, head_dim=d)
+        for p, h, d in zip(pages, heads, dims, strict=True)
+    )
+    problems = a.incompatibilities(b)
+    named = {p.split(":")[0] for p in problems}
+    expected = set()
+    if heads[0] != heads[1] and 0 not in heads:
+        expected.add("num_kv_heads")
+    if dims[0] != dims[1] and 0 not in dims:
+        expected.add("head_dim")
+    if pages[0] != pages[1]:
+        expected.add("page_size")
+    assert named == expected, problems

@@ -99,7 +99,7 @@ def ranks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> It
     )
     pool = KVPool(PAGES, LAYERS, ITEM, AUX, shared=False)
     try:
-        mgr = KVTransportKVManager(kv_args(pool), "decode", server_args(0))
+        mgr = KVTransportKVManager(kv_args(pool, role="decode"), "decode", server_args(0))
     except Exception:
         prefill.close()
         pool.close()
@@ -208,7 +208,7 @@ def test_decode_waiting_timeout(ranks: Ranks, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("KVTRANSPORT_WAITING_TIMEOUT", "0.5")
     monkeypatch.setenv("KVTRANSPORT_TRANSFER_TIMEOUT", "0.5")
     pool = KVPool(PAGES, LAYERS, ITEM, AUX, shared=False)
-    mgr = KVTransportKVManager(kv_args(pool), "decode", server_args(0))
+    mgr = KVTransportKVManager(kv_args(pool, role="decode"), "decode", server_args(0))
     try:
         rx = KVTransportKVReceiver(mgr, ranks.bootstrap, 40)
         rx.init(0)
@@ -226,7 +226,7 @@ def test_decode_waiting_timeout(ranks: Ranks, monkeypatch: pytest.MonkeyPatch) -
 
 def test_different_tp_sizes_are_refused_clearly(ranks: Ranks) -> None:
     pool = KVPool(PAGES, LAYERS, ITEM, AUX, shared=False)
-    mgr = KVTransportKVManager(kv_args(pool), "decode", server_args(0, tp_size=2))
+    mgr = KVTransportKVManager(kv_args(pool, role="decode"), "decode", server_args(0, tp_size=2))
     try:
         rx = KVTransportKVReceiver(mgr, ranks.bootstrap, 50)
         rx.init(0)
@@ -260,7 +260,9 @@ def test_a_room_goes_only_to_the_decode_rank_the_registry_pairs_with_it(monkeypa
     managers: list[KVTransportKVManager] = []
     try:
         for rank, pool in enumerate(pools):
-            managers.append(KVTransportKVManager(kv_args(pool, rank=rank), "decode", server_args(0, tp_size=2)))
+            managers.append(
+                KVTransportKVManager(kv_args(pool, rank=rank, role="decode"), "decode", server_args(0, tp_size=2))
+            )
         route = BootstrapClient(prefill.address).lookup(0, 0, 10)
         wrong = managers[1].endpoint.connect(route["address"])
         stolen = wrong.expect("77", [1, 2])
