@@ -70,8 +70,11 @@ def run_scheduler(
                     s.abort()
                 else:
                     s.init(sum(len(c) for c in r["chunks"]), r.get("aux"))
-                    for chunk in r["chunks"]:
-                        s.send(chunk)
+                    for i, chunk in enumerate(r["chunks"]):
+                        # As SGLang's prefill does (prefill.py, send_kv_chunk): ask the
+                        # sender whether this segment goes out at all.
+                        if s.should_send_kv_chunk(len(chunk), i == len(r["chunks"]) - 1):
+                            s.send(chunk)
                 sent.add(room)
                 if not wait:
                     states[room] = ["STARTED", ""]

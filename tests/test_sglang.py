@@ -229,8 +229,8 @@ def test_different_tp_sizes_are_refused_clearly(ranks: Ranks) -> None:
     mgr = KVTransportKVManager(kv_args(pool, role="decode"), "decode", server_args(0, tp_size=2))
     try:
         rx = KVTransportKVReceiver(mgr, ranks.bootstrap, 50)
-        rx.init(0)
-        assert rx.poll() == KVPoll.Failed
+        rx.init(0)  # returns at once: the lookup and connect run on the manager's workers
+        assert _until(rx, {KVPoll.Failed}, 30) == KVPoll.Failed
         with pytest.raises(KVTransferError, match="prefill runs TP=1, this decode rank TP=2"):
             rx.failure_exception()
     finally:
@@ -285,3 +285,57 @@ def test_a_room_goes_only_to_the_decode_rank_the_registry_pairs_with_it(monkeypa
             mgr.teardown()
         for pool in pools:
             pool.close()
+
+
+def test_a_last_chunk_without_pages_still_ends_the_transfer(ranks: Ranks) -> None:
+    """Chunked prefill whose final segment holds no new page: SGLang asks
+    ``should_send_kv_chunk(0, last=True)`` (yes, as its own backends answer) and sends it; the
+    chunk that completed the page count already went out as the last one, with the aux row, so
+    the empty one changes nothing and the request succeeds, every byte and the aux row right."""
+    rx = ranks.receiver(21)
+    assert _until(rx, {KVPoll.WaitingForInput}) == KVPoll.WaitingForInput
+    dst, src = list(range(60, 70)), list(range(10, 20))
+    rx.send_metadata(np.array(dst, dtype=np.int32), aux_index=2)
+    out = ranks.prefill.call("send", requests=[{"room": 21, "chunks": [src, []], "aux": 5}])["states"]
+    assert out["21"][0] == "SUCCESS", out
+    assert _until(rx, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
+    _check_bytes(ranks, src, dst)
+    assert ranks.pool.aux_digest(2) == ranks.prefill.call("aux_digest", slot=5)["digest"]
+
+
+def test_decode_scheduler_calls_never_block_and_fill_the_prefill_info_table(ranks: Ranks) -> None:
+    """What SGLang's decode scheduler calls first for every request (decode.py:
+    ``prefill_info_table.get``, ``try_ensure_parallel_info`` about once a second, then the
+    receiver's ``init``): each returns at once; the table fills in the background; a failed
+    transfer's ``receiver.kv_mgr`` is the manager (SGLang reads its deferred-release flag)."""
+    mgr = ranks.decode
+    assert mgr.prefill_info_table.get(ranks.bootstrap) is None
+    t0 = time.monotonic()
+    first = mgr.try_ensure_parallel_info(ranks.bootstrap)
+    assert time.monotonic() - t0 < 0.1
+    deadline = time.monotonic() + 10
+    while not mgr.try_ensure_parallel_info(ranks.bootstrap):
+        assert time.monotonic() < deadline, "the prefill info never arrived"
+        time.sleep(0.05)
+    info = mgr.prefill_info_table[ranks.bootstrap]
+    assert (info.dp_size, info.follow_bootstrap_room, info.tp_size) == (1, True, 1) and first in (False, True)
+    # Nobody at this address: still no wait, and no entry.
+    dead = "127.0.0.1:9"
+    t0 = time.monotonic()
+    for _ in range(3):
+        assert mgr.try_ensure_parallel_info(dead) is False
+    rx = KVTransportKVReceiver(mgr, dead, 99)
+    rx.init(0)
+    assert time.monotonic() - t0 < 0.2, "a scheduler call waited for the registry"
+    assert rx.poll() == KVPoll.Bootstrapping
+    assert rx.kv_mgr is mgr and rx.kv_mgr.enable_deferred_decode_kv_release is False
+
+
+def test_sglangs_timeout_variables_are_honoured() -> None:
+    from kvtransport.integrations.sglang import sglang_timeouts
+
+    assert sglang_timeouts({}).bootstrap == 300 and sglang_timeouts({}).waiting == 300
+    theirs = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "120", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "90"}
+    assert (sglang_timeouts(theirs).bootstrap, sglang_timeouts(theirs).waiting) == (120, 90)
+    ours = {**theirs, "KVTRANSPORT_BOOTSTRAP_TIMEOUT": "7"}
+    assert (sglang_timeouts(ours).bootstrap, sglang_timeouts(ours).waiting) == (7, 90)

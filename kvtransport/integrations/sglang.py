@@ -2,11 +2,9 @@
 kvtransport's endpoint, so that any kvtransport driver (negotiated per peer pair) moves SGLang's
 KV cache.
 
-Written against SGLang 0.5.23's ``sglang.srt.disaggregation.base.conn``. Enabling it in SGLang
-is a few lines in ``get_kv_class`` (see docs/sglang.md)::
-
-    from kvtransport.integrations.sglang import (
-        KVTransportKVBootstrapServer, KVTransportKVManager, KVTransportKVReceiver, KVTransportKVSender)
+Written against SGLang 0.5.23's ``sglang.srt.disaggregation.base.conn``. SGLang finds these
+classes through kvtransport's plugin (:mod:`kvtransport.integrations.sglang_plugin`): no patch.
+What SGLang's scheduler expects of them, call by call: docs/sglang-contract.md.
 
 How the pieces map:
 
@@ -25,7 +23,10 @@ How the pieces map:
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -48,6 +49,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a process without 
         f"(sglang==0.5.23: pip install 'sglang==0.5.23'); importing them failed: {exc}"
     ) from exc
 
+from ..config import env_number
 from ..endpoint import Connection, Endpoint, State, Timeouts, Transfer
 from ..errors import ConnectError, KVTransportError, LayoutMismatch, TransferAborted, TransferTimeout
 from ..memory import HOST, KVLayout, MemoryKind, RegionSet
@@ -57,6 +59,40 @@ log = logging.getLogger(__name__)
 
 SGLANG_VERSION = "0.5.23"
 DEFAULT_BOOTSTRAP_PORT = 8998
+#: SGLang's own timeout variables, honoured unless the kvtransport one is set (defaults: SGLang's).
+SGLANG_TIMEOUTS = {
+    "bootstrap": ("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", 300.0),
+    "waiting": ("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300.0),
+}
+#: Seconds one background registry lookup of ``try_ensure_parallel_info`` may take (SGLang
+#: asks again about once a second, 15 times).
+PARALLEL_INFO_LOOKUP_S = 5.0
+#: Background connects (and registry lookups) at once, per manager.
+CONNECT_WORKERS = 4
+
+
+def sglang_timeouts(env: Any = None) -> Timeouts:
+    """kvtransport's timeouts, with SGLang's ``SGLANG_DISAGGREGATION_*`` ones where the
+    kvtransport variable is not set: a deployment tuned for SGLang's backends keeps its settings."""
+    env = os.environ if env is None else env
+    timeouts = Timeouts.from_env(env)
+    changes = {
+        field: env_number(theirs, default, env=env)
+        for field, (theirs, default) in SGLANG_TIMEOUTS.items()
+        if not env.get(Timeouts.ENV[field], "").strip()
+    }
+    return dataclasses.replace(timeouts, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillInfo:
+    """What SGLang's decode scheduler reads from ``kv_manager.prefill_info_table[addr]``: how
+    many prefill DP ranks there are and whether a room picks its rank (``room % dp_size``)."""
+
+    dp_size: int
+    follow_bootstrap_room: bool
+    tp_size: int
+
 
 __all__ = [
     "KVTransferError",
@@ -148,7 +184,7 @@ class KVTransportKVManager(BaseKVManager):
             tp_size=self.tp_size,
             aux_item_lens=tuple(int(n) for n in getattr(args, "aux_item_lens", [])),
         )
-        self.timeouts = Timeouts.from_env()
+        self.timeouts = sglang_timeouts()
         self.endpoint = Endpoint(
             regions,
             layout,
@@ -158,6 +194,14 @@ class KVTransportKVManager(BaseKVManager):
         )
         self._peers: dict[tuple[str, int], Connection] = {}
         self._peers_lock = threading.Lock()
+        #: Decode: bootstrap address -> what the prefill instance there looks like (filled in
+        #: the background by :meth:`try_ensure_parallel_info`; SGLang reads it every loop).
+        self.prefill_info_table: dict[str, PrefillInfo] = {}
+        self._routes: dict[tuple[str, int], dict[str, Any]] = {}
+        self._lookups: dict[str, concurrent.futures.Future[None]] = {}
+        self._connects: dict[tuple[str, int], concurrent.futures.Future[Connection]] = {}
+        self._closing = threading.Event()  # stops the workers' registry lookups at teardown
+        self._workers = concurrent.futures.ThreadPoolExecutor(CONNECT_WORKERS, thread_name_prefix="kvtransport-sglang")
         self._bootstrap: BootstrapClient | None = None
         if self.mode == "prefill":
             try:
@@ -185,28 +229,81 @@ class KVTransportKVManager(BaseKVManager):
     def connection_to(self, bootstrap_addr: str, prefill_dp_rank: int) -> Connection:
         """Decode: the connection to the prefill rank serving this rank, made once and reused."""
         key = (bootstrap_addr, prefill_dp_rank)
+        with self._peers_lock:  # held for table look-ups only, never across the network
+            conn = self._peers.get(key)
+            route = self._routes.get(key)
+        if conn is not None and conn.alive:
+            return conn
+        if route is None:
+            route = BootstrapClient(bootstrap_addr).lookup(
+                prefill_dp_rank, self.tp_rank, self.timeouts.bootstrap, stop=self._closing
+            )
+        if route["tp_size"] != self.tp_size:
+            raise LayoutMismatch(
+                f"prefill runs TP={route['tp_size']}, this decode rank TP={self.tp_size}: kvtransport's "
+                "SGLang backend needs equal TP sizes on both sides (heterogeneous TP is not supported yet)"
+            )
+        try:
+            conn = self.endpoint.connect(route["address"], self.timeouts.connect)
+        except KVTransportError:
+            with self._peers_lock:  # a restarted rank registers anew: look it up next time
+                self._routes.pop(key, None)
+            raise
+        if conn.peer_endpoint != route["endpoint"]:
+            with self._peers_lock:
+                self._routes.pop(key, None)
+            # The address answered, with the secret, but it is not the rank the registry
+            # paired with this one: nothing of this rank's requests goes there.
+            conn.close("not the registered prefill rank")
+            raise ConnectError(
+                f"the endpoint at {route['address']} is {conn.peer_endpoint!r}; the bootstrap server at "
+                f"{bootstrap_addr} registers {route['endpoint']!r} for prefill rank dp={prefill_dp_rank} "
+                f"tp={self.tp_rank}"
+            )
+        with self._peers_lock:
+            old = self._peers.get(key)
+            if old is not None and old.alive:  # another thread got there first: keep one
+                conn.close("a second connection to the same prefill rank")
+                return old
+            self._peers[key] = conn
+        return conn
+
+    def connect_soon(self, bootstrap_addr: str, prefill_dp_rank: int) -> concurrent.futures.Future[Connection]:
+        """Decode: :meth:`connection_to` on a worker thread (a receiver's ``init`` must not block
+        the scheduler loop); one connect per peer at a time, its result shared."""
+        key = (bootstrap_addr, prefill_dp_rank)
         with self._peers_lock:
             conn = self._peers.get(key)
+            pending = self._connects.get(key)
             if conn is not None and conn.alive:
-                return conn
-            route = BootstrapClient(bootstrap_addr).lookup(prefill_dp_rank, self.tp_rank, self.timeouts.bootstrap)
-            if route["tp_size"] != self.tp_size:
-                raise LayoutMismatch(
-                    f"prefill runs TP={route['tp_size']}, this decode rank TP={self.tp_size}: kvtransport's "
-                    "SGLang backend needs equal TP sizes on both sides (heterogeneous TP is not supported yet)"
-                )
-            conn = self.endpoint.connect(route["address"], self.timeouts.connect)
-            if conn.peer_endpoint != route["endpoint"]:
-                # The address answered, with the secret, but it is not the rank the registry
-                # paired with this one: nothing of this rank's requests goes there.
-                conn.close("not the registered prefill rank")
-                raise ConnectError(
-                    f"the endpoint at {route['address']} is {conn.peer_endpoint!r}; the bootstrap server at "
-                    f"{bootstrap_addr} registers {route['endpoint']!r} for prefill rank dp={prefill_dp_rank} "
-                    f"tp={self.tp_rank}"
-                )
-            self._peers[key] = conn
-            return conn
+                done: concurrent.futures.Future[Connection] = concurrent.futures.Future()
+                done.set_result(conn)
+                return done
+            if pending is None or pending.done():
+                pending = self._connects[key] = self._workers.submit(self.connection_to, *key)
+            return pending
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """Decode (SGLang calls it about once a second while requests wait): whether
+        ``prefill_info_table[bootstrap_addr]`` is filled; never blocks (the registry lookup runs
+        on a worker). A prefill whose layout cannot serve this rank still gets an entry: each
+        request then fails with the reason, instead of SGLang's generic "could not fetch"."""
+        if bootstrap_addr in self.prefill_info_table:
+            return True
+        with self._peers_lock:
+            lookup = self._lookups.get(bootstrap_addr)
+            if lookup is None or (lookup.done() and lookup.exception() is not None):
+                if lookup is not None:
+                    log.debug("bootstrap lookup at %s failed: %s", bootstrap_addr, lookup.exception())
+                self._lookups[bootstrap_addr] = self._workers.submit(self._fetch_prefill_info, bootstrap_addr)
+        return bootstrap_addr in self.prefill_info_table
+
+    def _fetch_prefill_info(self, bootstrap_addr: str) -> None:
+        route = BootstrapClient(bootstrap_addr).lookup(0, self.tp_rank, PARALLEL_INFO_LOOKUP_S, stop=self._closing)
+        with self._peers_lock:
+            self._routes[(bootstrap_addr, 0)] = route
+        # One prefill DP rank: the registry pairs equal TP ranks (DP attention is issue 12).
+        self.prefill_info_table[bootstrap_addr] = PrefillInfo(1, True, int(route["tp_size"]))
 
     def paired_with(self, conn: Connection) -> str:
         """Prefill: "" when ``conn``'s peer is a decode rank the registry pairs with this rank
@@ -225,6 +322,8 @@ class KVTransportKVManager(BaseKVManager):
 
     def teardown(self) -> None:
         self._unregister()
+        self._closing.set()
+        self._workers.shutdown(wait=False, cancel_futures=True)
         self.endpoint.close()
 
     def _unregister(self) -> None:
@@ -263,6 +362,12 @@ def _poll_of(transfer: Transfer | None, failure: _Failure, before: int) -> int:
     return int(transfer.state)
 
 
+def _stop(transfer: Transfer | None, reason: str) -> None:
+    """Abort ``transfer`` if it still runs (the peer hears of it)."""
+    if transfer is not None and not transfer.state.final:
+        transfer.abort(reason)
+
+
 def _raise(room: int, failure: _Failure, transfer: Transfer | None) -> None:
     error = failure.error or (transfer.error if transfer is not None else None)
     reason = f"{type(error).__name__}: {error}" if error else "the transfer failed"
@@ -279,7 +384,7 @@ class KVTransportKVSender(BaseKVSender):
         bootstrap_room: int,
         req_has_disagg_prefill_dp_rank: bool = False,
     ) -> None:
-        self.mgr = mgr
+        self.mgr = self.kv_mgr = mgr  # SGLang reads ``kv_mgr`` (prefill.py metrics)
         self.bootstrap_addr = bootstrap_addr
         self.room = int(bootstrap_room)
         self.tag = str(self.room)
@@ -290,6 +395,11 @@ class KVTransportKVSender(BaseKVSender):
         self.sent = 0
         self._queued: list[tuple[np.ndarray[Any, Any], bool, int | None]] = []
         self._created = time.monotonic()
+
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
+        """A final chunk without pages still goes out: it carries the aux row and ends the
+        transfer (SGLang's base class would skip it, and decode would wait for it forever)."""
+        return num_pages > 0 or bool(last_chunk)
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         self.num_kv_indices = int(num_kv_indices)
@@ -333,10 +443,14 @@ class KVTransportKVSender(BaseKVSender):
                 self.transfer.abort("prefill cannot send state buffers")
             return
         pages = np.asarray(kv_indices, dtype=np.int64)
-        self.sent += int(pages.size)
         if self.num_kv_indices is None:
             self.failure.set(KVTransportError(f"send() on room {self.room} before init()"))
             return
+        if pages.size == 0 and self.sent >= self.num_kv_indices and self.num_kv_indices > 0:
+            # SGLang's final segment without new pages, after the chunk that completed the
+            # count went out as the last one (with the aux row): nothing is left to send.
+            return
+        self.sent += int(pages.size)
         last = self.sent >= self.num_kv_indices
         self._queued.append((pages, last, self.aux_index if last else None))
         self._bind()
@@ -351,6 +465,9 @@ class KVTransportKVSender(BaseKVSender):
         return state
 
     def failure_exception(self) -> None:
+        # SGLang frees the pages once it has the exception (also when another rank failed and
+        # the all-reduce made this one Failed): nothing of this room may still be moving.
+        _stop(self.transfer, f"room {self.room} failed on the prefill side")
         _raise(self.room, self.failure, self.transfer)
 
     def abort(self) -> None:
@@ -360,6 +477,7 @@ class KVTransportKVSender(BaseKVSender):
 
     def clear(self) -> None:
         self._queued.clear()
+        _stop(self.transfer, f"room {self.room} released by the prefill scheduler")
 
     def get_transfer_metric(self) -> KVTransferMetric:
         t = self.transfer
@@ -373,19 +491,32 @@ class KVTransportKVReceiver(BaseKVReceiver):
     """Decode side of one request (bootstrap room)."""
 
     def __init__(self, mgr: KVTransportKVManager, bootstrap_addr: str, bootstrap_room: int | None = None) -> None:
-        self.mgr = mgr
+        self.mgr = self.kv_mgr = mgr  # SGLang's decode reads ``kv_mgr`` on every failure
         self.bootstrap_addr = bootstrap_addr
         self.room = int(bootstrap_room or 0)
         self.tag = str(self.room)
         self.conn: Connection | None = None
+        self._connecting: concurrent.futures.Future[Connection] | None = None
         self.transfer: Transfer | None = None
         self.failure = _Failure()
 
     def init(self, prefill_dp_rank: int = 0) -> None:
+        """Starts the connection to the prefill rank and returns: ``poll`` says Bootstrapping
+        until it is up (the decode scheduler loop never waits for a handshake here)."""
+        self._connecting = self.mgr.connect_soon(self.bootstrap_addr, int(prefill_dp_rank or 0))
+        self._connected()
+
+    def _connected(self) -> None:
+        fut = self._connecting
+        if self.conn is not None or fut is None or not fut.done():
+            return
+        self._connecting = None
         try:
-            self.conn = self.mgr.connection_to(self.bootstrap_addr, int(prefill_dp_rank or 0))
+            self.conn = fut.result()
         except KVTransportError as exc:
             self.failure.set(exc)
+        except Exception as exc:  # noqa: BLE001 - a bug below must fail this request, not the scheduler
+            self.failure.set(ConnectError(f"connecting for room {self.room} failed: {type(exc).__name__}: {exc}"))
 
     def send_metadata(
         self,
@@ -397,6 +528,7 @@ class KVTransportKVReceiver(BaseKVReceiver):
     ) -> None:
         if self.failure.error is not None:
             return
+        self._connected()
         if self.conn is None:
             self.failure.set(ConnectError(f"send_metadata() on room {self.room} before a successful init()"))
             return
@@ -416,6 +548,7 @@ class KVTransportKVReceiver(BaseKVReceiver):
             self.failure.set(exc)
 
     def poll(self) -> int:
+        self._connected()
         if self.transfer is None and self.failure.error is None:
             if self.conn is None:
                 return int(KVPoll.Bootstrapping)
@@ -426,6 +559,7 @@ class KVTransportKVReceiver(BaseKVReceiver):
         return _poll_of(self.transfer, self.failure, int(KVPoll.WaitingForInput))
 
     def failure_exception(self) -> None:
+        _stop(self.transfer, f"room {self.room} failed on the decode side")
         _raise(self.room, self.failure, self.transfer)
 
     def abort(self) -> None:
@@ -434,8 +568,8 @@ class KVTransportKVReceiver(BaseKVReceiver):
         self.failure.set(TransferAborted(f"room {self.room} aborted by the decode scheduler"))
 
     def clear(self) -> None:
-        if self.transfer is not None and self.transfer.state.final:
-            self.transfer = None
+        _stop(self.transfer, f"room {self.room} released by the decode scheduler")
+        self.transfer = None
 
 
 class KVTransportKVBootstrapServer(BaseKVBootstrapServer):

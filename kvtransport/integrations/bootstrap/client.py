@@ -152,8 +152,9 @@ class BootstrapClient:
 
     # -- reads --------------------------------------------------------------------------------
 
-    def lookup(self, dp_rank: int, tp_rank: int, wait: float) -> dict[str, Any]:
-        """The route of prefill rank (dp, tp), retrying until it is registered or ``wait`` passes."""
+    def lookup(self, dp_rank: int, tp_rank: int, wait: float, stop: threading.Event | None = None) -> dict[str, Any]:
+        """The route of prefill rank (dp, tp), retrying until it is registered or ``wait`` passes
+        (or ``stop`` is set: its owner is shutting down)."""
         target = f"/route?dp_rank={dp_rank}&tp_rank={tp_rank}"
         deadline = time.monotonic() + wait
         last = ""
@@ -172,7 +173,10 @@ class BootstrapClient:
                     f"prefill rank dp={dp_rank} tp={tp_rank} did not appear at the bootstrap server {self.base} "
                     f"within {wait:g} s ({last})"
                 )
-            time.sleep(0.05)
+            if stop is not None and stop.wait(0.05):
+                raise ConnectError(f"stopped looking up prefill rank dp={dp_rank} tp={tp_rank} at {self.base}")
+            if stop is None:
+                time.sleep(0.05)
 
     def _exchange(
         self, method: str, target: str, body: bytes | None, headers: Mapping[str, str], deadline: float
