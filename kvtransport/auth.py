@@ -7,11 +7,11 @@ knowledge of it in both directions before either side reveals anything about its
 (docs/security.md has the full exchange and the reasons for HMAC over CurveZMQ):
 
 1. initiator -> acceptor ``auth``      {conn, nonce_i}            (plain)
-2. acceptor  -> initiator ``challenge`` {conn, nonce_a}            (plain)
-3. initiator -> acceptor ``proof``     {conn, HMAC(K, "initiator" | conn | nonce_i | nonce_a)}
-4. acceptor  -> initiator ``proof``     {conn, HMAC(K, "acceptor"  | conn | nonce_i | nonce_a)}
+2. acceptor  -> initiator ``challenge`` {conn, nonce_a}            (plain; a cookie, nothing kept)
+3. initiator -> acceptor ``proof``     {conn, nonce_i, nonce_a, HMAC(K, "initiator" | conn | nonce_i | nonce_a)}
+4. acceptor  -> initiator ``proof``     {conn, nonce_i, nonce_a, HMAC(K, "acceptor"  | conn | nonce_i | nonce_a)}
 5. from here every frame is *sealed* with a key of its direction derived from the same inputs:
-   ``0xC1 | seq (8 bytes) | HMAC(k_dir, seq | body) | body``; the receiver drops a frame whose
+   ``0xC1 | seq (8 bytes) | HMAC(k_dir, 0xC1 | seq | body) | body``; the receiver drops a frame whose
    MAC does not verify or whose sequence number is not above the last one it accepted.
 
 The initiator proves first, so an acceptor (the side a stranger on the network can reach)
@@ -47,8 +47,9 @@ ENV_SECRET = "KVTRANSPORT_SECRET"
 ENV_SECRET_FILE = "KVTRANSPORT_SECRET_FILE"
 ENV_INSECURE = "KVTRANSPORT_INSECURE"
 
-#: Shortest secret accepted: 16 bytes (128 bits) if it is random; a person's password is not.
-MIN_SECRET_BYTES = 16
+#: Shortest secret accepted: 32 characters (``secrets.token_hex(16)`` is 128 random bits); a
+#: person's password is not random, whatever its length.
+MIN_SECRET_BYTES = 32
 NONCE_BYTES = 32
 MAC_BYTES = 32
 #: First byte of a sealed frame; never the first byte of a msgpack document (0xC1 is unused).
@@ -83,7 +84,7 @@ class Secret:
     def from_bytes(cls, raw: bytes, source: str) -> Secret:
         if len(raw) < MIN_SECRET_BYTES:
             raise ConfigError(
-                f"the secret from {source} is {len(raw)} bytes; use at least {MIN_SECRET_BYTES} random bytes, "
+                f"the secret from {source} is {len(raw)} bytes; use at least {MIN_SECRET_BYTES} random characters, "
                 "e.g. the output of: python -c 'import secrets; print(secrets.token_hex(32))'"
             )
         return cls(hmac.digest(b"kvtransport deployment secret v1", raw, hashlib.sha256), source, True)
@@ -112,20 +113,24 @@ def load_secret(explicit: bytes | str | None = None, env: Mapping[str, str] | No
 
 
 def _read_secret_file(path: str) -> bytes:
+    """The secret in ``path``: a regular file (a symbolic link is followed, as Kubernetes
+    mounts a Secret), owned by this user or by root, that nobody else may write and that is
+    not readable by "other" (group read is allowed: a pod's ``fsGroup``)."""
+    real = os.path.realpath(path)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        fd = os.open(real, os.O_RDONLY)
     except OSError as exc:
         raise ConfigError(f"{ENV_SECRET_FILE}={path}: cannot open it ({exc.strerror})") from exc
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise ConfigError(f"{ENV_SECRET_FILE}={path} is not a regular file")
-        if info.st_uid != os.geteuid():
-            raise ConfigError(f"{ENV_SECRET_FILE}={path} belongs to uid {info.st_uid}, not to this user")
-        if info.st_mode & 0o077:
+        if info.st_uid not in (os.geteuid(), 0):
+            raise ConfigError(f"{ENV_SECRET_FILE}={path} belongs to uid {info.st_uid}, not to this user or root")
+        if info.st_mode & 0o027:
             raise ConfigError(
-                f"{ENV_SECRET_FILE}={path} is readable by others (mode {stat.S_IMODE(info.st_mode):o}); "
-                f"run: chmod 600 {path}"
+                f"{ENV_SECRET_FILE}={path} is readable by others or writable by its group "
+                f"(mode {stat.S_IMODE(info.st_mode):o}); run: chmod 600 {real}"
             )
         with os.fdopen(fd, "rb", closefd=False) as f:
             raw = f.read(1 << 16)
@@ -193,6 +198,40 @@ def proof_ok(secret: Secret, role: str, conn: str, nonce_i: bytes, nonce_a: byte
     return hmac.compare_digest(proof(secret, role, conn, nonce_i, nonce_a), mac)
 
 
+#: Largest unsealed frame worth decoding: the exchange's messages and a refusal are a few
+#: hundred bytes; a stranger's 4 MiB of nested msgpack would cost the I/O thread seconds.
+MAX_UNSEALED_BYTES = 1024
+_COOKIE = struct.Struct(">16sI12s")  # random, issue time (s), MAC: NONCE_BYTES in all
+
+
+class ChallengeCookies:
+    """The acceptor's nonce, made so that it keeps no state for a party that has not proved
+    the secret: ``nonce_a`` carries its issue time and a MAC (under a key of this endpoint only)
+    over the route, connection id and initiator's nonce it was issued for. The initiator's
+    proof echoes both nonces; the acceptor checks the cookie, then the proof, and only then
+    remembers anything. A flood of ``auth`` messages costs one HMAC each and no memory."""
+
+    def __init__(self) -> None:
+        self._key = os.urandom(32)
+
+    def _mac(self, route: bytes, conn: str, nonce_i: bytes, rand: bytes, issued: int) -> bytes:
+        data = b"".join(_SEQ.pack(len(p)) + p for p in (route, conn.encode(), nonce_i, rand, _SEQ.pack(issued)))
+        return hmac.digest(self._key, data, hashlib.sha256)[:12]
+
+    def issue(self, route: bytes, conn: str, nonce_i: bytes, now: float | None = None) -> bytes:
+        rand, issued = os.urandom(16), int(time.time() if now is None else now)
+        return _COOKIE.pack(rand, issued, self._mac(route, conn, nonce_i, rand, issued))
+
+    def valid(
+        self, route: bytes, conn: str, nonce_i: bytes, nonce_a: bytes, max_age: float, now: float | None = None
+    ) -> bool:
+        if len(nonce_a) != _COOKIE.size:
+            return False
+        rand, issued, mac = _COOKIE.unpack(nonce_a)
+        age = (time.time() if now is None else now) - issued
+        return -1 <= age <= max_age and hmac.compare_digest(mac, self._mac(route, conn, nonce_i, rand, issued))
+
+
 class Seal:
     """One session's message authentication, one key per direction. Not thread-safe: the
     endpoint's I/O thread seals and opens every frame of a session."""
@@ -213,6 +252,7 @@ class Seal:
         self.rejected = 0
 
     def seal(self, body: bytes) -> bytes:
+        """``0xC1 | seq | HMAC(k_dir, 0xC1 | seq | body) | body``."""
         self._send_seq += 1
         header = _HEADER.pack(SEALED, self._send_seq)
         mac = self._send_mac.copy()

@@ -34,7 +34,9 @@ from typing import Any
 import numpy as np
 
 from .auth import (
+    MAX_UNSEALED_BYTES,
     NONCE_BYTES,
+    ChallengeCookies,
     RateLimitedLog,
     Seal,
     Secret,
@@ -134,15 +136,16 @@ class _Context:
 
 
 class PendingAuth:
-    """Acceptor side of an authentication exchange on one route, until the peer's hello."""
+    """Acceptor side of a route whose initiator proved the secret, until its hello. (Before
+    the proof nothing is kept: the challenge is a cookie, see ``ChallengeCookies``.)"""
 
     __slots__ = ("conn", "nonce_a", "nonce_i", "seal", "timer")
 
-    def __init__(self, conn: str, nonce_i: bytes) -> None:
+    def __init__(self, conn: str, nonce_i: bytes, nonce_a: bytes, seal: Seal) -> None:
         self.conn = conn
         self.nonce_i = nonce_i
-        self.nonce_a = new_nonce()
-        self.seal: Seal | None = None  # set once the initiator's proof verified
+        self.nonce_a = nonce_a
+        self.seal = seal
         self.timer: Any = None
 
 
@@ -185,6 +188,7 @@ class Endpoint:
                 log.warning("kvtransport control plane %s", self.security)
         self._auth_log = RateLimitedLog(log)
         self._pending_auth: collections.OrderedDict[Route, PendingAuth] = collections.OrderedDict()
+        self._cookies = ChallengeCookies()
         self.timeouts = timeouts or Timeouts.from_env()
         self.limits = limits or Limits.from_env()
         self.max_run_bytes = max_run_bytes
@@ -491,6 +495,9 @@ class Endpoint:
             self._on_sealed(route, session, frame)
             return
         # Unsealed: only the authentication exchange (and a refusal) travels in the clear.
+        if len(frame) > MAX_UNSEALED_BYTES:
+            self._stranger(route, f"dropped an unsealed frame of {len(frame)} bytes from {self._describe(route)}")
+            return
         try:
             msg = decode(frame)
         except ProtocolError as exc:
@@ -596,25 +603,14 @@ class Endpoint:
     # -- authentication (docs/security.md; the primitives are in auth.py) ---------------------
 
     def _on_auth(self, route: Route, session: Session | None, msg: Message) -> None:
-        """Acceptor: a peer opens an exchange. It learns one fresh nonce, nothing else."""
+        """Acceptor: a peer opens an exchange. It learns one nonce (a cookie), nothing else, and
+        this side keeps nothing."""
         if session is not None or route[0] != "in" or route in self._pending_auth:
-            raise ProtocolError("auth on a route that already authenticates or carries a connection")
+            raise ProtocolError("auth on a route that already authenticated or carries a connection")
         if len(msg["nonce"]) != NONCE_BYTES:
             raise ProtocolError(f"auth nonce of {len(msg['nonce'])} bytes, expected {NONCE_BYTES}")
-        while len(self._pending_auth) >= self.limits.max_pending_handshakes:
-            # The oldest exchange goes: a flood of strangers cannot lock out a peer that answers
-            # its challenge within a round trip.
-            _, old = self._pending_auth.popitem(last=False)
-            self.channel.timers.cancel(old.timer)
-        entry = PendingAuth(msg["conn"], msg["nonce"])
-
-        def expire() -> None:
-            if self._pending_auth.get(route) is entry:
-                del self._pending_auth[route]
-
-        entry.timer = self.channel.timers.call_later(self.timeouts.connect, expire)
-        self._pending_auth[route] = entry
-        self.channel.send(route, encode("challenge", conn=entry.conn, nonce=entry.nonce_a))
+        nonce_a = self._cookies.issue(bytes(route[1]), msg["conn"], msg["nonce"])
+        self.channel.send(route, encode("challenge", conn=msg["conn"], nonce=nonce_a))
 
     def _on_challenge(self, session: Session, msg: Message) -> None:
         """Initiator: prove the secret, bound to both nonces and the connection id."""
@@ -623,37 +619,49 @@ class Endpoint:
             raise ProtocolError("unexpected challenge")
         session.nonce_a = nonce_a
         session.auth_step = "proof"
-        session.send(
-            "proof", conn=session.id, mac=proof(self.secret, "initiator", session.id, session.nonce_i, nonce_a)
-        )
+        mac = proof(self.secret, "initiator", session.id, session.nonce_i, nonce_a)
+        session.send("proof", conn=session.id, nonce_i=session.nonce_i, nonce_a=nonce_a, mac=mac)
 
     def _on_initiator_proof(self, route: Route, msg: Message) -> None:
-        """Acceptor: the initiator proved the secret (or not); prove it back."""
-        entry = self._pending_auth.get(route)
-        if entry is None or entry.seal is not None or msg["conn"] != entry.conn:
-            raise ProtocolError("proof without a challenge")
-        if not proof_ok(self.secret, "initiator", entry.conn, entry.nonce_i, entry.nonce_a, msg["mac"]):
-            del self._pending_auth[route]
-            self.channel.timers.cancel(entry.timer)
+        """Acceptor: the initiator proved the secret (or not); prove it back. Only a verified
+        initiator is remembered (until its hello, or the connect timeout)."""
+        conn, nonce_i, nonce_a = msg["conn"], msg["nonce_i"], msg["nonce_a"]
+        if route[0] != "in" or route in self._pending_auth:
+            raise ProtocolError("proof on a route that already authenticated")
+        if not self._cookies.valid(bytes(route[1]), conn, nonce_i, nonce_a, self.timeouts.connect):
+            raise ProtocolError("proof for a challenge this endpoint did not issue to this peer (or too old)")
+        if not proof_ok(self.secret, "initiator", conn, nonce_i, nonce_a, msg["mac"]):
             self._auth_log.warning(
                 "refused a connection from %s: authentication failed (its proof does not verify under this "
                 "endpoint's secret, %s: the peer has another KVTRANSPORT_SECRET, or none)",
                 self._describe(route),
                 self.secret.source,
             )
-            self.channel.send(route, encode("refuse", conn=entry.conn, reason=AUTH_FAILED))
+            self.channel.send(route, encode("refuse", conn=conn, reason=AUTH_FAILED))
             return
-        entry.seal = Seal(self.secret, entry.conn, entry.nonce_i, entry.nonce_a, initiator=False)
-        self.channel.send(
-            route,
-            encode(
-                "proof", conn=entry.conn, mac=proof(self.secret, "acceptor", entry.conn, entry.nonce_i, entry.nonce_a)
-            ),
-        )
+        while len(self._pending_auth) >= self.limits.max_pending_handshakes:
+            # Only holders of the secret get here: the oldest of them that never said hello goes.
+            _, old = self._pending_auth.popitem(last=False)
+            self.channel.timers.cancel(old.timer)
+        entry = PendingAuth(conn, nonce_i, nonce_a, Seal(self.secret, conn, nonce_i, nonce_a, initiator=False))
+
+        def expire() -> None:
+            if self._pending_auth.get(route) is entry:
+                del self._pending_auth[route]
+
+        entry.timer = self.channel.timers.call_later(self.timeouts.connect, expire)
+        self._pending_auth[route] = entry
+        mac = proof(self.secret, "acceptor", conn, nonce_i, nonce_a)
+        self.channel.send(route, encode("proof", conn=conn, nonce_i=nonce_i, nonce_a=nonce_a, mac=mac))
 
     def _on_acceptor_proof(self, session: Session, msg: Message) -> None:
         """Initiator: the acceptor proved the secret; only now does this side say who it is."""
-        if session.auth_step != "proof" or msg["conn"] != session.id:
+        if (
+            session.auth_step != "proof"
+            or msg["conn"] != session.id
+            or msg["nonce_i"] != session.nonce_i
+            or msg["nonce_a"] != session.nonce_a
+        ):
             raise ProtocolError("unexpected proof")
         if not proof_ok(self.secret, "acceptor", session.id, session.nonce_i, session.nonce_a, msg["mac"]):
             self._auth_log.warning(

@@ -58,8 +58,9 @@ SCHEMAS: dict[str, dict[str, Field]] = {
     "auth": {"conn": Text(64), "nonce": bytes},
     # acceptor -> initiator: the acceptor's fresh nonce
     "challenge": {"conn": Text(64), "nonce": bytes},
-    # either side, initiator first: HMAC of the secret over its role, the id and both nonces
-    "proof": {"conn": Text(64), "mac": bytes},
+    # either side, initiator first: both nonces echoed, and an HMAC of the secret over the
+    # sender's role, the id and both nonces
+    "proof": {"conn": Text(64), "nonce_i": bytes, "nonce_a": bytes, "mac": bytes},
     # initiator -> acceptor: open a connection
     "hello": {"conn": Text(64), "hello": dict, "regions": dict},
     # acceptor -> initiator: accepted, with the acceptor's hello and the decision it computed

@@ -52,7 +52,7 @@ MAX_INT = (1 << 62) - 1
 SCHEMA: dict[str, dict[str, type]] = {
     "auth": {"conn": str, "nonce": bytes},
     "challenge": {"conn": str, "nonce": bytes},
-    "proof": {"conn": str, "mac": bytes},
+    "proof": {"conn": str, "nonce_i": bytes, "nonce_a": bytes, "mac": bytes},
     "hello": {"conn": str, "hello": dict, "regions": dict},
     "welcome": {"conn": str, "hello": dict, "regions": dict, "decision": dict},
     "refuse": {"conn": str, "reason": str},
@@ -592,8 +592,11 @@ def authenticate(sock: zmq.Socket[bytes], secret: bytes, timeout: float = 10.0, 
     sock.send(message("auth", conn=conn, nonce=nonce_i))
     challenge = _expect_plain(sock, "challenge", timeout)
     nonce_a = challenge["nonce"]
-    sock.send(message("proof", conn=conn, mac=derive(key, b"proof initiator", conn.encode(), nonce_i, nonce_a)))
+    mac = derive(key, b"proof initiator", conn.encode(), nonce_i, nonce_a)
+    sock.send(message("proof", conn=conn, nonce_i=nonce_i, nonce_a=nonce_a, mac=mac))
     answer = _expect_plain(sock, "proof", timeout)
+    if (answer["nonce_i"], answer["nonce_a"]) != (nonce_i, nonce_a):
+        raise AuthRefused("the victim's proof echoes other nonces")
     if not hmac.compare_digest(answer["mac"], derive(key, b"proof acceptor", conn.encode(), nonce_i, nonce_a)):
         raise AuthRefused("the victim's proof does not verify")
     link = Link(key, conn, nonce_i, nonce_a)

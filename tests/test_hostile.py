@@ -1153,8 +1153,8 @@ IMPOSTORS: dict[str, tuple[str, Callable[[bytes], bytes], str]] = {
 #: name. The secret keeps strangers out (the "stranger" cases below); an insider is trusted by
 #: the trust model (docs/security.md, "what the secret cannot protect").
 INSIDER_ONLY_HOLES = {"nixl-ucx-renamed-agent"}
-#: Strangers: no secret at all, or a wrong one.
-STRANGERS = {"no-secret": None, "wrong-secret": b"not-the-deployment-secret-0123456789"}
+#: Strangers: no secret at all (the well-known key an endpoint without one uses), or a wrong one.
+STRANGERS = {"no-secret": b"", "wrong-secret": b"not-the-deployment-secret-0123456789"}
 
 
 @pytest.mark.parametrize(
@@ -1556,10 +1556,13 @@ def test_a_stranger_learns_nothing_and_changes_nothing(
     nonce_i = os.urandom(32)
     a.send(message("auth", conn=conn, nonce=nonce_i))
     challenge = a.wait_for(lambda m: m["t"] == "challenge", 10)
-    if secret is not None:
+    if secret:
         mac = derive(master_key(secret), b"proof initiator", conn.encode(), nonce_i, challenge["nonce"])
-        a.send(message("proof", conn=conn, mac=mac))
+        a.send(message("proof", conn=conn, nonce_i=nonce_i, nonce_a=challenge["nonce"], mac=mac))
     else:
+        # A hello without the exchange: a small one is refused, a full one (over the 1 KiB an
+        # unsealed frame may have) dropped unread.
+        a.send(message("hello", conn=conn, hello={}, regions={}))
         a.send(rig.legit_hello("stranger", conn=conn))
     a.wait_for(lambda m: m["t"] == "refuse", 10)
     forged = [
@@ -1607,7 +1610,11 @@ def test_a_kvtransport_endpoint_without_the_secret_is_refused(
     pool.fill(4242)
     try:
         with Endpoint(
-            pool.regions, pool.layout, drivers=driver_classes(driver), name="outsider", secret=STRANGERS[stranger]
+            pool.regions,
+            pool.layout,
+            drivers=driver_classes(driver),
+            name="outsider",
+            secret=STRANGERS[stranger] or None,
         ) as outsider:
             with pytest.raises(AuthenticationFailed, match="authentication failed"):
                 outsider.connect(rig.victim.address, timeout=10)

@@ -95,13 +95,21 @@ def test_the_secret_comes_from_the_environment_or_an_owner_only_file(tmp_path: P
     path.chmod(0o644)
     with pytest.raises(ConfigError, match=r"readable by others.*chmod 600"):
         load_secret(env={"KVTRANSPORT_SECRET_FILE": str(path)})
+    path.chmod(0o640)  # group read: a Kubernetes fsGroup
+    assert load_secret(env={"KVTRANSPORT_SECRET_FILE": str(path)}).authenticated
+    path.chmod(0o660)
+    with pytest.raises(ConfigError, match="writable by its group"):
+        load_secret(env={"KVTRANSPORT_SECRET_FILE": str(path)})
     path.chmod(0o600)
+    link = tmp_path / "mounted"  # Kubernetes mounts each key of a Secret as a symbolic link
+    link.symlink_to(path)
+    assert load_secret(env={"KVTRANSPORT_SECRET_FILE": str(link)}).key == env_secret.key
     from_file = load_secret(env={"KVTRANSPORT_SECRET_FILE": str(path)})
     assert from_file.key == env_secret.key, "a trailing newline in the file must not change the secret"
     with pytest.raises(ConfigError, match="both"):
         load_secret(env={"KVTRANSPORT_SECRET": SECRET.decode(), "KVTRANSPORT_SECRET_FILE": str(path)})
-    with pytest.raises(ConfigError, match="at least 16"):
-        load_secret(env={"KVTRANSPORT_SECRET": "short"})
+    with pytest.raises(ConfigError, match="at least 32"):
+        load_secret(env={"KVTRANSPORT_SECRET": "0123456789abcdef"})  # token_hex(8): 64 bits
     with pytest.raises(ConfigError, match="cannot open"):
         load_secret(env={"KVTRANSPORT_SECRET_FILE": str(tmp_path / "missing")})
 
@@ -189,7 +197,7 @@ def test_a_stranger_learns_a_nonce_and_authentication_failed_nothing_else() -> N
             assert len(obj["nonce"]) == 32 and obj["nonce"] != nonce_i
             # The wrong key: refused with three words. Then everything else a stranger can send.
             mac = derive(master_key(OTHER), b"proof initiator", conn.encode(), nonce_i, obj["nonce"])
-            sock.send(message("proof", conn=conn, mac=mac))
+            sock.send(message("proof", conn=conn, nonce_i=nonce_i, nonce_a=obj["nonce"], mac=mac))
             hello = message("hello", conn="c", hello={}, regions={})
             for frame in (hello, message("expect", tag="t", pages=b"\0" * 8, aux=-1), message("ping", seq=1)):
                 sock.send(frame)
@@ -305,3 +313,51 @@ def test_a_tag_belongs_to_the_connection_that_announced_it() -> None:
         assert b_pool.page_digests([3, 4]) == a_pool.page_digests([1, 2])
         assert c_pool.page_digests([5, 6]) != a_pool.page_digests([1, 2])
         assert prefill.stats()["tag_owners"] <= 1
+
+
+def test_a_flood_of_strangers_keeps_no_state_and_locks_nobody_out(caplog: pytest.LogCaptureFixture) -> None:
+    """A hundred stranger sockets send 5,000 ``auth`` messages while three members connect:
+    every connect succeeds (the challenge is a cookie: nothing is kept for a party that
+    has not proved the secret, so nothing of a member's can be evicted), and the acceptor holds
+    no pending state afterwards. A 4 MiB unsealed frame is dropped unread."""
+    import threading
+
+    with (
+        endpoint("prefill") as (prefill, a_pool),
+        endpoint("decode") as (decode, b_pool),
+        endpoint("decode-2") as (second, _),
+        endpoint("decode-3") as (third, _),
+    ):
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        try:
+            socks = [raw_socket(ctx, prefill.address) for _ in range(100)]
+            stop = threading.Event()
+
+            def flood() -> None:
+                for _ in range(50):
+                    for sock in socks:
+                        if stop.is_set():
+                            return
+                        sock.send(message("auth", conn=uuid.uuid4().hex, nonce=os.urandom(32)))
+
+            thread = threading.Thread(target=flood)
+            thread.start()
+            try:
+                conns = [ep.connect(prefill.address, timeout=10) for ep in (decode, second, third)]
+            finally:
+                stop.set()
+                thread.join()
+            assert all(c.alive for c in conns)
+            big = msgpack.packb({"v": 2, "t": "hello", "conn": "c", "hello": {"x": [[]] * (1 << 20)}, "regions": {}})
+            with caplog.at_level(logging.DEBUG, logger="kvtransport"):
+                socks[0].send(big)
+                deadline = time.monotonic() + 5
+                while not any("dropped an unsealed frame of" in r.getMessage() for r in caplog.records):
+                    assert time.monotonic() < deadline, "the oversized unsealed frame was not dropped"
+                    time.sleep(0.01)
+            assert prefill.stats()["pending_auth"] == 0
+            send = next(c for c in (prefill.accept(5) for _ in range(3)) if c.id == conns[0].id)
+            move(conns[0], send, "after-flood", [1], [2])
+            assert b_pool.page_digests([2]) == a_pool.page_digests([1])
+        finally:
+            ctx.destroy(0)

@@ -29,6 +29,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from typing import Any
 
 import numpy as np
@@ -67,6 +68,8 @@ SGLANG_TIMEOUTS = {
 #: Seconds one background registry lookup of ``try_ensure_parallel_info`` may take (SGLang
 #: asks again about once a second, 15 times).
 PARALLEL_INFO_LOOKUP_S = 5.0
+#: Seconds a receiver's registry lookup may wait for its prefill rank to appear.
+ROUTE_LOOKUP_S = 30.0
 #: Background connects (and registry lookups) at once, per manager.
 CONNECT_WORKERS = 4
 
@@ -189,7 +192,9 @@ class KVTransportKVManager(BaseKVManager):
             regions,
             layout,
             listen=f"tcp://{host}:0",
-            name=f"sglang-{self.mode}-dp{self.dp_rank}-tp{self.tp_rank}",
+            # The rank, and a part of its own: another instance's rank 0 (or this rank restarted)
+            # is another endpoint, which the decode side's check of the registry tells apart.
+            name=f"sglang-{self.mode}-dp{self.dp_rank}-tp{self.tp_rank}-{uuid.uuid4().hex[:8]}",
             timeouts=self.timeouts,
         )
         self._peers: dict[tuple[str, int], Connection] = {}
@@ -235,8 +240,10 @@ class KVTransportKVManager(BaseKVManager):
         if conn is not None and conn.alive:
             return conn
         if route is None:
+            # Bounded well below the bootstrap timeout: a dead registry must not hold one of the
+            # few workers for minutes (the receiver fails, SGLang may retry the request).
             route = BootstrapClient(bootstrap_addr).lookup(
-                prefill_dp_rank, self.tp_rank, self.timeouts.bootstrap, stop=self._closing
+                prefill_dp_rank, self.tp_rank, min(self.timeouts.bootstrap, ROUTE_LOOKUP_S), stop=self._closing
             )
         if route["tp_size"] != self.tp_size:
             raise LayoutMismatch(
