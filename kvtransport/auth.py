@@ -60,6 +60,11 @@ _PREFIX = b"kvtransport/1 "
 _NO_SECRET = b""
 
 
+def _framed(parts: tuple[bytes, ...]) -> bytes:
+    """``parts``, each length-prefixed, so that no two different inputs give the same bytes."""
+    return b"".join(_SEQ.pack(len(p)) + p for p in parts)
+
+
 @dataclass(frozen=True, repr=False)
 class Secret:
     """The deployment's key, derived from the secret (never the secret itself), and where it
@@ -73,12 +78,8 @@ class Secret:
         return f"Secret(source={self.source!r}, authenticated={self.authenticated})"
 
     def derive(self, label: bytes, *parts: bytes) -> bytes:
-        """A key or proof for one purpose (``label``) bound to ``parts``, length-prefixed so no
-        two different inputs collide."""
-        data = bytearray(_PREFIX + label)
-        for part in parts:
-            data += _SEQ.pack(len(part)) + part
-        return hmac.digest(self.key, bytes(data), hashlib.sha256)
+        """A key or proof for one purpose (``label``) bound to ``parts``."""
+        return hmac.digest(self.key, _PREFIX + label + _framed(parts), hashlib.sha256)
 
     @classmethod
     def from_bytes(cls, raw: bytes, source: str) -> Secret:
@@ -215,7 +216,7 @@ class ChallengeCookies:
         self._key = os.urandom(32)
 
     def _mac(self, route: bytes, conn: str, nonce_i: bytes, rand: bytes, issued: int) -> bytes:
-        data = b"".join(_SEQ.pack(len(p)) + p for p in (route, conn.encode(), nonce_i, rand, _SEQ.pack(issued)))
+        data = _framed((route, conn.encode(), nonce_i, rand, _SEQ.pack(issued)))
         return hmac.digest(self._key, data, hashlib.sha256)[:12]
 
     def issue(self, route: bytes, conn: str, nonce_i: bytes, now: float | None = None) -> bytes:

@@ -139,12 +139,10 @@ class PendingAuth:
     """Acceptor side of a route whose initiator proved the secret, until its hello. (Before
     the proof nothing is kept: the challenge is a cookie, see ``ChallengeCookies``.)"""
 
-    __slots__ = ("conn", "nonce_a", "nonce_i", "seal", "timer")
+    __slots__ = ("conn", "seal", "timer")
 
-    def __init__(self, conn: str, nonce_i: bytes, nonce_a: bytes, seal: Seal) -> None:
+    def __init__(self, conn: str, seal: Seal) -> None:
         self.conn = conn
-        self.nonce_i = nonce_i
-        self.nonce_a = nonce_a
         self.seal = seal
         self.timer: Any = None
 
@@ -643,7 +641,7 @@ class Endpoint:
             # Only holders of the secret get here: the oldest of them that never said hello goes.
             _, old = self._pending_auth.popitem(last=False)
             self.channel.timers.cancel(old.timer)
-        entry = PendingAuth(conn, nonce_i, nonce_a, Seal(self.secret, conn, nonce_i, nonce_a, initiator=False))
+        entry = PendingAuth(conn, Seal(self.secret, conn, nonce_i, nonce_a, initiator=False))
 
         def expire() -> None:
             if self._pending_auth.get(route) is entry:

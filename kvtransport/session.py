@@ -306,8 +306,8 @@ class Session:
         if self.phase is Phase.CLOSED:
             transfer._set(State.FAILED, self.error or PeerLost(f"peer {self.peer_label} is gone"))
             return False
-        owner = self.endpoint.tag_owners.get(transfer.tag)
-        if transfer.role == SEND and owner is not None and owner is not self:
+        owner = self.tag_owned_elsewhere(transfer.tag)
+        if transfer.role == SEND and owner is not None:
             transfer._set(
                 State.FAILED,
                 KVTransportError(
@@ -329,7 +329,7 @@ class Session:
         self.transfers[transfer.tag] = transfer
         transfer.filed = True
         if transfer.role == SEND:
-            self.endpoint.tag_owners[transfer.tag] = self
+            self.claim_tag(transfer.tag)
         reason = self.early_aborts.pop(transfer.tag, None)
         if reason is not None:
             transfer._set(
@@ -397,10 +397,14 @@ class Session:
         if owners.get(tag) is self and not self.holds_tag(tag):
             del owners[tag]
 
-    def _claim_tag(self, tag: str) -> Session | None:
-        """Claim ``tag`` for this session; the session that owns it already, if another."""
-        owner = self.endpoint.tag_owners.setdefault(tag, self)
+    def tag_owned_elsewhere(self, tag: str) -> Session | None:
+        """The other session that owns ``tag``, if one does."""
+        owner = self.endpoint.tag_owners.get(tag)
         return None if owner is self else owner
+
+    def claim_tag(self, tag: str) -> None:
+        """Own ``tag`` (callers checked :meth:`tag_owned_elsewhere` first)."""
+        self.endpoint.tag_owners[tag] = self
 
     def submitted(self, transfer: Transfer, bid: int, nbytes: int, last: bool) -> None:
         """A chunk was handed to the driver's thread (batch ``bid``; 0 for a chunk without runs)."""
@@ -489,8 +493,7 @@ class Session:
         ep, limits = self.endpoint, self.endpoint.limits
         size = len(msg["pages"])
         refusal = ""
-        owner = self.endpoint.tag_owners.get(tag)
-        if owner is not None and owner is not self:
+        if self.tag_owned_elsewhere(tag) is not None:
             # One tag, one receiver: a second announcement, from whoever, changes nothing.
             refusal = "this tag was announced by another connection"
         elif tag in self.early_expects:
@@ -507,7 +510,7 @@ class Session:
         if refusal:
             self.send("abort", tag=tag, reason=refusal)
             return
-        self._claim_tag(tag)
+        self.claim_tag(tag)
         self.early_expects[tag] = msg
         self.early_expect_bytes += size
         ep.early_expects_total += 1
@@ -589,12 +592,11 @@ class Session:
                 error=TransferAborted(f"transfer {t.tag!r} aborted by peer {self.peer_label}: {reason}"),
             )
             return
-        owner = self.endpoint.tag_owners.get(tag)
-        if owner is not None and owner is not self:
+        if self.tag_owned_elsewhere(tag) is not None:
             # Only the session that announced a tag can abort it: this one never did.
             log.debug("ignoring an abort for %r from %s: another connection owns it", tag, self.peer_label)
             return
-        self._claim_tag(tag)
+        self.claim_tag(tag)
         self.early_aborts[tag] = str(reason)
         self.pop_early_expect(tag)
         while len(self.early_aborts) > self.endpoint.limits.max_early_aborts:
@@ -633,10 +635,8 @@ class Session:
         for tag in list(self.early_expects):
             self.pop_early_expect(tag)
         self.early_aborts.clear()
-        owners = self.endpoint.tag_owners
-        for tag in owned:
-            if owners.get(tag) is self:
-                del owners[tag]
+        for tag in owned:  # nothing holds them any more
+            self.release_tag(tag)
         if self.connect_queued and self.runner is not None and self.driver is not None:
             driver = self.driver
             try:
