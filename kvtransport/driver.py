@@ -310,6 +310,14 @@ class KVTransport(ABC):
     def abort(self, handle: int) -> None:
         """Stop a batch and forget its handle (the core never polls it again)."""
 
+    def settled(self, handle: int) -> bool:
+        """After :meth:`abort`: ``True`` once no write of that batch can land in the peer's
+        memory any more. The core tells the receiver so (a serving engine may then reuse the
+        pages). The default suits engines whose abort stops the batch before it returns; one
+        that cannot cancel what it posted (Mooncake) answers ``False`` until it finished.
+        Never blocks; may forget the handle once it answered ``True``."""
+        return True
+
     @abstractmethod
     def pending(self) -> int:
         """Handles this driver still holds: in flight, or finished but not yet polled."""

@@ -206,6 +206,9 @@ class Endpoint:
         self._by_route: dict[Route, Session] = {}
         self._incoming: collections.deque[Session] = collections.deque()
         self._incoming_cv = threading.Condition()
+        #: Tags this side will never send (refused before their announcement arrived), with why;
+        #: bounded like early aborts, oldest forgotten first.
+        self.refused: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._warned: collections.OrderedDict[Any, None] = collections.OrderedDict()
         self._notices: collections.deque[tuple[str, bytes]] = collections.deque()
         self._batch_ids = itertools.count(1)
@@ -337,6 +340,27 @@ class Endpoint:
             return session.handle
         return None
 
+    def refuse(self, tag: str, reason: str) -> None:
+        """Sender side: nothing will ever be sent for ``tag``. A receiver that announced it hears
+        so now; one whose announcement is still on its way hears so the moment it arrives (a
+        serving engine may give up on a request before the other side has asked for it).
+        Returns at once; remembered for the last ``max_early_aborts`` tags refused."""
+
+        def run() -> None:
+            owner = self.tag_owners.get(tag)
+            if owner is not None and owner.pop_early_expect(tag) is not None:
+                owner.send("abort", tag=tag, reason=reason)
+                owner.send_drained(tag)  # nothing of it was ever written
+                return
+            if owner is not None:
+                return  # already a live transfer: its sender aborts it
+            self.refused.pop(tag, None)
+            self.refused[tag] = reason
+            while len(self.refused) > self.limits.max_early_aborts:
+                self.refused.popitem(last=False)
+
+        self.call(run)
+
     @property
     def connections(self) -> dict[str, Connection]:
         """A snapshot of the live connections, by id."""
@@ -356,6 +380,8 @@ class Endpoint:
             "early_expects": self.early_expects_total,
             "early_expect_bytes": self.early_expect_bytes_total,
             "early_aborts": sum(len(s.early_aborts) for s in sessions),
+            "refused": len(self.refused),
+            "awaiting_drain": sum(len(s.awaiting_drain) for s in sessions),
             "tag_owners": len(self.tag_owners),
             "timers": len(self.channel.timers),
             "dealers": self.channel.dealer_count,
@@ -719,6 +745,8 @@ class Endpoint:
             session.on_done(msg)
         elif kind == "abort":
             session.on_abort(msg)
+        elif kind == "drained":
+            session.on_drained(msg)
         elif kind == "notice":
             session.on_notice(msg)
         elif kind == "bye":

@@ -35,7 +35,7 @@ from .inbound import InboundGuard
 from .memory import KVLayout, RegionSet
 from .plan import Runs, as_pages, check_pages, check_unique, plan
 from .transfer import RECV, SEND, State, Transfer
-from .wire import Message, encode
+from .wire import MAX_INT, Message, encode
 
 if TYPE_CHECKING:
     from .auth import Seal
@@ -116,9 +116,12 @@ class Connection:
         """A snapshot of the transfers filed under their tags now."""
         return dict(self._session.transfers)
 
-    def expect(self, tag: str, dst_pages: Any, *, aux: int | None = None) -> Transfer:
-        """Receiver: pages of transfer ``tag`` go to ``dst_pages`` (and aux slot ``aux``)."""
-        return self._session.expect(tag, dst_pages, aux)
+    def expect(self, tag: str, dst_pages: Any, *, aux: int | None = None, prefix: int = 0) -> Transfer:
+        """Receiver: pages of transfer ``tag`` go to ``dst_pages`` (and aux slot ``aux``).
+        ``prefix`` tells the sender how much of the sequence this side holds already (its
+        ``Transfer.peer_prefix``; the unit is the application's): ``dst_pages`` are for what
+        follows it."""
+        return self._session.expect(tag, dst_pages, aux, prefix)
 
     def sender(self, tag: str) -> Transfer:
         """Sender: the transfer ``tag``; it waits for the receiver's announcement."""
@@ -126,6 +129,14 @@ class Connection:
 
     def transfer(self, tag: str) -> Transfer | None:
         return self._session.transfers.get(tag)
+
+    def abort(self, tag: str, reason: str) -> None:
+        """Fail transfer ``tag`` on this connection, or, if this side has not created it (a
+        receiver that gives up before announcing its pages), tell the peer that nothing of it
+        is wanted: its sender fails at once, now or when it is created. Returns at once."""
+        _check_tag(tag)
+        session = self._session
+        session.endpoint.call(lambda: session.abort_tag(tag, reason))
 
     def close(self, reason: str = "closed by the caller") -> None:
         """End this connection: the peer is told (``bye``), its transfers here fail with
@@ -173,6 +184,11 @@ class Session:
         self.transfers: dict[str, Transfer] = {}
         self.early_expects: collections.OrderedDict[str, Message] = collections.OrderedDict()
         self.early_aborts: collections.OrderedDict[str, str] = collections.OrderedDict()
+        #: Sender: failed tags whose aborted batches may still be writing (``drained`` follows).
+        self.settling: set[str] = set()
+        #: Receiver: failed transfers whose pages were announced and whose sender has not yet
+        #: confirmed its writes stopped; kept past ``retain_finished`` (bounded like early aborts).
+        self.awaiting_drain: collections.OrderedDict[str, Transfer] = collections.OrderedDict()
         self.early_expect_bytes = 0
         self.guard: InboundGuard | None = None
         self.heartbeat: Timer | None = None
@@ -200,10 +216,12 @@ class Session:
 
     # -- caller threads ------------------------------------------------------------------------
 
-    def expect(self, tag: str, dst_pages: Any, aux: int | None) -> Transfer:
+    def expect(self, tag: str, dst_pages: Any, aux: int | None, prefix: int = 0) -> Transfer:
         ep = self.endpoint
         what = f"transfer {tag!r} destination"
         _check_tag(tag)
+        if isinstance(prefix, bool) or not isinstance(prefix, int | np.integer) or not 0 <= prefix <= MAX_INT:
+            raise KVTransportError(f"{what}: prefix {prefix!r} must be a whole number in [0, 2**62)")
         pages = as_pages(dst_pages, what)
         check_pages(pages, ep.regions.num_pages, what)
         check_unique(pages, what)
@@ -220,7 +238,7 @@ class Session:
                 self.guard = InboundGuard(ep.regions)
             self.guard.add(pages, aux_index)
             ep.receiving(self, +1)
-            self.send("expect", tag=tag, pages=pages.tobytes(), aux=aux_index)
+            self.send("expect", tag=tag, pages=pages.tobytes(), aux=aux_index, prefix=int(prefix))
 
         ep.call(announce)
         return transfer
@@ -347,6 +365,8 @@ class Session:
         timers = ep.channel.timers
         timers.cancel(t.timer)
         t.timer = None
+        if t.state is State.FAILED and t.role == RECV and t.announced is None:
+            t.drained.set()  # it failed before its pages were announced: nobody could write them
         if not t.filed:
             return
         if t.state.final:
@@ -357,6 +377,11 @@ class Session:
                 if t.state is State.SUCCESS:
                     guard.remove(pages, aux)
                 else:
+                    if not t.drained.is_set():
+                        self.awaiting_drain.pop(t.tag, None)
+                        self.awaiting_drain[t.tag] = t
+                        while len(self.awaiting_drain) > ep.limits.max_early_aborts:
+                            self.awaiting_drain.popitem(last=False)
                     # Chunks the sender had on the wire may still arrive: recognised, not written.
                     guard.revoke(pages, aux)
                     timers.call_later(self.timeouts.retain_finished, lambda: guard.forget_revoked(pages, aux))
@@ -448,17 +473,44 @@ class Session:
     ) -> None:
         if transfer.state.final:
             return
+        tag, sending = transfer.tag, transfer.role == SEND
         batches, transfer.batches = transfer.batches, set()
+        settling = False
         if batches and self.runner is not None:
             try:
-                self.runner.call(lambda: self._driver_abort(batches))
-            except KVTransportError as exc:
+                self.runner.call(lambda: self._driver_abort(batches, tag if sending else None))
+                settling = sending
+            except KVTransportError as exc:  # the driver is closed: its close() drained it
                 log.debug("abort of %d batches not queued: %s", len(batches), exc)
         if error is None:
             error = TransferAborted(f"transfer {transfer.tag!r} aborted {'locally' if local else ''}: {reason}")
         transfer._set(State.FAILED, error)
         if notify and self.phase is Phase.READY:
             self.send("abort", tag=transfer.tag, reason=reason)
+        if settling:
+            self.settling.add(tag)
+        elif sending:
+            self.send_drained(tag)  # nothing of it is in flight
+
+    def abort_tag(self, tag: str, reason: str) -> None:
+        t = self.transfers.get(tag)
+        if t is not None:
+            self.abort(t, reason, notify=True, local=True)
+        elif self.phase is Phase.READY:
+            self.send("abort", tag=tag, reason=reason)
+
+    def send_drained(self, tag: str) -> None:
+        if self.phase is Phase.READY:
+            self.send("drained", tag=tag)
+
+    def settled(self, tag: str, error: KVTransportError | None) -> None:
+        """I/O thread: the aborted batches of ``tag`` can no longer write (or the driver could
+        not say: then the receiver is not told, and falls back on its own timeout)."""
+        self.settling.discard(tag)
+        if error is not None:
+            log.warning("%s: cannot confirm that aborted writes of %r stopped: %s", self.peer_label, tag, error)
+            return
+        self.send_drained(tag)
 
     # -- I/O thread: messages ------------------------------------------------------------------
 
@@ -484,7 +536,7 @@ class Session:
         except InvalidPages as exc:
             self.abort(t, str(exc), notify=True, error=exc)
             return
-        t.dst_pages, t.dst_aux = pages, int(msg["aux"])
+        t.dst_pages, t.dst_aux, t.peer_prefix = pages, int(msg["aux"]), int(msg["prefix"])
         t._set(State.WAITING_FOR_INPUT)
 
     def _keep_early_expect(self, tag: str, msg: Message) -> None:
@@ -493,7 +545,9 @@ class Session:
         ep, limits = self.endpoint, self.endpoint.limits
         size = len(msg["pages"])
         refusal = ""
-        if self.tag_owned_elsewhere(tag) is not None:
+        if tag in ep.refused:
+            refusal = ep.refused.pop(tag)
+        elif self.tag_owned_elsewhere(tag) is not None:
             # One tag, one receiver: a second announcement, from whoever, changes nothing.
             refusal = "this tag was announced by another connection"
         elif tag in self.early_expects:
@@ -509,6 +563,9 @@ class Session:
             refusal = f"{ep.name} holds {ep.early_expect_bytes_total} bytes of announcements nobody sends for yet"
         if refusal:
             self.send("abort", tag=tag, reason=refusal)
+            # Nothing was ever written for this announcement (a peer's transfer still running
+            # ignores it: only a failed one takes the confirmation).
+            self.send_drained(tag)
             return
         self.claim_tag(tag)
         self.early_expects[tag] = msg
@@ -585,6 +642,8 @@ class Session:
         tag, reason = msg["tag"], msg["reason"]
         t = self.transfers.get(tag)
         if t is not None:
+            if t.role == SEND and t.state is State.SUCCESS:
+                self.send_drained(tag)  # every write of it completed
             self.abort(
                 t,
                 f"aborted by peer {self.peer_label}: {reason}",
@@ -602,6 +661,24 @@ class Session:
         while len(self.early_aborts) > self.endpoint.limits.max_early_aborts:
             dropped, _ = self.early_aborts.popitem(last=False)
             self.release_tag(dropped)
+        if tag not in self.settling:
+            self.send_drained(tag)  # this side never wrote (or no longer writes) anything of it
+
+    def on_drained(self, msg: Message) -> None:
+        t = self.awaiting_drain.pop(msg["tag"], None) or self.transfers.get(msg["tag"])
+        if t is None or t.role != RECV or not t.state.final:
+            # Forgotten already (the engine fell back on its own timeout), ours to send, or still
+            # running (a sender confirms only after the abort it sent first): nothing to learn.
+            log.debug("drained for %r from %s ignored", msg["tag"], self.peer_label)
+            return
+        if self.two_sided and self.runner is not None:
+            # Copies into our pages are this side's own work: wait until they are idle too.
+            try:
+                self.runner.call(lambda: self._driver_watch_drained(t))
+                return
+            except KVTransportError:
+                pass  # the driver is closed: none of its copies runs any more
+        t.drained.set()
 
     def on_notice(self, msg: Message) -> None:
         if not self.two_sided:
@@ -631,6 +708,7 @@ class Session:
             timers.cancel(t.timer)
             t.filed = False
         self.transfers.clear()
+        self.awaiting_drain.clear()
         owned += [*self.early_expects, *self.early_aborts]
         for tag in list(self.early_expects):
             self.pop_early_expect(tag)
@@ -667,9 +745,12 @@ class Session:
 
         runner.watch(("batch", handle), check, lambda _, error: self.batch_finished(transfer, bid, error))
 
-    def _driver_abort(self, batches: set[int]) -> None:
+    def _driver_abort(self, batches: set[int], tag: str | None = None) -> None:
+        """Abort ``batches``; with a ``tag``, then watch until the driver says none of them can
+        write any more and tell the I/O thread (which tells the receiver)."""
         driver, runner = self.driver, self.runner
         assert driver is not None and runner is not None
+        aborted: list[int] = []
         for bid in batches:
             handle = self._handles.pop(bid, None)
             if handle is None:
@@ -677,8 +758,26 @@ class Session:
             runner.unwatch(("batch", handle))
             try:
                 driver.abort(handle)
+                aborted.append(handle)
             except Exception:
                 log.exception("%s: abort of batch %d failed", runner.name, handle)
+        if tag is None:
+            return
+
+        def quiet() -> bool:
+            aborted[:] = [h for h in aborted if not driver.settled(h)]
+            return not aborted
+
+        runner.watch(("settle", self.id, id(batches)), quiet, lambda _, error: self.settled(tag, error))
+
+    def _driver_watch_drained(self, t: Transfer) -> None:
+        driver, runner = self.driver, self.runner
+        assert driver is not None and runner is not None
+        runner.watch(
+            ("drained", self.id, id(t)),
+            lambda: driver.inbound_idle(self.id),
+            lambda _, error: t.drained.set() if error is None else None,
+        )
 
     def _driver_watch_inbound(self, t: Transfer) -> None:
         driver, runner = self.driver, self.runner

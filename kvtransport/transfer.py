@@ -65,6 +65,11 @@ class Transfer:
         self.batches: set[int] = set()  # batch ids in the driver, not finished yet
         self.bytes = 0
         self.peer_done = False  # receiver: the sender said every byte was written
+        self.peer_prefix = 0  # sender: how much the receiver holds already (its announcement)
+        #: Receiver: set once nothing of this transfer can be written into the announced pages
+        #: any more: it succeeded, or it failed and the sender confirmed its writes settled
+        #: (``drained``). A serving engine frees the pages of a failed request only then.
+        self.drained = threading.Event()
         self.announced: npt.NDArray[np.int64] | None = None  # receiver: pages it announced
         self.announced_aux = -1
         self.filed = False  # filed under its tag in the session
@@ -122,6 +127,8 @@ class Transfer:
         if state.final:
             self.finished = self._since
         self._session.state_changed(self)
+        if state is State.SUCCESS and self.role == RECV:
+            self.drained.set()  # every write of it completed
         if state.final:
             self._final.set()
         return True

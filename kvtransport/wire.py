@@ -67,12 +67,17 @@ SCHEMAS: dict[str, dict[str, Field]] = {
     "welcome": {"conn": Text(64), "hello": dict, "regions": dict, "decision": dict},
     # acceptor -> initiator: refused, with the reason
     "refuse": {"conn": Text(64), "reason": Text()},
-    # receiver -> sender: pages of transfer ``tag`` go to these destination pages (aux -1: none)
-    "expect": {"tag": Text(256), "pages": bytes, "aux": Int(-1)},
+    # receiver -> sender: pages of transfer ``tag`` go to these destination pages (aux -1: none);
+    # ``prefix``: how much of the sequence the receiver holds already (the application's unit;
+    # SGLang: decode_prefix_len tokens), so the sender sends only what follows
+    "expect": {"tag": Text(256), "pages": bytes, "aux": Int(-1), "prefix": Int()},
     # sender -> receiver: every byte of ``tag`` is in place
     "done": {"tag": Text(256), "bytes": Int()},
     # either side: the transfer failed or was aborted
     "abort": {"tag": Text(256), "reason": Text()},
+    # sender -> receiver, after a failure or abort of ``tag`` (or an abort of a tag it never
+    # sent): no write of it can land in the receiver's memory any more (its batches settled)
+    "drained": {"tag": Text(256)},
     # driver-to-driver payload for two-sided drivers
     "notice": {"payload": bytes},
     "ping": {"seq": Int()},

@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 
 # --- the wire schema, as read from kvtransport/wire.py (deliberately not imported) -----------
 
-VERSION = 2
+VERSION = 3
 LIMIT = 4 << 20  # DEFAULT_MAX_MESSAGE_BYTES
 #: Frames larger than this make zmq drop the connection (MAXMSGSIZE: the limit plus framing room):
 #: the attacker's DEALER reconnects with a new route, so a session on the old one is orphaned.
@@ -56,9 +56,10 @@ SCHEMA: dict[str, dict[str, type]] = {
     "hello": {"conn": str, "hello": dict, "regions": dict},
     "welcome": {"conn": str, "hello": dict, "regions": dict, "decision": dict},
     "refuse": {"conn": str, "reason": str},
-    "expect": {"tag": str, "pages": bytes, "aux": int},
+    "expect": {"tag": str, "pages": bytes, "aux": int, "prefix": int},
     "done": {"tag": str, "bytes": int},
     "abort": {"tag": str, "reason": str},
+    "drained": {"tag": str},
     "notice": {"payload": bytes},
     "ping": {"seq": int},
     "bye": {"reason": str},
@@ -1025,17 +1026,19 @@ def session_frames(r: random.Random, sender_tags: list[str], recv_tags: list[str
             else:
                 body = u64s(*r.sample(range(pages), r.randrange(1, 4)))
             aux = r.choice([-1, -1, 0, 1, 2**31, 2**63 - 1, 2**64 - 1, -(2**63), 10**6])
-            yield message("expect", tag=tag, pages=body, aux=aux)
+            yield message("expect", tag=tag, pages=body, aux=aux, prefix=0)
         elif k < 6:
             tag = r.choice([*recv_tags, "unknown-" + str(r.randrange(10**6))]) if recv_tags else "nobody"
             yield message("done", tag=tag, bytes=r.choice(EXTREME_INTS))
         elif k < 7:
             tag = r.choice([*sender_tags, "unknown-" + str(r.randrange(10**6))]) if sender_tags else "nobody"
             yield message("abort", tag=tag, reason=r.choice(["", "x" * 1000, "\x00"]))
+            if r.random() < 0.5:  # and its confirmation, or one for a live or unknown transfer
+                yield message("drained", tag=r.choice([tag, *recv_tags]) if recv_tags else tag)
         elif k < 8:
             yield message("ping", seq=r.choice(EXTREME_INTS))
         else:
-            yield message("expect", tag="early-" + str(r.randrange(10**6)), pages=r.randbytes(16), aux=-1)
+            yield message("expect", tag="early-" + str(r.randrange(10**6)), pages=r.randbytes(16), aux=-1, prefix=0)
 
 
 def near_limit(r: random.Random) -> bytes:

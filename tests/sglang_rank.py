@@ -48,6 +48,18 @@ def server_args(port: int, tp_size: int = 1) -> SimpleNamespace:
     return SimpleNamespace(host="127.0.0.1", disaggregation_bootstrap_port=port, tp_size=tp_size, device="cpu")
 
 
+class ForwardDoneAfter:
+    """What SGLang's prefill hands a sender under overlap scheduling (prefill.py,
+    maybe_send_cached_prefix_chunk): an event the previous forward records. Here the "forward"
+    ends ``seconds`` after the event is made; ``query()`` is all the backend may call."""
+
+    def __init__(self, seconds: float) -> None:
+        self.done_at = time.monotonic() + seconds
+
+    def query(self) -> bool:
+        return time.monotonic() >= self.done_at
+
+
 def run_scheduler(
     mgr: KVTransportKVManager, requests: list[dict[str, Any]], wait: bool, timeout: float
 ) -> dict[str, Any]:
@@ -58,6 +70,7 @@ def run_scheduler(
         s = KVTransportKVSender(mgr, f"127.0.0.1:{mgr.bootstrap_port}", r["room"])
         senders[r["room"]] = (s, r)
     sent: set[int] = set()
+    prefixes: dict[int, int] = {}
     states: dict[int, list[Any]] = {}
     deadline = time.monotonic() + timeout
     while len(states) < len(senders) and time.monotonic() < deadline:
@@ -66,15 +79,21 @@ def run_scheduler(
                 continue
             state = s.poll()
             if state == KVPoll.WaitingForInput and room not in sent:
+                prefixes[room] = s.pop_decode_prefix_len()  # as SGLang's finalize_bootstrap does
                 if r.get("abort"):
                     s.abort()
                 else:
                     s.init(sum(len(c) for c in r["chunks"]), r.get("aux"))
+                    if r.get("prefix_event_s"):
+                        s._early_send_wait_event = ForwardDoneAfter(r["prefix_event_s"])
                     for i, chunk in enumerate(r["chunks"]):
                         # As SGLang's prefill does (prefill.py, send_kv_chunk): ask the
                         # sender whether this segment goes out at all.
-                        if s.should_send_kv_chunk(len(chunk), i == len(r["chunks"]) - 1):
-                            s.send(chunk)
+                        last = i == len(r["chunks"]) - 1
+                        if s.should_send_kv_chunk(len(chunk), last):
+                            # SGLang passes the state list (here: no state types) with the last
+                            # segment only, and None with the others.
+                            s.send(chunk, [] if last else None)
                 sent.add(room)
                 if not wait:
                     states[room] = ["STARTED", ""]
@@ -88,6 +107,7 @@ def run_scheduler(
                 states[room] = ["SUCCESS" if state == KVPoll.Success else "FAILED", error]
                 metric = s.get_transfer_metric()
                 states[room].append(metric.transfer_total_bytes)
+                states[room].append(prefixes.get(room))
         time.sleep(0.001)
     for room in senders:
         states.setdefault(room, ["TIMEOUT", ""])

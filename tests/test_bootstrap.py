@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import secrets
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtransport.auth import Secret, load_secret
-from kvtransport.errors import AuthenticationFailed, ConfigError, ConnectError
+from kvtransport.errors import AuthenticationFailed, ConfigError, ConnectError, ProtocolError
 from kvtransport.integrations.bootstrap import BootstrapClient, BootstrapServer, sign_request
 
 SECRET = load_secret(secrets.token_hex(32))
@@ -215,7 +219,12 @@ def test_get_never_shows_the_owner(server: BootstrapServer) -> None:
         status, doc, data = call(server, "GET", target)
         assert status == 200
         assert c.owner.encode() not in data and b"owner" not in data
-    assert set(doc) == {"address", "tp_rank", "tp_size", "dp_rank", "endpoint", "expires_in"}
+    assert set(doc) == {
+        *("address", "tp_rank", "tp_size", "dp_rank", "endpoint", "expires_in"),
+        # what decode routes by, with their single-DP-rank defaults
+        *("dp_size", "follow_bootstrap_room", "page_size", "kv_cache_dtype"),
+    }
+    assert (doc["dp_size"], doc["follow_bootstrap_room"]) == (1, True)
     refused = signed(server, "PUT", "/route", {**route(), "owner": "f" * 32})[2]
     assert c.owner.encode() not in refused
     assert c.owner not in repr(c)
@@ -498,3 +507,106 @@ def test_a_non_loopback_bind_without_a_secret_is_refused(monkeypatch: pytest.Mon
     insecure = BootstrapServer("0.0.0.0", 0)
     assert insecure._server.socket.getsockname()[0] == "0.0.0.0"
     insecure.close()
+
+
+# -- registration before the registry is up ----------------------------------------------------
+
+
+def test_a_rank_that_starts_before_its_registry_registers_once_it_is_up() -> None:
+    # SGLang starts the registry beside the ranks: a rank may ask before anyone listens.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    c = BootstrapClient(f"127.0.0.1:{port}", timeout=0.2, secret=SECRET)
+    assert c.keep_registered(route(), interval=5, first_wait=0.2) is False
+    assert not c.registered.is_set()
+    time.sleep(0.3)
+    later = BootstrapServer("127.0.0.1", port, secret=SECRET, request_timeout=0.5)
+    try:
+        assert c.registered.wait(5), "the background registration never got through"
+        status, doc = lookup(later)
+        assert (status, doc["address"]) == (200, route()["address"])
+        c.unregister(timeout=1)
+        assert lookup(later)[0] == 404
+    finally:
+        c.close()
+        later.close()
+
+
+def test_a_refusal_at_start_up_raises_instead_of_retrying(server: BootstrapServer) -> None:
+    # A wrong secret is the operator's to fix: retrying in the background would hide it.
+    wrong = client(server, OTHER_SECRET)
+    with pytest.raises(AuthenticationFailed):
+        wrong.keep_registered(route(), first_wait=1)
+    assert lookup(server)[0] == 404
+
+
+# -- which DP rank took a room (SGLang's /register_dp_rank and /query_dp_ranks) ----------------
+
+
+def test_decode_learns_a_rooms_dp_rank_through_sglangs_own_query(server: BootstrapServer) -> None:
+    pytest.importorskip("sglang.srt.disaggregation.base.conn", reason="needs sglang==0.5.23")
+    pytest.importorskip("transformers", reason="needs SGLang's import-time dependencies")
+    c = client(server)
+    c.register_room(7, 1)
+    c.register_room(8, 0)
+    # SGLang's decode scheduler asks with its own client (decode.py, _resolve_pending_reqs),
+    # in a process of its own: its module needs the torchvision stand-in.
+    code = (
+        "import json, sys; from sglang.srt.disaggregation.common.conn import CommonKVReceiver as R; "
+        "print(json.dumps(R.query_prefill_dp_ranks(sys.argv[1], [7, 8, 9])))"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent / "stand_ins"), *sys.path])}
+    proc = subprocess.run(
+        [sys.executable, "-c", code, f"127.0.0.1:{server.port}"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"7": 1, "8": 0}
+
+
+def test_registering_a_room_needs_the_secret(server: BootstrapServer) -> None:
+    body = {"bootstrap_room": 5, "dp_rank": 1}
+    assert call(server, "POST", "/register_dp_rank", json.dumps(body).encode())[0] == 401
+    assert signed(server, "POST", "/register_dp_rank", body, secret=OTHER_SECRET)[0] == 401
+    assert call(server, "POST", "/query_dp_ranks", json.dumps({"bootstrap_rooms": [5]}).encode())[1] == {}
+    assert signed(server, "POST", "/register_dp_rank", body)[0] == 200
+    assert call(server, "POST", "/query_dp_ranks", json.dumps({"bootstrap_rooms": [5]}).encode())[1] == {"5": 1}
+
+
+@pytest.mark.parametrize(
+    "target, doc",
+    [
+        ("/register_dp_rank", {"bootstrap_room": -1, "dp_rank": 0}),
+        ("/register_dp_rank", {"bootstrap_room": 2**64, "dp_rank": 0}),
+        ("/register_dp_rank", {"bootstrap_room": "7", "dp_rank": 0}),
+        ("/register_dp_rank", {"bootstrap_room": 7, "dp_rank": True}),
+        ("/register_dp_rank", [7, 0]),
+        ("/query_dp_ranks", {"bootstrap_rooms": "7"}),
+        ("/query_dp_ranks", {"bootstrap_rooms": [1.5]}),
+        ("/query_dp_ranks", {"bootstrap_rooms": list(range(4097))}),
+    ],
+)
+def test_malformed_room_requests_get_400(server: BootstrapServer, target: str, doc: Any) -> None:
+    status, answer, _ = signed(server, "POST", target, doc)
+    assert status == 400, answer
+    assert_serves(server)
+
+
+def test_the_room_table_is_bounded_oldest_first(make_server: Callable[..., BootstrapServer]) -> None:
+    server = make_server(max_rooms=3)
+    c = client(server)
+    for room in range(5):
+        c.register_room(room, room % 2)
+    assert len(server.rooms) == 3
+    answer = call(server, "POST", "/query_dp_ranks", json.dumps({"bootstrap_rooms": list(range(5))}).encode())[1]
+    assert answer == {"2": 0, "3": 1, "4": 0}
+
+
+def test_routes_carry_the_instances_dp_layout(server: BootstrapServer) -> None:
+    c = client(server)
+    c.register({**route(), "dp_rank": 1, "dp_size": 2, "follow_bootstrap_room": False, "page_size": 64})
+    doc = c.lookup(1, 0, wait=1)
+    assert (doc["dp_size"], doc["follow_bootstrap_room"], doc["page_size"]) == (2, False, 64)
+    with pytest.raises(ProtocolError, match="dp_rank 2 is outside dp_size 2"):
+        c.register({**route(), "dp_rank": 2, "dp_size": 2})
+    assert call(server, "GET", "/health")[0] == 200

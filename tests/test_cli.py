@@ -15,7 +15,7 @@ from .conftest import require_engines, run_cli
 def test_doctor_json_is_a_hello_document() -> None:
     out = run_cli("doctor", "--json")
     doc = json.loads(out.stdout)
-    assert doc["protocol"]["name"] == "kvtransport" and doc["protocol"]["version"] == 2
+    assert doc["protocol"]["name"] == "kvtransport" and doc["protocol"]["version"] == 3
     assert {"cuda-local", "mooncake-gdr", "mooncake-staged", "nixl-ucx"} <= set(doc["drivers"])
     for entry in doc["drivers"].values():
         assert entry["status"] is None or entry["status"]["reason"]

@@ -17,6 +17,7 @@ from kvtransport.errors import (
     EngineError,
     InvalidPages,
     NegotiationError,
+    TransferAborted,
     TransferError,
     TransferTimeout,
 )
@@ -170,7 +171,7 @@ def test_garbage_on_the_control_port_does_not_disturb_other_peers(pair) -> None:
     before = [b.array.copy() for b in a_pool.buffers]
     for frame in (
         b"\xff" * 10,
-        msgpack.packb({"v": 2, "t": "expect", "tag": "x", "pages": b"\x00" * 8, "aux": -1}),
+        msgpack.packb({"v": 3, "t": "expect", "tag": "x", "pages": b"\x00" * 8, "aux": -1, "prefix": 0}),
         msgpack.packb({"v": 1, "t": "hello", "conn": "c", "hello": {"junk": 1}, "regions": {}}),
         msgpack.packb({"v": 9, "t": "ping", "seq": 1}),
         b"\xc1" + b"\x00" * 60,  # a seal from nobody
@@ -178,7 +179,7 @@ def test_garbage_on_the_control_port_does_not_disturb_other_peers(pair) -> None:
     ):
         sock.send(frame)
     # A hello from a peer that skipped authentication: refused, told nothing more.
-    sock.send(msgpack.packb({"v": 2, "t": "hello", "conn": "c", "hello": {"junk": 1}, "regions": {}}))
+    sock.send(msgpack.packb({"v": 3, "t": "hello", "conn": "c", "hello": {"junk": 1}, "regions": {}}))
     # An oversized frame makes zmq drop its sender's connection (MAXMSGSIZE), and with it any
     # answer still queued for that sender: it comes from a socket of its own.
     big = ctx.socket(zmq.DEALER)
@@ -186,14 +187,14 @@ def test_garbage_on_the_control_port_does_not_disturb_other_peers(pair) -> None:
     big.connect(prefill.address)
     big.send(b"x" * (5 << 20))
     refusal = msgpack.unpackb(sock.recv()) if sock.poll(2000) else None
-    assert refusal == {"v": 2, "t": "refuse", "conn": "c", "reason": "authentication failed"}
+    assert refusal == {"v": 3, "t": "refuse", "conn": "c", "reason": "authentication failed"}
     # Authenticated (the endpoints here run without a secret, on loopback: the well-known key),
     # a malformed hello is refused for what is wrong with it.
     insider = ctx.socket(zmq.DEALER)
     insider.setsockopt(zmq.LINGER, 0)
     insider.connect(prefill.address)
     link = authenticate(insider, b"", conn="c2")
-    insider.send(link.seal(msgpack.packb({"v": 2, "t": "hello", "conn": "c2", "hello": {"junk": 1}, "regions": {}})))
+    insider.send(link.seal(msgpack.packb({"v": 3, "t": "hello", "conn": "c2", "hello": {"junk": 1}, "regions": {}})))
     answer = link.open(insider.recv()) if insider.poll(2000) else None
     assert answer is not None
     refusal = msgpack.unpackb(answer)
@@ -219,7 +220,7 @@ def test_a_malicious_announcement_fails_only_that_transfer(pair) -> None:  # typ
 
     from kvtransport.wire import encode
 
-    data = encode("expect", tag="evil", pages=np.array([1, 10_000], dtype=np.int64).tobytes(), aux=-1)
+    data = encode("expect", tag="evil", pages=np.array([1, 10_000], dtype=np.int64).tobytes(), aux=-1, prefix=0)
     # Sealed in the session, as the peer itself would send it (an unsealed frame is dropped).
     decode.call(lambda: recv_conn._session.send_frame(data))
     with pytest.raises(InvalidPages, match="outside the registered range"):
@@ -359,3 +360,127 @@ def test_limits_refuse_what_exceeds_them_and_name_the_variable(monkeypatch: pyte
         assert a.stats()["sessions"] == 1
     for p in (a_pool, b_pool, c_pool):
         p.close()
+
+
+def test_a_refused_tag_fails_its_announcer_now_or_when_the_announcement_arrives(pair) -> None:  # type: ignore[no-untyped-def]
+    sender_ep, _, _, recv_conn, *_ = pair
+    # Announced already, nobody sending yet: the receiver hears at once.
+    announced = recv_conn.expect("announced", [1])
+    time.sleep(0.1)
+    sender_ep.refuse("announced", "the prefill scheduler gave up on it")
+    with pytest.raises(TransferAborted, match="gave up on it"):
+        announced.wait(2)
+    # Refused before the announcement left: the announcement is answered with the refusal.
+    sender_ep.refuse("later", "aborted before it was asked for")
+    time.sleep(0.1)
+    later = recv_conn.expect("later", [2])
+    with pytest.raises(TransferAborted, match="aborted before it was asked for"):
+        later.wait(2)
+    assert announced.drained.wait(2) and later.drained.wait(2)  # and nothing was written
+    # A tag is refused once: the table forgets it, and nothing is left behind.
+    deadline = time.monotonic() + 2
+    left = ("refused", "early_expects", "tag_owners")
+    while any(sender_ep.stats()[k] for k in left):
+        assert time.monotonic() < deadline, sender_ep.stats()
+        time.sleep(0.01)
+    again = recv_conn.expect("later", [3])
+    assert again.state is not State.FAILED  # waits for a sender, as any announcement does
+
+
+def test_refused_tags_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVTRANSPORT_MAX_EARLY_ABORTS", "8")
+    with endpoints() as (sender_ep, *_):
+        for i in range(50):
+            sender_ep.refuse(f"t{i}", "nobody")
+        deadline = time.monotonic() + 2
+        while list(sender_ep.refused)[:1] != ["t42"]:
+            assert time.monotonic() < deadline, list(sender_ep.refused)
+            time.sleep(0.01)
+        assert len(sender_ep.refused) == 8
+
+
+# -- "drained": after a failure, when no write of a transfer can land any more -----------------
+
+
+def test_a_receiver_learns_when_an_aborted_transfer_stopped_writing() -> None:
+    # The sender's engine keeps writing 0.6 s after an abort (Mooncake cannot cancel what it
+    # posted): the receiver's pages are free of writes only then, and it is told so.
+    with endpoints({"fake.lose": "1", "fake.settle": "0.6"}) as (_, _, send_conn, recv_conn, _, _):
+        r = recv_conn.expect("busy", [1, 2])
+        t = send_conn.sender("busy")
+        ready(t)
+        t.send([3, 4])
+        time.sleep(0.05)  # the batch is in flight
+        start = time.monotonic()
+        r.abort("the decode scheduler freed the request")
+        with pytest.raises(TransferAborted):
+            t.wait(2)
+        assert r.state is State.FAILED and not r.drained.is_set()
+        assert r.drained.wait(5), "the sender never confirmed its writes stopped"
+        assert time.monotonic() - start >= 0.5
+
+
+@pytest.mark.parametrize("who", ["receiver", "sender"])
+def test_drained_comes_at_once_when_nothing_was_in_flight(pair, who: str) -> None:  # type: ignore[no-untyped-def]
+    _, _, send_conn, recv_conn, *_ = pair
+    r = recv_conn.expect(f"idle-{who}", [5])
+    t = send_conn.sender(f"idle-{who}")
+    ready(t)
+    (r if who == "receiver" else t).abort("given up")
+    assert r.drained.wait(2)
+    for side in (r, t):
+        with pytest.raises(TransferAborted):
+            side.wait(2)
+
+
+def test_a_successful_transfer_is_drained_and_a_late_abort_changes_nothing(pair) -> None:  # type: ignore[no-untyped-def]
+    _, _, send_conn, recv_conn, *_ = pair
+    r = recv_conn.expect("fine", [6])
+    t = send_conn.sender("fine")
+    ready(t)
+    t.send([6])
+    assert r.wait(5) is State.SUCCESS and r.drained.is_set()
+
+
+def test_a_transfer_that_failed_before_its_announcement_left_is_drained() -> None:
+    with endpoints() as (_, _, send_conn, recv_conn, _, _):
+        send_conn.sender("gone").abort("the prefill gave up first")
+        time.sleep(0.2)
+        r = recv_conn.expect("gone", [7])  # the early abort fails it before anything is announced
+        with pytest.raises(TransferAborted):
+            r.wait(2)
+        assert r.drained.is_set()
+
+
+def test_a_drained_claim_for_a_live_transfer_is_ignored(pair) -> None:  # type: ignore[no-untyped-def]
+    # Only a sender's confirmation after its own abort counts: a peer cannot declare a running
+    # transfer's pages free.
+    prefill, _, send_conn, recv_conn, *_ = pair
+    r = recv_conn.expect("live", [8])
+    t = send_conn.sender("live")
+    ready(t)
+    session = prefill.sessions[send_conn.id]
+    prefill.call(lambda: session.send("drained", tag="live"))
+    time.sleep(0.3)
+    assert not r.drained.is_set() and r.state is State.WAITING_FOR_INPUT
+    t.send([8])
+    assert r.wait(5) is State.SUCCESS
+
+
+def test_a_late_drain_confirmation_still_reaches_a_forgotten_transfer() -> None:
+    # The failed transfer is forgotten after retain_finished (0.2 s here) but its sender's writes
+    # settle only after 0.8 s: the confirmation still reaches it, and nothing is left behind.
+    timeouts = Timeouts(
+        connect=5, bootstrap=5, waiting=5, transfer=5, heartbeat_interval=0.1, heartbeat_timeout=2, retain_finished=0.2
+    )
+    with endpoints({"fake.lose": "1", "fake.settle": "0.8"}, timeouts) as (_, decode, send_conn, recv_conn, _, _):
+        r = recv_conn.expect("slow-drain", [1])
+        t = send_conn.sender("slow-drain")
+        ready(t)
+        t.send([2])
+        time.sleep(0.05)
+        r.abort("freed")
+        time.sleep(0.4)
+        assert recv_conn.transfer("slow-drain") is None and decode.stats()["awaiting_drain"] == 1
+        assert r.drained.wait(5)
+        assert decode.stats()["awaiting_drain"] == 0

@@ -752,6 +752,7 @@ def fuzz(rig: Rig, total: int, *, staged: bool) -> None:
                     tag=tag,
                     pages=u64s(r.randrange(PAGES)),
                     aux=r.choice([-1, 2**64 - 1, 2**63, 3, -(2**63), 2**62 - 1, AUX]),
+                    prefix=r.choice([0, 0, 5, 2**62 - 1, 2**62, -1]),
                 )
                 if to_session(frame) == "live" and well_formed(frame) is not None:
                     expected_out.add(tag)
@@ -772,7 +773,7 @@ def fuzz(rig: Rig, total: int, *, staged: bool) -> None:
         # near the size limit: a few per batch (each is 4 MiB), on every kind of route
         spray[id(r.choice(sprayers))].append(near_limit(r))
         to_session(near_limit(r))
-        to_session(message("expect", tag=f"{label}-huge", pages=b"\x00" * (LIMIT - 200), aux=-1))
+        to_session(message("expect", tag=f"{label}-huge", pages=b"\x00" * (LIMIT - 200), aux=-1, prefix=0))
 
         # phase 1: what the session survives, and the sprayers
         t0 = time.monotonic()
@@ -1005,14 +1006,14 @@ def test_expect_with_an_aux_slot_out_of_range(aux: int, rig_factory: Callable[..
     rig = rig_factory("fake", private=False)
     s = rig.session("atk", senders=1)
     tag = s.sender_tags[0]
-    rig.send(s.attacker, [message("expect", tag=tag, pages=u64s(1), aux=aux)])
+    rig.send(s.attacker, [message("expect", tag=tag, pages=u64s(1), aux=aux, prefix=0)])
     rig.sync(s.attacker, f"expect aux={aux}", timeout=10)
     state = rig.victim.ok("state", tags=[tag])["states"][tag]
     if -1 <= aux <= 2**62 - 1:
         assert state[:2] == ["FAILED", "InvalidPages"], f"an expect with aux slot {aux} left its transfer {state}"
     else:
         assert state[0] == "BOOTSTRAPPING", f"a malformed expect (aux {aux}) moved its transfer to {state}"
-        rig.send(s.attacker, [message("expect", tag=tag, pages=u64s(1), aux=-1)])
+        rig.send(s.attacker, [message("expect", tag=tag, pages=u64s(1), aux=-1, prefix=0)])
         rig.sync(s.attacker, f"a valid expect after aux={aux}", timeout=10)
         state = rig.victim.ok("state", tags=[tag])["states"][tag]
         assert state[0] == "WAITING_FOR_INPUT", f"a valid expect after a malformed one left its transfer {state}"
@@ -1024,7 +1025,8 @@ def test_expect_pages_odd_bytes_huge_and_repeated_fail_only_their_transfer(rig_f
     s = rig.session("atk", senders=5)
     bodies = [b"\x01\x02\x03", u64s(2**63 - 1), u64s(2**64 - 1), u64s(3, 3), u64s(PAGES)]
     rig.send(
-        s.attacker, [message("expect", tag=t, pages=b, aux=-1) for t, b in zip(s.sender_tags, bodies, strict=True)]
+        s.attacker,
+        [message("expect", tag=t, pages=b, aux=-1, prefix=0) for t, b in zip(s.sender_tags, bodies, strict=True)],
     )
     rig.sync(s.attacker, "bad pages", timeout=10)
     states = rig.victim.ok("state", tags=s.sender_tags)["states"]
@@ -1042,7 +1044,7 @@ def test_early_expect_with_a_bad_aux_does_not_hang_the_victims_sender(
     valid one, as for no announcement, and is not failed by the refused one."""
     rig = rig_factory("fake", private=False)
     s = rig.session("atk")
-    rig.send(s.attacker, [message("expect", tag="early", pages=u64s(1), aux=aux)])
+    rig.send(s.attacker, [message("expect", tag="early", pages=u64s(1), aux=aux, prefix=0)])
     rig.sync(s.attacker, "early expect")
     rig.victim.call("send", conn=s.index, transfers={"early": [[]]}, timeout=1)
     state = rig.victim.ok("state", tags=["early"])["states"]["early"]
@@ -1112,7 +1114,7 @@ def attempt_identity(
     reply = a.handshake(hello, 20)
     if reply["t"] == "welcome":
         index = rig.victim.accept_labelled(label)
-        rig.send(a, [message("expect", tag=label, pages=u64s(*target), aux=-1)])
+        rig.send(a, [message("expect", tag=label, pages=u64s(*target), aux=-1, prefix=0)])
         rig.sync(a, label)
         src = list(range(len(target)))
         rig.victim.call("send", conn=index, transfers={label: [src]}, timeout=5)
@@ -1220,7 +1222,7 @@ def test_a_live_donor_identity_is_refused_and_free_again_after_its_bye(rig_facto
     reply = second.handshake(s.donor.hello("second"), 10)
     assert reply["t"] == "refuse", f"a second live session with one identity was accepted: {reply}"
     assert re.search(r"another live connection \(first\) has this fake identity", reply["reason"]), reply
-    rig.send(s.attacker, [message("expect", tag="to-donor", pages=u64s(20, 21), aux=-1)])
+    rig.send(s.attacker, [message("expect", tag="to-donor", pages=u64s(20, 21), aux=-1, prefix=0)])
     rig.sync(s.attacker, "an expect on the first session")
     rig.victim.ok("send", conn=s.index, transfers={"to-donor": [[2, 3]]}, timeout=10)
     state = rig.victim.ok("wait", tags=["to-donor"], timeout=10)["states"]["to-donor"]
@@ -1402,7 +1404,7 @@ def test_early_announcements_are_bounded_in_bytes_not_only_in_count(rig_factory:
     s = rig.session("hoarder")
     before = rig.victim.proc_status()["VmRSS"]
     body = b"\x00" * ((4 << 20) - 200)
-    rig.send(s.attacker, [message("expect", tag=f"never-{i}", pages=body, aux=-1) for i in range(24)])
+    rig.send(s.attacker, [message("expect", tag=f"never-{i}", pages=body, aux=-1, prefix=0) for i in range(24)])
     rig.sync(s.attacker, "24 large early expects", timeout=30)
     grown = rig.victim.proc_status()["VmRSS"] - before
     assert grown < 32 << 10, f"the victim holds {grown >> 10} MiB more after 24 announcements nobody sends for"

@@ -183,6 +183,53 @@ def test_abort_from_prefill_reaches_decode(ranks: Ranks) -> None:
         rx.failure_exception()
 
 
+def _held_until_drained(rx: KVTransportKVReceiver, timeout: float = 10.0) -> bool:
+    """SGLang's deferred release, as decode.py drives it on a Failed room: notify, then ask the
+    manager every loop whether the pages may be freed."""
+    mgr = rx.kv_mgr
+    assert mgr.enable_deferred_decode_kv_release and mgr.supports_deferred_decode_kv_release
+    rx.ensure_abort_notified(force_arm=True)
+    if not rx.abort_notified:
+        return False
+    required = len(rx.bootstrap_infos)
+    deadline = time.monotonic() + timeout
+    while not mgr.is_abort_release_safe(rx.room, required):
+        assert time.monotonic() < deadline, "prefill never confirmed that its writes stopped"
+        time.sleep(0.01)
+    mgr.clear_deferred_abort_state(rx.room)
+    return True
+
+
+@pytest.mark.parametrize("who", ["decode", "prefill"])
+def test_a_failed_room_is_held_until_prefill_confirms_its_writes_stopped(ranks: Ranks, who: str) -> None:
+    room = 41 if who == "decode" else 42
+    rx = ranks.receiver(room)
+    _until(rx, {KVPoll.WaitingForInput})
+    rx.send_metadata(np.array([7, 8, 9], dtype=np.int32), aux_index=0)
+    if who == "decode":
+        rx.abort()  # before prefill created its sender: its endpoint answers the abort itself
+    else:
+        request = {"room": room, "chunks": [[4, 5, 6]], "abort": True}
+        assert ranks.prefill.call("send", requests=[request], timeout=10)["states"][str(room)][0] == "FAILED"
+    assert _until(rx, {KVPoll.Success, KVPoll.Failed}, 5) == KVPoll.Failed
+    assert len(rx.bootstrap_infos) == 1
+    assert _held_until_drained(rx)
+    assert rx.transfer is not None and rx.transfer.drained.is_set()
+
+
+def test_a_room_that_failed_before_its_metadata_is_not_held(ranks: Ranks) -> None:
+    rx = ranks.receiver(43)
+    _until(rx, {KVPoll.WaitingForInput})
+    rx.abort()
+    assert rx.poll() == KVPoll.Failed
+    assert rx.bootstrap_infos == [] and not _held_until_drained(rx)
+    # ... and the prefill rank hears of it at once, not at its bootstrap timeout (300 s).
+    start = time.monotonic()
+    out = ranks.prefill.call("send", requests=[{"room": 43, "chunks": [[1, 2]]}], timeout=10)["states"]
+    assert out["43"][0] == "FAILED" and "aborted by the decode scheduler" in out["43"][1], out
+    assert time.monotonic() - start < 5
+
+
 def test_prefill_killed_mid_transfer_fails_decode_with_peer_lost(ranks: Ranks) -> None:
     rooms = list(range(30, 38))
     receivers = {}
@@ -289,9 +336,10 @@ def test_a_room_goes_only_to_the_decode_rank_the_registry_pairs_with_it(monkeypa
 
 def test_a_last_chunk_without_pages_still_ends_the_transfer(ranks: Ranks) -> None:
     """Chunked prefill whose final segment holds no new page: SGLang asks
-    ``should_send_kv_chunk(0, last=True)`` (yes, as its own backends answer) and sends it; the
-    chunk that completed the page count already went out as the last one, with the aux row, so
-    the empty one changes nothing and the request succeeds, every byte and the aux row right."""
+    ``should_send_kv_chunk(0, last=True)`` (yes, as its own backends answer) and sends it. The
+    chunk that completed the page count was not the last one (SGLang writes the aux row only just
+    before its last send), so the empty last chunk is what carries the aux row and ends the
+    transfer: every byte and the aux row right."""
     rx = ranks.receiver(21)
     assert _until(rx, {KVPoll.WaitingForInput}) == KVPoll.WaitingForInput
     dst, src = list(range(60, 70)), list(range(10, 20))
@@ -301,6 +349,62 @@ def test_a_last_chunk_without_pages_still_ends_the_transfer(ranks: Ranks) -> Non
     assert _until(rx, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
     _check_bytes(ranks, src, dst)
     assert ranks.pool.aux_digest(2) == ranks.prefill.call("aux_digest", slot=5)["digest"]
+
+
+def test_with_a_decode_side_prefix_only_the_pages_after_it_move(ranks: Ranks) -> None:
+    """Decode's radix cache holds the first 32 tokens (2 pages): it announces only the pages
+    after them with ``decode_prefix_len=32``; prefill reads the length (``pop_decode_prefix_len``,
+    once), sends the suffix, and decode's cached pages stay as they were."""
+    rx = ranks.receiver(51)
+    assert _until(rx, {KVPoll.WaitingForInput}) == KVPoll.WaitingForInput
+    cached = [200, 201]
+    before = ranks.pool.page_digests(cached)
+    dst, src = list(range(202, 208)), list(range(52, 58))
+    rx.send_metadata(np.array(dst, dtype=np.int32), aux_index=6, decode_prefix_len=32)
+    out = ranks.prefill.call("send", requests=[{"room": 51, "chunks": [src], "aux": 7}])["states"]
+    assert out["51"][0] == "SUCCESS" and out["51"][3] == 32, out
+    assert _until(rx, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
+    _check_bytes(ranks, src, dst)
+    assert ranks.pool.page_digests(cached) == before
+    assert ranks.pool.aux_digest(6) == ranks.prefill.call("aux_digest", slot=7)["digest"]
+
+
+def test_pages_wait_for_the_forward_sglang_asked_the_sender_to_wait_for(ranks: Ranks) -> None:
+    """Under overlap scheduling SGLang's prefill hands the sender an event on
+    ``_early_send_wait_event`` (the previous forward may still be writing the prefix pages):
+    no byte of the room may reach decode before that event completes."""
+    import threading
+
+    delay = 0.8
+    rx = ranks.receiver(31)
+    assert _until(rx, {KVPoll.WaitingForInput}) == KVPoll.WaitingForInput
+    dst, src = list(range(150, 160)), list(range(30, 40))
+    expected = ranks.prefill.call("digests", pages=src)["digests"]
+    assert ranks.pool.page_digests(dst) != expected
+    rx.send_metadata(np.array(dst, dtype=np.int32), aux_index=1)
+    landed: list[float] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set() and not landed:
+            if any(a == b for a, b in zip(ranks.pool.page_digests(dst), expected, strict=True)):
+                landed.append(time.monotonic())
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    start = time.monotonic()
+    watcher.start()
+    try:
+        request = {"room": 31, "chunks": [src], "aux": 4, "prefix_event_s": delay}
+        out = ranks.prefill.call("send", requests=[request])["states"]
+    finally:
+        time.sleep(0.05)
+        stop.set()
+        watcher.join(5)
+    assert out["31"][0] == "SUCCESS", out
+    assert _until(rx, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
+    assert landed and landed[0] - start >= delay * 0.75, f"pages landed {landed[0] - start:.3f} s in"
+    _check_bytes(ranks, src, dst)
 
 
 def test_decode_scheduler_calls_never_block_and_fill_the_prefill_info_table(ranks: Ranks) -> None:
@@ -328,7 +432,7 @@ def test_decode_scheduler_calls_never_block_and_fill_the_prefill_info_table(rank
     rx.init(0)
     assert time.monotonic() - t0 < 0.2, "a scheduler call waited for the registry"
     assert rx.poll() == KVPoll.Bootstrapping
-    assert rx.kv_mgr is mgr and rx.kv_mgr.enable_deferred_decode_kv_release is False
+    assert rx.kv_mgr is mgr and rx.kv_mgr.enable_deferred_decode_kv_release is True  # SGLang's default
 
 
 def test_sglangs_timeout_variables_are_honoured() -> None:
@@ -339,3 +443,21 @@ def test_sglangs_timeout_variables_are_honoured() -> None:
     assert (sglang_timeouts(theirs).bootstrap, sglang_timeouts(theirs).waiting) == (120, 90)
     ours = {**theirs, "KVTRANSPORT_BOOTSTRAP_TIMEOUT": "7"}
     assert (sglang_timeouts(ours).bootstrap, sglang_timeouts(ours).waiting) == (7, 90)
+
+
+def test_a_decode_managers_tables_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A router naming endless bootstrap addresses must not grow a decode rank's tables."""
+    import kvtransport.integrations.sglang as adapter
+
+    monkeypatch.setattr(adapter, "MAX_PREFILL_PEERS", 3)
+    pool = KVPool(PAGES, LAYERS, ITEM, AUX, shared=False)
+    mgr = KVTransportKVManager(kv_args(pool, role="decode"), "decode", server_args(0))
+    try:
+        for port in range(20):
+            assert mgr.try_ensure_parallel_info(f"127.0.0.1:{port + 1}") is False
+            mgr.connect_soon(f"127.0.0.1:{port + 1}", 0)
+        assert len(mgr._lookups) <= 3 and len(mgr._connects) <= 3
+        assert len(mgr._routes) <= 3 and len(mgr.prefill_info_table) <= 3
+    finally:
+        mgr.teardown()
+        pool.close()

@@ -38,12 +38,12 @@ def test_round_trip_of_every_type() -> None:
 def test_integers_outside_their_range_are_refused_at_decode(value: int) -> None:
     """An aux of 2**64-1 once reached numpy and raised OverflowError on the I/O thread."""
     with pytest.raises(ProtocolError, match="outside"):
-        decode(msgpack.packb({"v": 2, "t": "expect", "tag": "t", "pages": b"", "aux": value}))
+        decode(msgpack.packb({"v": 3, "t": "expect", "tag": "t", "pages": b"", "aux": value, "prefix": 0}))
 
 
 def test_strings_longer_than_their_field_are_refused() -> None:
     with pytest.raises(ProtocolError, match="at most 256"):
-        decode(msgpack.packb({"v": 2, "t": "abort", "tag": "x" * 257, "reason": "r"}))
+        decode(msgpack.packb({"v": 3, "t": "abort", "tag": "x" * 257, "reason": "r"}))
     # encode cuts a long reason instead of failing to report the failure
     assert len(decode(encode("abort", tag="t", reason="y" * 10_000))["reason"]) <= 4096
 
@@ -59,12 +59,12 @@ def test_encode_refuses_wrong_fields() -> None:
     ("obj", "error", "words"),
     [
         ({"v": 1, "t": "ping", "seq": 1}, VersionMismatch, "version 1"),
-        ({"v": 2, "t": "launch", "seq": 1}, ProtocolError, "unknown message type"),
-        ({"v": 2, "t": "ping"}, ProtocolError, "do not match"),
-        ({"v": 2, "t": "ping", "seq": "1"}, ProtocolError, "ping.seq must be an integer"),
-        ({"v": 2, "t": "ping", "seq": True}, ProtocolError, "ping.seq must be an integer"),
-        ({"v": 2, "t": "ping", "seq": MAX_INT + 1}, ProtocolError, "outside"),
-        ({"v": 2, "t": "ping", "seq": 1, "extra": 0}, ProtocolError, "do not match"),
+        ({"v": 3, "t": "launch", "seq": 1}, ProtocolError, "unknown message type"),
+        ({"v": 3, "t": "ping"}, ProtocolError, "do not match"),
+        ({"v": 3, "t": "ping", "seq": "1"}, ProtocolError, "ping.seq must be an integer"),
+        ({"v": 3, "t": "ping", "seq": True}, ProtocolError, "ping.seq must be an integer"),
+        ({"v": 3, "t": "ping", "seq": MAX_INT + 1}, ProtocolError, "outside"),
+        ({"v": 3, "t": "ping", "seq": 1, "extra": 0}, ProtocolError, "do not match"),
         ([1, 2, 3], ProtocolError, "must be a map"),
     ],
 )

@@ -23,6 +23,7 @@ How the pieces map:
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import logging
@@ -50,16 +51,24 @@ except ImportError as exc:  # pragma: no cover - exercised in a process without 
         f"(sglang==0.5.23: pip install 'sglang==0.5.23'); importing them failed: {exc}"
     ) from exc
 
+from ..auth import RateLimitedLog
 from ..config import env_number
 from ..endpoint import Connection, Endpoint, State, Timeouts, Transfer
-from ..errors import ConnectError, KVTransportError, LayoutMismatch, TransferAborted, TransferTimeout
+from ..errors import (
+    ConnectError,
+    InvalidPages,
+    KVTransportError,
+    LayoutMismatch,
+    TransferAborted,
+    TransferTimeout,
+)
 from ..memory import HOST, KVLayout, MemoryKind, RegionSet
 from .bootstrap import BootstrapClient, BootstrapServer
+from .sglang_topology import RankTopology, rank_topology
 
 log = logging.getLogger(__name__)
 
 SGLANG_VERSION = "0.5.23"
-DEFAULT_BOOTSTRAP_PORT = 8998
 #: SGLang's own timeout variables, honoured unless the kvtransport one is set (defaults: SGLang's).
 SGLANG_TIMEOUTS = {
     "bootstrap": ("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", 300.0),
@@ -72,6 +81,30 @@ PARALLEL_INFO_LOOKUP_S = 5.0
 ROUTE_LOOKUP_S = 30.0
 #: Background connects (and registry lookups) at once, per manager.
 CONNECT_WORKERS = 4
+#: Failed rooms a decode manager tracks for SGLang's deferred release at once (SGLang holds
+#: each for at most its deferred-release timeout; the oldest beyond this count as drained).
+MAX_HELD_ROOMS = 65536
+#: Prefill: room publications (``/register_dp_rank``) queued at once, and how long each may try.
+MAX_PENDING_PUBLISH = 4096
+PUBLISH_TIMEOUT_S = 2.0
+#: Prefill instances x DP ranks a decode manager keeps connections, routes and lookups for.
+MAX_PREFILL_PEERS = 1024
+
+
+def _put(table: collections.OrderedDict[Any, Any], key: Any, value: Any, drop: Any = None) -> None:
+    """``table[key] = value`` as the newest entry; the oldest beyond ``MAX_PREFILL_PEERS`` go
+    (``drop`` is called on what goes, e.g. to close a connection)."""
+    table.pop(key, None)
+    table[key] = value
+    while len(table) > MAX_PREFILL_PEERS:
+        _, old = table.popitem(last=False)
+        if drop is not None:
+            drop(old)
+
+
+#: Seconds a prefill rank's constructor tries to reach its bootstrap server before it goes on
+#: registering in the background (SGLang starts the server beside the ranks, not before them).
+REGISTER_FIRST_WAIT_S = 5.0
 
 
 def sglang_timeouts(env: Any = None) -> Timeouts:
@@ -157,6 +190,10 @@ class KVTransportKVManager(BaseKVManager):
     """One rank's endpoint, its bootstrap registration (prefill) and its peer connections
     (decode)."""
 
+    #: Decode holds the pages of a failed request until the prefill rank confirmed that none of
+    #: its writes can land any more (kvtransport's ``drained``; SGLang's deferred KV release).
+    supports_deferred_decode_kv_release = True
+
     def __init__(
         self,
         args: KVArgs,
@@ -167,12 +204,14 @@ class KVTransportKVManager(BaseKVManager):
         self.kv_args = args
         self.mode = _mode(disaggregation_mode)
         self.server_args = server_args
-        self.tp_rank = int(args.engine_rank)
-        self.tp_size = int(getattr(server_args, "tp_size", 1) or 1)
-        self.dp_rank = int(getattr(args, "system_dp_rank", 0) or 0)
-        host = str(getattr(server_args, "host", "") or "127.0.0.1")
-        self.bootstrap_port = int(getattr(server_args, "disaggregation_bootstrap_port", DEFAULT_BOOTSTRAP_PORT))
-        self.bootstrap_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        self.is_mla_backend = bool(is_mla_backend)
+        #: Where this rank stands in SGLang's resolved configuration (attention-TP and DP ranks,
+        #: DP routing, bootstrap and listen hosts): see docs/sglang-contract.md section 7.
+        self.topology: RankTopology = rank_topology(args, server_args)
+        self.tp_rank, self.tp_size = self.topology.attn_tp_rank, self.topology.attn_tp_size
+        self.dp_rank = self.topology.dp_rank
+        self.bootstrap_host, self.bootstrap_port = self.topology.bootstrap_host, self.topology.bootstrap_port
+        host = self.topology.listen_host
         memory = kv_memory(args, server_args)
         regions = regions_of(args, memory)
         layout = KVLayout(
@@ -188,26 +227,49 @@ class KVTransportKVManager(BaseKVManager):
             aux_item_lens=tuple(int(n) for n in getattr(args, "aux_item_lens", [])),
         )
         self.timeouts = sglang_timeouts()
+        self.enable_deferred_decode_kv_release = _env_flag("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE", True)
+        #: Decode: rooms SGLang holds for a drain confirmation (bounded: SGLang releases each
+        #: within its deferred-release timeout, 30 s by default, and clears it here).
+        self._aborted_rooms: collections.OrderedDict[int, Transfer] = collections.OrderedDict()
         self.endpoint = Endpoint(
             regions,
             layout,
-            listen=f"tcp://{host}:0",
+            listen=f"tcp://[{host}]:0" if ":" in host else f"tcp://{host}:0",
             # The rank, and a part of its own: another instance's rank 0 (or this rank restarted)
             # is another endpoint, which the decode side's check of the registry tells apart.
             name=f"sglang-{self.mode}-dp{self.dp_rank}-tp{self.tp_rank}-{uuid.uuid4().hex[:8]}",
             timeouts=self.timeouts,
         )
-        self._peers: dict[tuple[str, int], Connection] = {}
+        # Keyed by prefill instance (bootstrap address) and DP rank: as many as the deployment
+        # has, bounded (MAX_PREFILL_PEERS, oldest first) against a router that names endless ones.
+        self._peers: collections.OrderedDict[tuple[str, int], Connection] = collections.OrderedDict()
         self._peers_lock = threading.Lock()
         #: Decode: bootstrap address -> what the prefill instance there looks like (filled in
         #: the background by :meth:`try_ensure_parallel_info`; SGLang reads it every loop).
-        self.prefill_info_table: dict[str, PrefillInfo] = {}
-        self._routes: dict[tuple[str, int], dict[str, Any]] = {}
-        self._lookups: dict[str, concurrent.futures.Future[None]] = {}
-        self._connects: dict[tuple[str, int], concurrent.futures.Future[Connection]] = {}
+        self.prefill_info_table: collections.OrderedDict[str, PrefillInfo] = collections.OrderedDict()
+        self._routes: collections.OrderedDict[tuple[str, int], dict[str, Any]] = collections.OrderedDict()
+        self._lookups: collections.OrderedDict[str, concurrent.futures.Future[None]] = collections.OrderedDict()
+        self._connects: collections.OrderedDict[tuple[str, int], concurrent.futures.Future[Connection]] = (
+            collections.OrderedDict()
+        )
+        self._publishing = 0  # prefill: room publications queued or running
+        self._warnings = RateLimitedLog(log)
         self._closing = threading.Event()  # stops the workers' registry lookups at teardown
         self._workers = concurrent.futures.ThreadPoolExecutor(CONNECT_WORKERS, thread_name_prefix="kvtransport-sglang")
         self._bootstrap: BootstrapClient | None = None
+        log.info(
+            "SGLang %s rank dp=%d/%d attn_tp=%d/%d (%s), DP routing %s, bootstrap %s:%d, endpoint %s",
+            self.mode,
+            self.dp_rank,
+            self.topology.dp_size,
+            self.tp_rank,
+            self.tp_size,
+            "resolved config" if self.topology.resolved else "KVArgs and server args",
+            self.topology.dp_routing,
+            self.bootstrap_host,
+            self.bootstrap_port,
+            self.endpoint.address,
+        )
         if self.mode == "prefill":
             try:
                 self.register_to_bootstrap()
@@ -220,16 +282,21 @@ class KVTransportKVManager(BaseKVManager):
         and keep refreshing it (the registry forgets a route its owner stopped refreshing)."""
         # One client for the rank's life: its owner token is what lets it refresh the route.
         client = self._bootstrap or BootstrapClient(f"{self.bootstrap_host}:{self.bootstrap_port}")
+        self._bootstrap = client
         client.keep_registered(
             {
                 "address": self.endpoint.address,
                 "tp_rank": self.tp_rank,
                 "tp_size": self.tp_size,
                 "dp_rank": self.dp_rank,
+                "dp_size": self.topology.dp_size,
+                "follow_bootstrap_room": self.topology.follow_bootstrap_room,
+                "page_size": int(self.kv_args.page_size),
+                "kv_cache_dtype": str(getattr(self.kv_args, "kv_cache_dtype_str", "") or ""),
                 "endpoint": self.endpoint.name,
-            }
+            },
+            first_wait=REGISTER_FIRST_WAIT_S,
         )
-        self._bootstrap = client
 
     def connection_to(self, bootstrap_addr: str, prefill_dp_rank: int) -> Connection:
         """Decode: the connection to the prefill rank serving this rank, made once and reused."""
@@ -272,7 +339,7 @@ class KVTransportKVManager(BaseKVManager):
             if old is not None and old.alive:  # another thread got there first: keep one
                 conn.close("a second connection to the same prefill rank")
                 return old
-            self._peers[key] = conn
+            _put(self._peers, key, conn, lambda c: c.close("too many prefill peers; the oldest goes"))
         return conn
 
     def connect_soon(self, bootstrap_addr: str, prefill_dp_rank: int) -> concurrent.futures.Future[Connection]:
@@ -287,7 +354,8 @@ class KVTransportKVManager(BaseKVManager):
                 done.set_result(conn)
                 return done
             if pending is None or pending.done():
-                pending = self._connects[key] = self._workers.submit(self.connection_to, *key)
+                pending = self._workers.submit(self.connection_to, *key)
+                _put(self._connects, key, pending)
             return pending
 
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
@@ -302,15 +370,62 @@ class KVTransportKVManager(BaseKVManager):
             if lookup is None or (lookup.done() and lookup.exception() is not None):
                 if lookup is not None:
                     log.debug("bootstrap lookup at %s failed: %s", bootstrap_addr, lookup.exception())
-                self._lookups[bootstrap_addr] = self._workers.submit(self._fetch_prefill_info, bootstrap_addr)
+                _put(self._lookups, bootstrap_addr, self._workers.submit(self._fetch_prefill_info, bootstrap_addr))
         return bootstrap_addr in self.prefill_info_table
 
     def _fetch_prefill_info(self, bootstrap_addr: str) -> None:
+        # Every prefill rank publishes its instance's DP layout; DP rank 0 always exists.
         route = BootstrapClient(bootstrap_addr).lookup(0, self.tp_rank, PARALLEL_INFO_LOOKUP_S, stop=self._closing)
         with self._peers_lock:
-            self._routes[(bootstrap_addr, 0)] = route
-        # One prefill DP rank: the registry pairs equal TP ranks (DP attention is issue 12).
-        self.prefill_info_table[bootstrap_addr] = PrefillInfo(1, True, int(route["tp_size"]))
+            _put(self._routes, (bootstrap_addr, 0), route)
+        info = PrefillInfo(int(route["dp_size"]), bool(route["follow_bootstrap_room"]), int(route["tp_size"]))
+        log.info(
+            "prefill instance at %s: %d DP rank(s), attn_tp=%d, DP routing %s",
+            bootstrap_addr,
+            info.dp_size,
+            info.tp_size,
+            "follow_bootstrap_room" if info.follow_bootstrap_room else "registered per room",
+        )
+        with self._peers_lock:
+            _put(self.prefill_info_table, bootstrap_addr, info)
+
+    def _ensure_prefill_recompute_executor(self) -> concurrent.futures.Executor:
+        """Decode: where SGLang runs its ``/query_dp_ranks`` lookups (a prefill instance that does
+        not route by room number); this manager's workers, bounded and stopped at teardown."""
+        return self._workers
+
+    def publish_room(self, room: int) -> None:
+        """Prefill: tell the registry this DP rank took ``room`` (attention-TP rank 0 speaks for
+        its group), in the background: the scheduler loop never waits for HTTP."""
+        client = self._bootstrap
+        if client is None or self.tp_rank != 0:
+            return
+        with self._peers_lock:
+            if self._publishing >= MAX_PENDING_PUBLISH:
+                # The registry is not keeping up (or gone): decode cannot find these rooms and
+                # fails them at its own timeout; queueing more would only grow without bound.
+                self._warnings.warning(
+                    "room %d: %d room publications already wait for the bootstrap server; not publishing",
+                    room,
+                    self._publishing,
+                )
+                return
+            self._publishing += 1
+
+        def publish() -> None:
+            try:
+                client.register_room(room, self.dp_rank, timeout=PUBLISH_TIMEOUT_S)
+            except KVTransportError as exc:
+                self._warnings.warning("room %d: publishing DP rank %d failed: %s", room, self.dp_rank, exc)
+            finally:
+                with self._peers_lock:
+                    self._publishing -= 1
+
+        try:
+            self._workers.submit(publish)
+        except RuntimeError:  # shut down: the rank is going away
+            with self._peers_lock:
+                self._publishing -= 1
 
     def paired_with(self, conn: Connection) -> str:
         """Prefill: "" when ``conn``'s peer is a decode rank the registry pairs with this rank
@@ -326,6 +441,23 @@ class KVTransportKVManager(BaseKVManager):
                 f"tp={self.tp_rank} only"
             )
         return ""
+
+    def note_aborted(self, room: int, transfer: Transfer) -> None:
+        """Decode: SGLang will hold ``room``'s pages until :meth:`is_abort_release_safe`."""
+        self._aborted_rooms.pop(room, None)
+        self._aborted_rooms[room] = transfer
+        while len(self._aborted_rooms) > MAX_HELD_ROOMS:
+            self._aborted_rooms.popitem(last=False)
+
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
+        """Decode (SGLang asks every loop for the rooms it holds): whether no write of the
+        failed room can land in its pages any more. A room this manager does not hold (none
+        was announced, or it was cleared) has nothing in flight."""
+        transfer = self._aborted_rooms.get(int(bootstrap_room))
+        return required_acks <= 0 or transfer is None or transfer.drained.is_set()
+
+    def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
+        self._aborted_rooms.pop(int(bootstrap_room), None)
 
     def teardown(self) -> None:
         self._unregister()
@@ -357,6 +489,11 @@ class _Failure:
 
     def set(self, error: KVTransportError) -> None:
         self.error = self.error or error
+
+
+def _env_flag(name: str, default: bool = False) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    return default if not value else value in ("1", "true", "yes", "on")
 
 
 def _poll_of(transfer: Transfer | None, failure: _Failure, before: int) -> int:
@@ -402,11 +539,48 @@ class KVTransportKVSender(BaseKVSender):
         self.sent = 0
         self._queued: list[tuple[np.ndarray[Any, Any], bool, int | None]] = []
         self._created = time.monotonic()
+        #: Set by SGLang's prefill (prefill.py, maybe_send_cached_prefix_chunk) under overlap
+        #: scheduling: a CUDA event the previous forward records while it may still be writing
+        #: the prefix pages handed to ``send``. Chunks wait in the queue until it completed.
+        self._early_send_wait_event: Any = None
+        self._waiting_on: Any = None
+        self._prefix_read = False
+        self._route_room(bool(req_has_disagg_prefill_dp_rank))
+
+    def _route_room(self, has_dp_rank: bool) -> None:
+        """With several prefill DP ranks, make sure decode finds this one for the room: by the
+        room number (``follow_bootstrap_room``: a request dispatched elsewhere fails here with
+        the reason, as SGLang's own backends do) or by publishing it at the registry."""
+        topo = self.mgr.topology
+        if topo.dp_size <= 1 or has_dp_rank:
+            return
+        if topo.follow_bootstrap_room and not _env_flag("SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK"):
+            implied = self.room % topo.dp_size
+            if implied != topo.dp_rank:
+                self.failure.set(
+                    ConnectError(
+                        f"follow_bootstrap_room conflict: room {self.room} was dispatched to prefill DP rank "
+                        f"{topo.dp_rank}, but decode routes it to DP rank {implied} (room % {topo.dp_size}). Route "
+                        "requests by room, or set SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK=1 on both sides"
+                    )
+                )
+            return
+        self.mgr.publish_room(self.room)
 
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
         """A final chunk without pages still goes out: it carries the aux row and ends the
         transfer (SGLang's base class would skip it, and decode would wait for it forever)."""
         return num_pages > 0 or bool(last_chunk)
+
+    def pop_decode_prefix_len(self) -> int:
+        """The tokens decode holds already (its radix cache), read by SGLang's prefill once this
+        room is WaitingForInput: it then sends only the pages after them (prefill.py,
+        finalize_bootstrap). 0 before the announcement, and once read."""
+        t = self.transfer
+        if t is None or self._prefix_read:
+            return 0
+        self._prefix_read = True
+        return int(t.peer_prefix)
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         self.num_kv_indices = int(num_kv_indices)
@@ -429,9 +603,35 @@ class KVTransportKVSender(BaseKVSender):
                         f"no decode rank announced room {self.room} within {self.mgr.timeouts.bootstrap:g} s"
                     )
                 )
+                # An announcement still on its way hears at once that nothing comes.
+                self._refuse(f"room {self.room} timed out on the prefill side")
+
+    def _refuse(self, reason: str) -> None:
+        """Nothing of this room will be sent: its announcer learns so now or on arrival."""
+        if self.transfer is not None:
+            _stop(self.transfer, reason)
+            return
+        try:
+            self.mgr.endpoint.refuse(self.tag, reason)
+        except KVTransportError as exc:  # the endpoint is closing: its peers hear "bye"
+            log.debug("room %d: refusing its tag failed: %s", self.room, exc)
+
+    def _prefix_written(self) -> bool:
+        """Whether the forward SGLang asked this sender to wait for (see ``__init__``) is done."""
+        event = self._waiting_on
+        if event is None:
+            return True
+        try:
+            done = bool(event.query())
+        except Exception as exc:  # noqa: BLE001 - a broken event must fail the room, not the loop
+            self.failure.set(KVTransportError(f"room {self.room}: waiting for the prefix forward failed: {exc}"))
+            return False
+        if done:
+            self._waiting_on = None
+        return done
 
     def _flush(self) -> None:
-        if self.transfer is None or self.transfer.state is State.BOOTSTRAPPING:
+        if self.transfer is None or self.transfer.state is State.BOOTSTRAPPING or not self._prefix_written():
             return
         while self._queued and self.failure.error is None:
             pages, last, aux = self._queued.pop(0)
@@ -453,12 +653,27 @@ class KVTransportKVSender(BaseKVSender):
         if self.num_kv_indices is None:
             self.failure.set(KVTransportError(f"send() on room {self.room} before init()"))
             return
-        if pages.size == 0 and self.sent >= self.num_kv_indices and self.num_kv_indices > 0:
-            # SGLang's final segment without new pages, after the chunk that completed the
-            # count went out as the last one (with the aux row): nothing is left to send.
+        # SGLang passes a state list (empty for a model without state buffers) with the last
+        # segment of the last chunk only (prefill.py, _send_kv_chunk), and writes the aux row
+        # just before that send: the aux row goes with it, even when earlier chunks already
+        # carried every page.
+        last = state_indices is not None
+        total = self.sent + int(pages.size)
+        if total > self.num_kv_indices or (last and total != self.num_kv_indices):
+            self.failure.set(
+                InvalidPages(
+                    f"room {self.room}: {'the last chunk brings' if last else 'chunks bring'} the pages sent to "
+                    f"{total}, but init() announced {self.num_kv_indices}"
+                )
+            )
+            self._refuse(f"room {self.room}: prefill sent the wrong number of pages")
             return
-        self.sent += int(pages.size)
-        last = self.sent >= self.num_kv_indices
+        if not last and pages.size == 0:
+            return
+        event, self._early_send_wait_event = self._early_send_wait_event, None
+        if event is not None:
+            self._waiting_on = event  # holds this chunk and every later one (they stay in order)
+        self.sent = total
         self._queued.append((pages, last, self.aux_index if last else None))
         self._bind()
         self._flush()
@@ -474,17 +689,19 @@ class KVTransportKVSender(BaseKVSender):
     def failure_exception(self) -> None:
         # SGLang frees the pages once it has the exception (also when another rank failed and
         # the all-reduce made this one Failed): nothing of this room may still be moving.
-        _stop(self.transfer, f"room {self.room} failed on the prefill side")
+        self._refuse(f"room {self.room} failed on the prefill side")
         _raise(self.room, self.failure, self.transfer)
 
     def abort(self) -> None:
-        if self.transfer is not None:
-            self.transfer.abort("aborted by the prefill scheduler")
         self.failure.set(TransferAborted(f"room {self.room} aborted by the prefill scheduler"))
+        self._refuse("aborted by the prefill scheduler")
 
     def clear(self) -> None:
         self._queued.clear()
-        _stop(self.transfer, f"room {self.room} released by the prefill scheduler")
+        if self.transfer is not None:
+            _stop(self.transfer, f"room {self.room} released by the prefill scheduler")
+        elif self.failure.error is not None:
+            self._refuse(f"room {self.room} released by the prefill scheduler")
 
     def get_transfer_metric(self) -> KVTransferMetric:
         t = self.transfer
@@ -506,6 +723,26 @@ class KVTransportKVReceiver(BaseKVReceiver):
         self._connecting: concurrent.futures.Future[Connection] | None = None
         self.transfer: Transfer | None = None
         self.failure = _Failure()
+        #: SGLang's deferred release (decode.py, pop_transferred): whether the prefill rank was
+        #: told this room failed and the manager waits for its drain confirmation.
+        self.abort_notified = False
+        self._told_prefill = False
+
+    @property
+    def bootstrap_infos(self) -> list[Connection]:
+        """The prefill ranks whose drain confirmation SGLang waits for (equal TP: the one this
+        room's pages were announced to, once they were)."""
+        return [self.conn] if self.transfer is not None and self.conn is not None else []
+
+    def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
+        """Tell the prefill rank (once) that the room failed here, and hold the room until it
+        confirms its writes stopped. Before ``send_metadata`` nothing can be written: nothing
+        is held."""
+        if self.abort_notified or self.transfer is None:
+            return
+        _stop(self.transfer, f"room {self.room} failed on the decode side")
+        self.mgr.note_aborted(self.room, self.transfer)
+        self.abort_notified = True
 
     def init(self, prefill_dp_rank: int = 0) -> None:
         """Starts the connection to the prefill rank and returns: ``poll`` says Bootstrapping
@@ -542,15 +779,17 @@ class KVTransportKVReceiver(BaseKVReceiver):
         unsupported = ""
         if state_indices and any(s is not None and len(s) for s in state_indices):
             unsupported = "state buffers (mamba, SWA, ...)"
-        elif decode_prefix_len:
-            unsupported = "a decode-side prefix (decode_prefix_len > 0)"
         elif destination is not None and str(getattr(destination, "value", destination)) == "host":
             unsupported = "host KV destinations"
         if unsupported:
             self.failure.set(KVTransportError(f"kvtransport's SGLang backend does not support {unsupported} yet"))
             return
         try:
-            self.transfer = self.conn.expect(self.tag, np.asarray(kv_indices, dtype=np.int64), aux=aux_index)
+            # With decode's radix cache the pages are those after the cached prefix; prefill
+            # learns its length with the announcement and sends only what follows it.
+            self.transfer = self.conn.expect(
+                self.tag, np.asarray(kv_indices, dtype=np.int64), aux=aux_index, prefix=int(decode_prefix_len or 0)
+            )
         except KVTransportError as exc:
             self.failure.set(exc)
 
@@ -570,13 +809,41 @@ class KVTransportKVReceiver(BaseKVReceiver):
         _raise(self.room, self.failure, self.transfer)
 
     def abort(self) -> None:
-        if self.transfer is not None:
-            self.transfer.abort("aborted by the decode scheduler")
         self.failure.set(TransferAborted(f"room {self.room} aborted by the decode scheduler"))
+        self._give_up("aborted by the decode scheduler")
 
     def clear(self) -> None:
+        if self.transfer is None and self.failure.error is not None:
+            self._give_up(f"room {self.room} released by the decode scheduler")
         _stop(self.transfer, f"room {self.room} released by the decode scheduler")
         self.transfer = None
+
+    def _give_up(self, reason: str) -> None:
+        """Nothing of this room is wanted any more: abort its transfer, or, before the pages
+        were announced, tell the prefill rank's endpoint so its sender fails now (or when it is
+        created), not at its bootstrap timeout. A connection still being made is told once up."""
+        if self.transfer is not None:
+            _stop(self.transfer, reason)
+            return
+        if self._told_prefill:
+            return
+        self._told_prefill = True
+        tag = self.tag
+
+        def tell(fut: concurrent.futures.Future[Connection]) -> None:
+            if fut.cancelled() or fut.exception() is not None:
+                return  # no connection: no prefill rank heard of this room from here
+            try:
+                fut.result().abort(tag, reason)
+            except KVTransportError as exc:
+                log.debug("room %s: telling prefill of the abort failed: %s", tag, exc)
+
+        if self.conn is not None:
+            done: concurrent.futures.Future[Connection] = concurrent.futures.Future()
+            done.set_result(self.conn)
+            tell(done)
+        elif self._connecting is not None:
+            self._connecting.add_done_callback(tell)
 
 
 class KVTransportKVBootstrapServer(BaseKVBootstrapServer):

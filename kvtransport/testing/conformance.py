@@ -46,6 +46,7 @@ __all__ = [
     "test_bad_pages_submit_nothing",
     "test_abort_from_receiver_reaches_sender",
     "test_abort_from_sender_reaches_receiver",
+    "test_an_abort_with_writes_in_flight_is_confirmed_drained",
     "test_peer_loss_fails_transfers",
     "test_close_while_in_flight",
     "test_no_handle_left_after_finish_or_abort",
@@ -231,6 +232,26 @@ def test_abort_from_sender_reaches_receiver(pair: Pair) -> None:
     assert state[0] == "FAILED" and state[1] == "TransferAborted" and "prefill preempted" in state[2]
     with pytest.raises(TransferAborted):
         t.send([1], last=True)
+
+
+def test_an_abort_with_writes_in_flight_is_confirmed_drained(pair: Pair) -> None:
+    """SPI: after ``abort``, ``settled`` tells when no write of the batch can land any more;
+    the receiver learns it (``Transfer.drained``) and only then may reuse its pages."""
+    pages = list(range(PAGES // 2))
+    pair.peer.call("expect", transfers={"drain": pages})
+    t = pair.conn.sender("drain")
+    while t.state is State.BOOTSTRAPPING:
+        time.sleep(0.001)
+    t.send(pages[: len(pages) // 2], last=False)  # a large batch, likely still in flight
+    t.abort("conformance: aborted with writes in flight")
+    state = pair.peer.call("wait", tags=["drain"], timeout=5)["states"]["drain"]
+    assert state[0] == "FAILED", state
+    deadline = time.monotonic() + 30
+    while not (state := pair.peer.call("state", tags=["drain"])["states"]["drain"])[3]:
+        assert time.monotonic() < deadline, f"the receiver was never told the writes stopped: {state}"
+        time.sleep(0.01)
+    mine, _ = _settled(pair)
+    assert mine["handles"] == 0, mine
 
 
 def test_peer_loss_fails_transfers(pair: Pair) -> None:

@@ -8,7 +8,9 @@ registered regions. Between processes it works on buffers from :mod:`kvtransport
 - ``fake.delay``: seconds before a batch completes;
 - ``fake.fail``: ``submit`` or ``poll`` makes every batch fail with an ``EngineError``;
 - ``fake.fail_after``: the first N batches succeed, the rest fail;
-- ``fake.lose``: ``1`` makes batches never complete (a lost completion).
+- ``fake.lose``: ``1`` makes batches never complete (a lost completion);
+- ``fake.settle``: seconds an aborted batch may still be writing (``settled`` answers ``False``
+  until then), as with an engine that cannot cancel what it posted.
 
 It is not registered under ``kvtransport.drivers``; tests pass it to an endpoint explicitly.
 """
@@ -62,6 +64,8 @@ class FakeDriver(KVTransport):
         self.fail = opts.get("fake.fail", "")
         self.fail_after = int(opts.get("fake.fail_after", "-1"))
         self.lose = opts.get("fake.lose", "") == "1"
+        self.settle = float(opts.get("fake.settle", "0"))
+        self.settling: dict[int, float] = {}  # aborted handle -> when its writes have stopped
         self.regions: RegionSet | None = None
         self.peers: dict[str, tuple[RegionSet, dict[int, int], list[shm.SharedBuffer]]] = {}
         self.identities: dict[str, tuple[object, ...]] = {}  # peer -> (pid, its regions)
@@ -150,9 +154,16 @@ class FakeDriver(KVTransport):
         return True
 
     def abort(self, handle: int) -> None:
-        self.in_flight.pop(handle, None)
+        if self.in_flight.pop(handle, None) is not None and self.settle > 0:
+            self.settling[handle] = time.monotonic() + self.settle
         self.failed.pop(handle, None)
         self.aborted += 1
+
+    def settled(self, handle: int) -> bool:
+        if time.monotonic() < self.settling.get(handle, 0.0):
+            return False
+        self.settling.pop(handle, None)
+        return True
 
     def pending(self) -> int:
         return len(self.in_flight.keys() | self.failed.keys())

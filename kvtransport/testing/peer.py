@@ -102,7 +102,8 @@ def _reply(obj: dict[str, Any]) -> None:
 
 
 def _state(t: Transfer) -> list[Any]:
-    return [t.state.name, type(t.error).__name__ if t.error else "", str(t.error or "")]
+    """[state, error type, error, drained] (drained: a receiver's pages are free of its writes)."""
+    return [t.state.name, type(t.error).__name__ if t.error else "", str(t.error or ""), t.drained.is_set()]
 
 
 def _run(cmd: dict[str, Any], session: _Session) -> dict[str, Any]:

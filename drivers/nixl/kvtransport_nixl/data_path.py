@@ -94,6 +94,7 @@ class NixlDataPath(KVTransport):
         self._peers: dict[str, _Peer] = {}
         self._batches: dict[int, _Batch] = {}
         self._unreleased: list[Any] = []
+        self._unsettled: dict[int, Any] = {}  # aborted handles NIXL could not release yet
         self._next = 0
 
     # -- helpers -------------------------------------------------------------------------------
@@ -106,12 +107,16 @@ class NixlDataPath(KVTransport):
         except Exception as exc:
             raise error(f"{self.name}: NIXL {self._backend or ''} {what} failed: {type(exc).__name__}: {exc}") from exc
 
-    def _release(self, handle: Any) -> None:
+    def _release(self, handle: Any) -> bool:
+        """Release a NIXL transfer handle (cancelling it if active); ``False`` if NIXL could not
+        yet: the transfer may still be writing, and close() tries again."""
         try:
             self._agent.release_xfer_handle(handle)
+            return True
         except Exception as exc:  # noqa: BLE001 - an active transfer NIXL could not cancel yet
             log.debug("%s: NIXL could not release a transfer handle yet (%s); retrying at close", self.name, exc)
             self._unreleased.append(handle)
+            return False
 
     # -- data path -----------------------------------------------------------------------------
 
@@ -232,8 +237,21 @@ class NixlDataPath(KVTransport):
 
     def abort(self, handle: int) -> None:
         batch = self._batches.pop(handle, None)
-        if batch is not None:
-            self._release(batch.handle)  # NIXL cancels an active transfer on release
+        # NIXL cancels an active transfer on release; one it could not release may still write.
+        if batch is not None and not self._release(batch.handle):
+            self._unsettled[handle] = batch.handle
+
+    def settled(self, handle: int) -> bool:
+        nixl_handle = self._unsettled.get(handle)
+        if nixl_handle is None:
+            return True
+        try:
+            self._agent.release_xfer_handle(nixl_handle)
+        except Exception:  # noqa: BLE001 - still active: ask again later
+            return False
+        del self._unsettled[handle]
+        self._unreleased = [h for h in self._unreleased if h is not nixl_handle]
+        return True
 
     def pending(self) -> int:
         return len(self._batches)
@@ -261,6 +279,7 @@ class NixlDataPath(KVTransport):
             self.disconnect(peer)
         for handle in list(self._batches):
             self.abort(handle)
+        self._unsettled.clear()  # their handles are in _unreleased, retried just below
         pending, self._unreleased = self._unreleased, []
         for _ in range(_RELEASE_RETRIES):
             if not pending:

@@ -20,6 +20,15 @@ from .signing import CLOCK_SKEW, sign_request
 
 log = logging.getLogger(__name__)
 
+#: Seconds between tries while the registry is not up yet (it starts beside the ranks, not
+#: before them), doubling up to the cap.
+FIRST_RETRY_S, MAX_RETRY_S = 0.5, 10.0
+
+
+class RegistryUnreachable(ConnectError):
+    """The bootstrap server did not answer (not running yet, or busy): worth trying again,
+    unlike a refusal, which names what to fix."""
+
 
 class BootstrapClient:
     """Talks to the registry at ``host:port`` (what SGLang calls the bootstrap address).
@@ -44,6 +53,8 @@ class BootstrapClient:
         self._interval = 0.0
         self._keeper: threading.Thread | None = None
         self._stop = threading.Event()
+        #: Set while the route is registered (cleared until a background first try succeeds).
+        self.registered = threading.Event()
         self._lock = threading.Lock()
         self._warnings = RateLimitedLog(log)
 
@@ -52,37 +63,66 @@ class BootstrapClient:
 
     # -- writes -------------------------------------------------------------------------------
 
-    def register(self, route: Mapping[str, Any]) -> dict[str, Any]:
+    def register(self, route: Mapping[str, Any], timeout: float | None = None) -> dict[str, Any]:
         """Publish ``route`` under its (dp, tp) rank once; the server's answer (with its ``ttl``)."""
         clean = validated(dict(route))
-        status, doc = self._write("PUT", "/route", {**clean, "owner": self.owner})
+        status, doc = self._write("PUT", "/route", {**clean, "owner": self.owner}, timeout)
         if status != 200:
             raise self._refusal(f"register rank dp={clean['dp_rank']} tp={clean['tp_rank']}", status, doc)
         with self._lock:
             self._route = clean
+        self.registered.set()
         return doc
 
-    def keep_registered(self, route: Mapping[str, Any], interval: float | None = None) -> None:
-        """Register ``route`` now (raising if refused), then re-register it on a daemon thread
-        every ``interval`` seconds (a third of the server's ttl by default) until :meth:`close`."""
-        reply = self.register(route)
-        interval = _refresh_interval(reply) if interval is None else interval
+    def keep_registered(
+        self, route: Mapping[str, Any], interval: float | None = None, *, first_wait: float | None = None
+    ) -> bool:
+        """Register ``route``, then re-register it on a daemon thread every ``interval`` seconds
+        (a third of the server's ttl by default) until :meth:`close`.
+
+        A refusal (wrong secret, rank held by another owner, bad route) raises. A server that
+        does not answer within ``first_wait`` seconds (the client's timeout by default) is
+        tried again in the background until it does, with a warning: a serving engine starts
+        its registry beside its ranks, and the ranks may come up first. Returns whether the
+        route is registered already."""
+        clean = validated(dict(route))
+        try:
+            reply: Mapping[str, Any] | None = self.register(clean, timeout=first_wait)
+        except RegistryUnreachable as exc:
+            log.warning("bootstrap: %s; registering in the background until it answers", exc)
+            reply = None
+            with self._lock:
+                self._route = clean
+        interval = (
+            (_refresh_interval(reply) if reply is not None else route_ttl() / 3) if interval is None else interval
+        )
         if not interval > 0:
             raise ConfigError(f"refresh interval {interval!r} must be a positive number of seconds")
         with self._lock:
             self._interval = interval
-            if self._keeper is not None:
-                return  # the running refresher picks up the new route and interval
-            self._stop.clear()
-            self._keeper = threading.Thread(target=self._keep, name="kvtransport-bootstrap-refresh", daemon=True)
-            self._keeper.start()
+            if reply is None:
+                self.registered.clear()
+            if self._keeper is None:
+                self._stop.clear()
+                self._keeper = threading.Thread(target=self._keep, name="kvtransport-bootstrap-refresh", daemon=True)
+                self._keeper.start()
+        return reply is not None
+
+    def register_room(self, room: int, dp_rank: int, timeout: float | None = None) -> None:
+        """Publish that DP rank ``dp_rank`` took request ``room`` (SGLang's ``/register_dp_rank``),
+        for decode ranks of an instance that does not route by room number."""
+        status, doc = self._write("POST", "/register_dp_rank", {"bootstrap_room": room, "dp_rank": dp_rank}, timeout)
+        if status != 200:
+            raise self._refusal(f"register room {room} on dp rank {dp_rank}", status, doc)
 
     def unregister(self, timeout: float | None = None) -> None:
         """Stop refreshing and remove the rank this client registered (a no-op if none)."""
         self.close()
         with self._lock:
             route, self._route = self._route, None
-        if route is None:
+        registered = self.registered.is_set()
+        self.registered.clear()
+        if route is None or not registered:  # never got through: nothing to remove
             return
         target = f"/route?dp_rank={route['dp_rank']}&tp_rank={route['tp_rank']}"
         status, doc = self._write("DELETE", target, {"owner": self.owner}, timeout)
@@ -98,21 +138,29 @@ class BootstrapClient:
             keeper.join(self.timeout + 1)
 
     def _keep(self) -> None:
-        while not self._stop.wait(self._interval):
+        retry = FIRST_RETRY_S
+        while not self._stop.wait(self._interval if self.registered.is_set() else retry):
             with self._lock:
                 route = self._route
             if route is None:
                 return
+            first = not self.registered.is_set()
             try:
                 self.register(route)
             except Exception as exc:  # noqa: BLE001 - the refresher must outlive any one failure
+                retry = min(retry * 2, MAX_RETRY_S)
                 self._warnings.warning(
-                    "bootstrap: refreshing rank dp=%s tp=%s failed (next try in %g s): %s",
+                    "bootstrap: %s rank dp=%s tp=%s failed (next try in %g s): %s",
+                    "registering" if first else "refreshing",
                     route["dp_rank"],
                     route["tp_rank"],
-                    self._interval,
+                    retry if first else self._interval,
                     exc,
                 )
+                continue
+            self.registered.set()
+            if first:
+                log.info("bootstrap: rank dp=%s tp=%s registered at %s", route["dp_rank"], route["tp_rank"], self.base)
 
     def _write(self, method: str, target: str, doc: Mapping[str, Any], timeout: float | None = None) -> Reply:
         """One signed write, retried while the server is busy or unreachable, up to ``timeout``."""
@@ -134,7 +182,7 @@ class BootstrapClient:
             except (OSError, http.client.HTTPException) as exc:
                 last = f"{type(exc).__name__}: {exc}"
             if time.monotonic() + pause >= deadline:
-                raise ConnectError(f"cannot reach the bootstrap server at {self.base}: {last}")
+                raise RegistryUnreachable(f"cannot reach the bootstrap server at {self.base}: {last}")
             time.sleep(pause)
             pause = min(pause * 2, 1.0)
 

@@ -1,7 +1,9 @@
-"""The route table: what a registered rank is, who owns it, how long it lives, how many."""
+"""The route table (what a registered rank is, who owns it, how long it lives, how many) and the
+room table (which DP rank serves a request, for instances that do not route by room number)."""
 
 from __future__ import annotations
 
+import collections
 import hmac
 import re
 import threading
@@ -21,6 +23,17 @@ DEFAULT_MAX_ROUTES = 4096
 _HEX32 = re.compile(r"[0-9a-f]{32}")
 DIGITS = re.compile(r"[0-9]{1,12}")  # int() would also take "+1", " 1" and "1_0"
 _FIELDS = {"address": str, "tp_rank": int, "tp_size": int, "dp_rank": int, "endpoint": str}
+#: What the instance publishes with each rank so a decode rank can route (all optional, with
+#: the single-DP-rank defaults): how many DP ranks there are, whether a room's rank is
+#: ``room % dp_size``, and the page size and KV dtype decode must match.
+_OPTIONAL: dict[str, tuple[type, Any]] = {
+    "dp_size": (int, 1),
+    "follow_bootstrap_room": (bool, True),
+    "page_size": (int, 0),
+    "kv_cache_dtype": (str, ""),
+}
+DEFAULT_MAX_ROOMS = 65536
+MAX_ROOMS_PER_QUERY = 4096
 #: An answer: HTTP status and JSON body.
 Reply = tuple[int, dict[str, Any]]
 
@@ -48,9 +61,38 @@ def validated(doc: Any) -> dict[str, Any]:
         raise ProtocolError(f"route address {out['address']!r} is not tcp://host:port")
     if not 0 <= out["tp_rank"] < out["tp_size"]:
         raise ProtocolError(f"tp_rank {out['tp_rank']} is outside tp_size {out['tp_size']}")
-    if out["dp_rank"] < 0:
-        raise ProtocolError(f"dp_rank {out['dp_rank']} is negative")
+    for name, (kind, default) in _OPTIONAL.items():
+        value = doc.get(name, default)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ProtocolError(f"route field {name!r} must be {kind.__name__}, got {value!r}")
+        out[name] = value
+    if not 0 <= out["dp_rank"] < out["dp_size"]:
+        raise ProtocolError(f"dp_rank {out['dp_rank']} is outside dp_size {out['dp_size']}")
+    if out["page_size"] < 0 or len(out["kv_cache_dtype"]) > 64:
+        raise ProtocolError("page_size must be >= 0 and kv_cache_dtype at most 64 characters")
     return out
+
+
+def whole(value: Any, what: str) -> int:
+    """``value`` as a non-negative whole number of at most 64 bits (JSON has no integer type)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**64:
+        raise ProtocolError(f"{what} must be a whole number in [0, 2**64), got {value!r}")
+    return value
+
+
+def room_rank_of(doc: Any) -> tuple[int, int]:
+    """(bootstrap_room, dp_rank) of a ``/register_dp_rank`` body (SGLang's field names)."""
+    if not isinstance(doc, dict):
+        raise ProtocolError("the body must be a JSON object")
+    return whole(doc.get("bootstrap_room"), "bootstrap_room"), whole(doc.get("dp_rank"), "dp_rank")
+
+
+def rooms_of(doc: Any) -> list[int]:
+    """The rooms of a ``/query_dp_ranks`` body (SGLang's ``{"bootstrap_rooms": [...]}``)."""
+    rooms = doc.get("bootstrap_rooms") if isinstance(doc, dict) else None
+    if not isinstance(rooms, list) or len(rooms) > MAX_ROOMS_PER_QUERY:
+        raise ProtocolError(f"bootstrap_rooms must be a list of at most {MAX_ROOMS_PER_QUERY} rooms")
+    return [whole(r, "a bootstrap room") for r in rooms]
 
 
 def owner_of(doc: Any) -> str:
@@ -139,3 +181,36 @@ def _held_message(dp_rank: int, tp_rank: int, remaining: float) -> str:
         f"rank dp={dp_rank} tp={tp_rank} is held by another owner; it expires in {max(remaining, 0):.0f} s "
         "unless that owner refreshes it"
     )
+
+
+# -- rooms --------------------------------------------------------------------------------------
+
+
+class RoomTable:
+    """Which DP rank took each request (bootstrap room), for decode ranks of an instance whose
+    load balancer does not route by room number. Bounded: entries live ``ttl`` seconds and the
+    oldest go first once ``max_rooms`` are held (a room is asked for within seconds of its
+    registration, or never). Thread-safe."""
+
+    def __init__(self, ttl: float, max_rooms: int = DEFAULT_MAX_ROOMS, clock: Callable[[], float] = time.monotonic):
+        self.ttl, self.max_rooms, self._clock = ttl, max_rooms, clock
+        self._rooms: collections.OrderedDict[int, tuple[int, float]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._rooms)
+
+    def put(self, room: int, dp_rank: int) -> Reply:
+        now = self._clock()
+        with self._lock:
+            self._rooms.pop(room, None)
+            self._rooms[room] = (dp_rank, now + self.ttl)
+            while len(self._rooms) > self.max_rooms or (self._rooms and next(iter(self._rooms.values()))[1] <= now):
+                self._rooms.popitem(last=False)
+        return 200, {"ok": True}
+
+    def query(self, rooms: list[int]) -> dict[str, int]:
+        now = self._clock()
+        with self._lock:
+            found = ((room, self._rooms.get(room)) for room in rooms)
+            return {str(room): held[0] for room, held in found if held is not None and held[1] > now}

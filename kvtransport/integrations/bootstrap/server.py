@@ -15,7 +15,21 @@ from typing import Any, cast
 
 from ...auth import RateLimitedLog, Secret, control_plane_policy, load_secret
 from ...errors import ConfigError, ProtocolError
-from .routes import DEFAULT_MAX_ROUTES, DIGITS, Reply, RouteTable, owner_of, ranks_of, route_key, route_ttl, validated
+from .routes import (
+    DEFAULT_MAX_ROOMS,
+    DEFAULT_MAX_ROUTES,
+    DIGITS,
+    Reply,
+    RoomTable,
+    RouteTable,
+    owner_of,
+    ranks_of,
+    room_rank_of,
+    rooms_of,
+    route_key,
+    route_ttl,
+    validated,
+)
 from .signing import RequestVerifier
 
 log = logging.getLogger(__name__)
@@ -78,7 +92,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # http.server's naming
         url = urllib.parse.urlsplit(self.path)
-        if url.path != "/route":
+        if url.path == "/health":
+            self._reply(200, {"ok": True})
+        elif url.path != "/route":
             self._reply(404, {"error": "unknown path"})
         elif "tp_rank" not in urllib.parse.parse_qs(url.query):
             self._reply(200, {"routes": self._srv.table.live()})
@@ -92,20 +108,34 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(200, route) if route else self._reply(404, {"error": f"no rank {route_key(dp, tp)} registered"})
 
     def do_PUT(self) -> None:
-        self._write(lambda url, doc: self._srv.table.put(validated(doc), owner_of(doc)))
+        self._write("/route", lambda url, doc: self._srv.table.put(validated(doc), owner_of(doc)))
 
     def do_DELETE(self) -> None:
-        self._write(lambda url, doc: self._srv.table.delete(*ranks_of(url.query), owner_of(doc)))
+        self._write("/route", lambda url, doc: self._srv.table.delete(*ranks_of(url.query), owner_of(doc)))
 
-    def _write(self, action: Callable[[urllib.parse.SplitResult, Any], Reply]) -> None:
+    def do_POST(self) -> None:
+        # SGLang's names and bodies: a prefill sender publishes the DP rank that took a room
+        # (a write, signed like the others), a decode rank asks for many rooms at once (a read:
+        # SGLang's own client sends it, unsigned).
+        path = urllib.parse.urlsplit(self.path).path
+        if path == "/query_dp_ranks":
+            self._write(path, lambda url, doc: (200, self._srv.rooms.query(rooms_of(doc))), signed=False)
+        else:
+            self._write("/register_dp_rank", lambda url, doc: self._srv.rooms.put(*room_rank_of(doc)))
+
+    def _write(self, path: str, action: Callable[[urllib.parse.SplitResult, Any], Reply], signed: bool = True) -> None:
         url = urllib.parse.urlsplit(self.path)
-        if url.path != "/route":
+        if url.path != path:
             self._reply(404, {"error": "unknown path"})
             return
         body = self._body()
         if body is None:
             return
-        refused = self._srv.verifier.refusal(self.command, self.path, self.headers.get("Authorization"), body)
+        refused = (
+            self._srv.verifier.refusal(self.command, self.path, self.headers.get("Authorization"), body)
+            if signed
+            else None
+        )
         if refused is not None:
             self._refuse(*refused)
             return
@@ -152,12 +182,13 @@ class _HTTPServer(ThreadingHTTPServer):
         self,
         address: tuple[str, int],
         table: RouteTable,
+        rooms: RoomTable,
         verifier: RequestVerifier,
         request_timeout: float,
         max_connections: int,
         max_per_client: int,
     ) -> None:
-        self.table, self.verifier, self.request_timeout = table, verifier, request_timeout
+        self.table, self.rooms, self.verifier, self.request_timeout = table, rooms, verifier, request_timeout
         self.max_connections, self.max_per_client = max_connections, max_per_client
         self.warnings = RateLimitedLog(log)
         self._open: dict[str, int] = {}
@@ -239,6 +270,7 @@ class BootstrapServer:
         secret: Secret | None = None,
         ttl: float | None = None,
         max_routes: int = DEFAULT_MAX_ROUTES,
+        max_rooms: int = DEFAULT_MAX_ROOMS,
         request_timeout: float = REQUEST_TIMEOUT,
         max_connections: int = MAX_CONNECTIONS,
         max_connections_per_client: int | None = None,
@@ -250,13 +282,16 @@ class BootstrapServer:
             raise ConfigError(f"bootstrap server: {exc}") from None
         ttl = _positive("ttl", route_ttl() if ttl is None else ttl)
         per_client = max(1, max_connections // 4) if max_connections_per_client is None else max_connections_per_client
-        for name, value in (("max_routes", max_routes), ("max_connections", max_connections)):
+        for name, value in (("max_routes", max_routes), ("max_rooms", max_rooms), ("max_connections", max_connections)):
             _positive(name, value)
         table = RouteTable(ttl, max_routes)
+        # A room is asked for within the decode side's bootstrap wait (SGLang: 300 s) or never.
+        self.rooms = RoomTable(min(ttl, 600.0), max_rooms)
         try:
             self._server = _HTTPServer(
                 (host, port),
                 table,
+                self.rooms,
                 RequestVerifier(self.secret),
                 _positive("request_timeout", request_timeout),
                 max_connections,

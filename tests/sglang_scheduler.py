@@ -1,0 +1,970 @@
+"""One rank of an SGLang 0.5.23 prefill or decode instance, on CPU, in its own process: SGLang's
+own scheduler code drives kvtransport's SGLang backend, and this process stands in only for
+what cannot run here.
+
+Run by tests/test_sglang_scheduler.py, one process per rank, talking JSON lines (stdin in,
+the original stdout out; everything else that prints goes to stderr):
+
+* ``{"cmd": "configure", "config": {...}}`` (re)builds the instance: SGLang's ``ServerArgs``
+  (``--disaggregation-transfer-backend kvtransport``) published with
+  ``runtime_context.publish`` under the rank SGLang's launcher would give it, SGLang's
+  ``ModelConfig`` and KV dtype resolution, SGLang's memory pools (``MHATokenToKVPool`` /
+  ``MLATokenToKVPool``, ``ReqToTokenPool`` or decode's ``DecodeReqToTokenPool``, the token
+  allocator, a ``UnifiedRadixCache`` with the cache disabled, which is what SGLang builds for
+  ``--disable-radix-cache``; 0.5.23 has no ``ChunkCache``), then ``Scheduler.init_disaggregation``
+  itself, which builds ``MetadataBuffers``, ``ReqToMetadataIdxAllocator`` and the queues
+  (``PrefillBootstrapQueue``, or ``DecodeTransferQueue`` + ``DecodePreallocQueue``), and with
+  them ``KVArgs`` and the adapter's manager. Prefill rank 0 first starts the bootstrap server
+  with SGLang's ``start_disagg_service()`` (what its TokenizerManager calls on node 0).
+* ``{"cmd": "run", "requests": [...], "timeout": s}`` builds SGLang ``Req`` objects, hands them to
+  ``Scheduler._add_request_to_queue`` and runs the scheduler loop until every request of this
+  rank concluded (prefill: ``pop_bootstrapped``, ``resolve_waiting_queue_bootstrap``,
+  ``process_prefill_chunk`` -> ``send_kv_chunk``, the last ``send_kv_chunk(last_chunk=True)``
+  with ``set_buf`` inside, ``process_disagg_prefill_inflight_queue``; decode:
+  ``prefetch_prefill_dp_rank_queries`` and ``process_decode_queue``, i.e. ``pop_preallocated``
+  with its real allocation and ``_send_kv_metadata``, then ``pop_transferred`` and
+  ``_commit_transfer_to_req``; client aborts through ``Scheduler.abort_request``). It answers per
+  request: ``state`` ("success"/"failed"/"corrupt"/"timeout"), the error, the KV bytes verified
+  (decode), when it failed and got its pages back, and what was left allocated.
+* ``{"cmd": "close"}``.
+
+Stand-ins, each because it cannot run here: the model forward (it allocates with SGLang's
+``alloc_for_extend`` and writes deterministic KV, and "samples" a deterministic first token and
+logprobs); the model runner object (its KV bookkeeping fields only); the output streamer and
+``send_abort_output`` (IPC to the detokenizer/tokenizer: they record what the client would be
+told); the batch-result processor's reasoning-token counter (needs a tokenizer); grammar and
+beam-search managers (unused); the running batch (no decode batches run). The process groups are
+gloo groups among this side's processes, given to SGLang through ``override_permanently``.
+
+KV content is a pure function of (room, layer, token position, global KV head, dim, K/V): the
+prefill rank writes it into the pages its allocator handed out; the decode rank recomputes it
+for the heads it owns and compares the bits of every element of every layer (K and V, or MLA's
+latent), so a page sent to the wrong place, the wrong rank's heads or a stale aux row fails the
+test; pages written that no delivered request owns are reported too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from array import array
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+# The protocol owns the original stdout; C libraries (UCX, Mooncake) and SGLang's prints go to stderr.
+_PROTO = os.fdopen(os.dup(1), "w", buffering=1)
+os.dup2(2, 1)
+sys.stdout = sys.stderr
+
+_STAND_INS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stand_ins")
+if _STAND_INS not in sys.path:
+    sys.path.insert(0, _STAND_INS)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from sglang.srt.plugins import load_plugins  # noqa: E402
+
+# What every SGLang process does first: the kvtransport plugin makes
+# TransferBackend("kvtransport") and get_kv_class resolve to the adapter.
+load_plugins()
+
+from sglang.srt.configs.model_config import ModelConfig  # noqa: E402
+from sglang.srt.disaggregation.decode import (  # noqa: E402
+    DecodeReqToTokenPool,
+    SchedulerDisaggregationDecodeMixin,
+)
+from sglang.srt.disaggregation.prefill import SchedulerDisaggregationPrefillMixin  # noqa: E402
+from sglang.srt.disaggregation.utils import DisaggregationMode  # noqa: E402
+from sglang.srt.layers.dp_attention import compute_dp_attention_world_info  # noqa: E402
+from sglang.srt.managers.disagg_service import start_disagg_service  # noqa: E402
+from sglang.srt.managers.io_struct import AbortReq  # noqa: E402
+from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req  # noqa: E402
+from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
+from sglang.srt.mem_cache.allocation import alloc_for_extend  # noqa: E402
+from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
+from sglang.srt.mem_cache.common import release_kv_cache  # noqa: E402
+from sglang.srt.mem_cache.kv_cache_dtype import configure_kv_cache_dtype  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool  # noqa: E402
+from sglang.srt.mem_cache.unified_cache.components import ComponentType  # noqa: E402
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: E402
+from sglang.srt.runtime_context import SpawnRanks, get_model, get_parallel, publish  # noqa: E402
+from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+from sglang.srt.server_args import ServerArgs  # noqa: E402
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
+
+log = logging.getLogger("sglang_scheduler")
+
+HEAD_DIM = 16
+KV_LORA_RANK, QK_ROPE_HEAD_DIM = 32, 8
+VOCAB = 256
+TOP_LOGPROBS = 2
+#: Rows of the request table; the decode side pre-allocates as many again (DecodeReqToTokenPool).
+MAX_RUNNING = 96
+MAX_CONTEXT = 512
+#: What one forward of the last chunk takes here (between a request's previous send and its last).
+FORWARD_S = 0.3
+
+
+# ---------------------------------------------------------------------------------------------
+# The deterministic content both sides agree on without talking to each other
+# ---------------------------------------------------------------------------------------------
+
+
+_INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: Bit patterns below these are finite, non-negative numbers in every float format of that width.
+_FINITE_BELOW = {1: 0x70, 2: 0x7800, 4: 0x7F000000, 8: 0x7FE0000000000000}
+
+
+def kv_content(
+    room: int, layer: int, positions: torch.Tensor, heads: torch.Tensor, dim: int, kind: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """[tokens, heads, dim] of ``dtype``: each element's bit pattern a function of the room, layer,
+    token position, global KV head, dim and K(0)/V(1)/latent(2); all finite numbers."""
+    pos = positions.to(torch.int64)[:, None, None]
+    head = heads.to(torch.int64)[None, :, None]
+    d = torch.arange(dim, dtype=torch.int64)[None, None, :]
+    value = (room % 65_521) * 1_000_003 + layer * 7_919 + pos * 104_729 + head * 131 + d * 17 + kind * 65_537 + 1
+    size = torch.empty((), dtype=dtype).element_size()
+    return (value % _FINITE_BELOW[size]).to(_INT_OF[size]).view(dtype)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Element-wise bit equality (reduced over the last two dims)."""
+    ints = _INT_OF[a.element_size()]
+    return (a.view(ints) == b.view(ints)).all(dim=-1).all(dim=-1)
+
+
+def output_token(room: int) -> int:
+    return (room * 31 + 7) % VOCAB
+
+
+def token_logprob(room: int) -> float:
+    return -float(room % 1000) / 64.0  # exact in float32
+
+
+def top_logprobs(room: int) -> tuple[list[float], list[int]]:
+    return [-0.5 - (room % 7) / 8.0, -1.25], [output_token(room), (output_token(room) + 1) % VOCAB]
+
+
+def cached_tokens(room: int) -> int:
+    return room % 5
+
+
+def prompt_ids(room: int, length: int) -> array[int]:
+    return array("q", ((room * 7 + i * 13) % VOCAB for i in range(length)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Stand-ins for what a scheduler process has and this one cannot run
+# ---------------------------------------------------------------------------------------------
+
+
+class OutputStreamer:
+    """Stands in for the scheduler's output streamer (IPC to the detokenizer): records what the
+    client would be told, which is how this harness learns a request concluded."""
+
+    def __init__(self) -> None:
+        self.finished: dict[str, tuple[Any, float]] = {}
+
+    def stream_output(self, reqs: list[Req], return_logprob: bool = False, *args: Any, **kwargs: Any) -> None:
+        for req in reqs:
+            if req.finished_reason is not None and req.rid not in self.finished:
+                self.finished[req.rid] = (req.finished_reason, time.time())
+
+
+class BatchResultProcessor:
+    """Stands in for the scheduler's batch-result processor; decode's ``_commit_transfer_to_req``
+    calls only its reasoning-token counter, which needs a tokenizer's think-end ids."""
+
+    def _maybe_update_reasoning_tokens(self, req: Req, token: int) -> None:
+        pass
+
+
+class _Noop:
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        return lambda *args, **kwargs: None
+
+
+def group_ns(group: Any, size: int) -> SimpleNamespace:
+    return SimpleNamespace(cpu_group=group, world_size=size, is_last_rank=True, is_first_rank=True)
+
+
+class _SchedulerBase:
+    """The attributes SGLang's Scheduler sets in its constructor and the disaggregation code
+    reads, plus SGLang's own Scheduler methods that the queues and the abort path call."""
+
+    init_disaggregation = Scheduler.init_disaggregation
+    abort_request = Scheduler.abort_request
+    collect_inflight_reqs = Scheduler.collect_inflight_reqs
+    _collect_inflight_batches = Scheduler._collect_inflight_batches
+    _release_aborted_request = Scheduler._release_aborted_request
+    _hosts_rust_server = Scheduler._hosts_rust_server
+    _add_request_to_queue = Scheduler._add_request_to_queue
+    _set_or_validate_priority = Scheduler._set_or_validate_priority
+    _prefetch_kvcache = Scheduler._prefetch_kvcache
+    retire_unadmitted_request = Scheduler.retire_unadmitted_request
+
+    def __init__(self, inst: Instance) -> None:
+        self.server_args = inst.server_args
+        self.model_config = inst.model_config
+        self.req_to_token_pool = inst.req_to_token_pool
+        self.token_to_kv_pool_allocator = inst.allocator
+        self.tree_cache = inst.tree_cache
+        self.max_total_num_tokens = inst.pool_tokens
+        self.max_running_requests = MAX_RUNNING
+        self.spec_algorithm = SpeculativeAlgorithm.NONE
+        self.draft_worker = None
+        self.scheduler_stage_metrics = None
+        self.enable_unified_memory = False
+        self.enable_hisparse = False
+        self.enable_decode_hicache = False
+        self.enable_hicache_storage = False
+        self.enable_lmcache = False
+        self.enable_priority_scheduling = False
+        self.abort_on_priority_when_disabled = False
+        self.schedule_low_priority_values_first = False
+        self.enable_lora = False
+        self.enable_overlap = False
+        self.enable_staging = False
+        self.enable_continuous_input_polling = False
+        self.result_queue: list[Any] = []
+        self.rust_server = None
+        self.random_seed = 0
+        self.kv_shard_widening = 1
+        self.processed_tokens_counter = 0
+        self.tp_size = inst.tp_size
+        self.attn_tp_cpu_group = inst.attn_tp_group
+        self.attn_cp_cpu_group = inst.attn_cp_group
+        self.tp_cpu_group = inst.world_group
+        # Stand-in for the TP worker and its model runner (no model here): their KV bookkeeping only.
+        self.tp_worker = SimpleNamespace(
+            is_hybrid_swa=False,
+            model_runner=SimpleNamespace(
+                effective_logical_max_total_num_tokens=inst.pool_tokens,
+                kv_cache_dtype_str=inst.kv_cache_dtype_str,
+            ),
+        )
+        self.metrics_reporter = SimpleNamespace(enable_metrics=False)  # SGLang's, with metrics off
+        self.output_streamer = OutputStreamer()
+        self.batch_result_processor = BatchResultProcessor()
+        self.beam_coordinator = _Noop()  # no beam search
+        self.grammar_manager = _Noop()  # no grammar requests
+        self.mm_receiver = None
+        self.dllm_config = None
+        self.chunked_req: Req | None = None
+        self.waiting_queue: list[Req] = []
+        # Stand-in for the running ScheduleBatch: no batch runs here, so it stays empty.
+        self.running_batch = SimpleNamespace(reqs=[], batch_is_full=False)
+        self.last_batch = None
+        self.aborted_outputs: dict[str, float] = {}
+
+    def send_abort_output(self, abort_req: Any, req: Req) -> None:
+        """Stands in for the IPC to the tokenizer (``Scheduler.send_abort_output``)."""
+        self.aborted_outputs.setdefault(req.rid, time.time())
+
+
+class PrefillScheduler(_SchedulerBase, SchedulerDisaggregationPrefillMixin):
+    pass
+
+
+class DecodeScheduler(_SchedulerBase, SchedulerDisaggregationDecodeMixin):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------
+# One instance (a configuration) of this rank
+# ---------------------------------------------------------------------------------------------
+
+
+class Instance:
+    def __init__(self, rank: int, topo: dict[str, Any], cfg: dict[str, Any], world_group: Any) -> None:
+        self.rank = rank
+        self.role = topo["role"]
+        self.mode = DisaggregationMode.PREFILL if self.role == "prefill" else DisaggregationMode.DECODE
+        self.tp_size = topo["tp_size"]
+        self.cfg = cfg
+        self.page_size = int(cfg["page_size"])
+        self.mla = bool(cfg.get("mla", False))
+        self.world_group = world_group
+        self.server_args = ServerArgs(
+            model_path=topo["model_path"],
+            disaggregation_mode=self.role,
+            disaggregation_transfer_backend="kvtransport",
+            device="cpu",
+            skip_tokenizer_init=True,
+            tp_size=topo["tp_size"],
+            dp_size=topo["dp_size"],
+            enable_dp_attention=topo["dp_attention"],
+            disaggregation_bootstrap_port=int(cfg["bootstrap_port"]),
+            page_size=self.page_size,
+            disable_radix_cache=True,
+            num_reserved_decode_tokens=int(cfg.get("num_reserved_decode_tokens", 16)),
+            mem_fraction_static=0.5,
+        )
+        # As SGLang's launcher places a scheduler: the WORLD rank is the TP rank; under DP
+        # attention the DP controller hands each rank its attention-DP index as dp_rank.
+        dp_rank = None
+        if topo["dp_attention"]:
+            _, _, dp_rank, _ = compute_dp_attention_world_info(rank, topo["tp_size"], topo["dp_size"], 1)
+        publish(self.server_args, role="scheduler", ranks=SpawnRanks(world_rank=rank, dp_rank=dp_rank, gpu_id=0))
+        par = get_parallel()
+        self.attn_tp_group = topo["attn_tp_groups"][par.attn_dp_rank]
+        self.attn_cp_group = topo["attn_cp_groups"][rank]
+        # SGLang's model runner builds these groups on a GPU; here they are gloo groups of this
+        # side's processes (docs/sglang-contract.md section 6), so poll_and_all_reduce runs a real
+        # MIN all-reduce across the ranks.
+        par.override_permanently(
+            attn_tp_group=group_ns(self.attn_tp_group, par.attn_tp_size), pp_group=group_ns(None, 1)
+        )
+        self.model_config = ModelConfig.from_server_args(self.server_args)
+        resolved, dtype = configure_kv_cache_dtype(
+            server_args_kv_cache_dtype=get_model().kv_cache_dtype,
+            model=None,
+            model_dtype=self.model_config.dtype,
+            is_draft_worker=False,
+            is_dflash=False,
+            speculative_draft_attention_backend=None,
+        )
+        self.kv_cache_dtype_str = resolved if resolved is not None else get_model().kv_cache_dtype
+        self.dtype = dtype
+        layers = self.model_config.num_hidden_layers
+        self.pool_tokens = int(cfg.get("pool_tokens", 16384))
+        if self.mla:
+            self.kv_pool: Any = MLATokenToKVPool(
+                self.pool_tokens,
+                self.page_size,
+                dtype,
+                KV_LORA_RANK,
+                QK_ROPE_HEAD_DIM,
+                layers,
+                device="cpu",
+                enable_memory_saver=False,
+            )
+            self.heads = torch.zeros(1, dtype=torch.int64)
+        else:
+            total_heads = self.model_config.get_total_num_kv_heads()
+            local = total_heads // par.attn_tp_size
+            self.kv_pool = MHATokenToKVPool(
+                self.pool_tokens,
+                self.page_size,
+                dtype,
+                local,
+                HEAD_DIM,
+                layers,
+                device="cpu",
+                enable_memory_saver=False,
+            )
+            # The global KV heads this rank holds (the model shards them over attention TP).
+            self.heads = torch.arange(par.attn_tp_rank * local, (par.attn_tp_rank + 1) * local)
+        if self.page_size == 1:
+            self.allocator: Any = TokenToKVPoolAllocator(self.pool_tokens, dtype, "cpu", self.kv_pool, need_sort=False)
+        else:
+            self.allocator = PagedTokenToKVPoolAllocator(
+                self.pool_tokens, self.page_size, dtype, "cpu", self.kv_pool, need_sort=False
+            )
+        if self.mode == DisaggregationMode.DECODE:
+            self.req_to_token_pool: Any = DecodeReqToTokenPool(
+                MAX_RUNNING, MAX_CONTEXT, "cpu", enable_memory_saver=False, pre_alloc_size=MAX_RUNNING
+            )
+        else:
+            self.req_to_token_pool = ReqToTokenPool(MAX_RUNNING, MAX_CONTEXT, "cpu", enable_memory_saver=False)
+        # What SGLang builds for --disable-radix-cache (mem_cache/registry.py).
+        self.tree_cache = UnifiedRadixCache(
+            CacheInitParams(
+                disable=True,
+                req_to_token_pool=self.req_to_token_pool,
+                token_to_kv_pool_allocator=self.allocator,
+                page_size=self.page_size,
+                tp_cache_group=self.attn_tp_group,
+                attn_tp_cache_group=self.attn_tp_group,
+                attn_cp_cache_group=self.attn_cp_group,
+                tree_components=(ComponentType.FULL,),
+            )
+        )
+        self.bootstrap_server = None
+        if self.mode == DisaggregationMode.PREFILL and rank == 0:
+            # What SGLang's TokenizerManager does on node 0 (managers/disagg_service.py).
+            self.bootstrap_server = start_disagg_service()
+        dist.barrier(group=world_group)  # the registry is up before any prefill rank registers
+        cls = PrefillScheduler if self.mode == DisaggregationMode.PREFILL else DecodeScheduler
+        self.sched: Any = cls(self)
+        self.sched.disaggregation_mode = self.mode
+        self.sched.init_disaggregation()  # SGLang's own: metadata buffers, queues, KVArgs, manager
+        self.free_tokens = self.allocator.available_size()
+        self.free_rows = self.req_to_token_pool.available_size()
+        self.free_slots = self.sched.req_to_metadata_buffer_idx_allocator.available_size()
+
+    @property
+    def kv_manager(self) -> Any:
+        s = self.sched
+        q = (
+            s.disagg_prefill_bootstrap_queue
+            if self.mode == DisaggregationMode.PREFILL
+            else s.disagg_decode_prealloc_queue
+        )
+        return q.kv_manager
+
+    def info(self) -> dict[str, Any]:
+        par = get_parallel()
+        args = self.kv_manager.kv_args
+        return {
+            "tp_rank": par.tp_rank,
+            "attn_tp_rank": par.attn_tp_rank,
+            "attn_tp_size": par.attn_tp_size,
+            "attn_dp_rank": par.attn_dp_rank,
+            "attn_dp_size": par.attn_dp_size,
+            "dp_rank": par.dp_rank,
+            "engine_rank": args.engine_rank,
+            "kv_item_lens": list(args.kv_item_lens),
+            "aux_item_lens": list(args.aux_item_lens),
+            "manager": type(self.kv_manager).__qualname__,
+            "kv_cache_dtype_str": self.kv_cache_dtype_str,
+            "dtype": str(self.dtype),
+            "element_size": torch.empty((), dtype=self.dtype).element_size(),
+            "kv_heads": len(self.heads),
+            "layers": self.kv_pool.layer_num,
+        }
+
+    def close(self) -> None:
+        teardown = getattr(self.kv_manager, "teardown", None) or getattr(self.kv_manager, "close", None)
+        if teardown is not None:
+            teardown()
+        if self.bootstrap_server is not None:
+            self.bootstrap_server.close()
+
+    # -- content --------------------------------------------------------------------------------
+
+    def write_kv(self, room: int, locs: torch.Tensor, start: int, end: int, corrupt: bool = False) -> None:
+        """What the model forward would do for tokens [start, end): write each layer's KV
+        (``corrupt``: layer 1's V of another room, for the test that shows the check bites)."""
+        positions = torch.arange(start, end)
+        for layer in range(self.kv_pool.layer_num):
+            if self.mla:
+                dim = KV_LORA_RANK + QK_ROPE_HEAD_DIM
+                self.kv_pool.get_key_buffer(layer)[locs] = kv_content(
+                    room, layer, positions, self.heads, dim, 2, self.dtype
+                )
+            else:
+                self.kv_pool.get_key_buffer(layer)[locs] = kv_content(
+                    room, layer, positions, self.heads, HEAD_DIM, 0, self.dtype
+                )
+                self.kv_pool.get_value_buffer(layer)[locs] = kv_content(
+                    room + int(corrupt and layer == 1), layer, positions, self.heads, HEAD_DIM, 1, self.dtype
+                )
+
+    def kv_buffers(self) -> list[torch.Tensor]:
+        layers = range(self.kv_pool.layer_num)
+        if self.mla:
+            return [self.kv_pool.get_key_buffer(layer) for layer in layers]
+        return [self.kv_pool.get_key_buffer(layer) for layer in layers] + [
+            self.kv_pool.get_value_buffer(layer) for layer in layers
+        ]
+
+    def written_pages(self) -> set[int]:
+        """Pages holding anything but zeros, in any layer."""
+        pages: set[int] = set()
+        for buf in self.kv_buffers():
+            rows = buf.view(buf.shape[0], -1).view(_INT_OF[buf.element_size()]).ne(0).any(dim=1)
+            pages |= {int(p) for p in (rows.nonzero().flatten() // self.page_size).unique().tolist()}
+        return pages
+
+    def verify_kv(self, room: int, locs: torch.Tensor) -> tuple[int, str]:
+        """Compare every element of the request's KV with the content prefill wrote."""
+        positions = torch.arange(len(locs))
+        checked = 0
+        for layer in range(self.kv_pool.layer_num):
+            if self.mla:
+                dim = KV_LORA_RANK + QK_ROPE_HEAD_DIM
+                parts = [(self.kv_pool.get_key_buffer(layer), 2, dim)]
+            else:
+                parts = [
+                    (self.kv_pool.get_key_buffer(layer), 0, HEAD_DIM),
+                    (self.kv_pool.get_value_buffer(layer), 1, HEAD_DIM),
+                ]
+            for buf, kind, dim in parts:
+                got = buf[locs]
+                want = kv_content(room, layer, positions, self.heads, dim, kind, self.dtype)
+                ok = same_bits(got, want)
+                if not bool(ok.all()):
+                    bad = (~ok).nonzero().flatten()
+                    return checked, (
+                        f"layer {layer} {'KVL'[kind]}: {len(bad)} of {len(locs)} tokens differ, first at position "
+                        f"{int(bad[0])} (got {got[bad[0]].flatten()[:4].tolist()}, "
+                        f"want {want[bad[0]].flatten()[:4].tolist()})"
+                    )
+                checked += got.numel() * got.element_size()
+        return checked, ""
+
+
+# ---------------------------------------------------------------------------------------------
+# The scheduler loops
+# ---------------------------------------------------------------------------------------------
+
+
+def new_req(spec: dict[str, Any], mode: DisaggregationMode, bootstrap_port: int) -> Req:
+    """A request as the tokenizer manager hands it to the scheduler (``Scheduler.handle_generate_request``
+    builds ``Req`` from the same fields)."""
+    params = SamplingParams(max_new_tokens=int(spec.get("max_new_tokens", 4)))
+    params.normalize(None)
+    req = Req(
+        spec["rid"],
+        "",
+        prompt_ids(spec["room"], spec["prompt_len"]),
+        params,
+        return_logprob=True,
+        top_logprobs_num=TOP_LOGPROBS,
+        bootstrap_host="127.0.0.1",
+        bootstrap_port=bootstrap_port,
+        bootstrap_room=spec["room"],
+        disagg_mode=mode,
+        # A router that picks the prefill DP rank itself sends it to both instances: prefill's
+        # DP controller routes by routed_dp_rank, and both schedulers read disagg_prefill_dp_rank.
+        routed_dp_rank=spec.get("prefill_dp") if mode == DisaggregationMode.PREFILL else None,
+        disagg_prefill_dp_rank=spec.get("prefill_dp"),
+        vocab_size=VOCAB,
+    )
+    return req
+
+
+class Consensus:
+    """Harness decisions every rank of an attention-TP group must take together (like SGLang's
+    own polls): a MIN all-reduce of per-request flags over that group."""
+
+    def __init__(self, inst: Instance) -> None:
+        self.group = inst.attn_tp_group
+        self.size = get_parallel().attn_tp_size
+
+    def all(self, flags: list[bool]) -> list[bool]:
+        if not flags or self.size == 1:
+            return flags
+        t = torch.tensor([int(f) for f in flags], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return [bool(x) for x in t.tolist()]
+
+
+def side_all_done(inst: Instance, done: bool) -> bool:
+    t = torch.tensor([int(done)], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=inst.world_group)
+    return bool(t.item())
+
+
+def outcome_of(reason: Any) -> tuple[str, str]:
+    if isinstance(reason, FINISH_ABORT):
+        return "failed", str(reason.message)
+    if reason is None:
+        return "timeout", ""
+    return "success", ""
+
+
+def run_prefill(inst: Instance, specs: list[dict[str, Any]], timeout: float) -> dict[str, Any]:
+    s: PrefillScheduler = inst.sched
+    queue = s.disagg_prefill_bootstrap_queue
+    consensus = Consensus(inst)
+    streamer: OutputStreamer = s.output_streamer
+    reqs: dict[str, Req] = {}
+    plans: dict[str, dict[str, Any]] = {}
+    t0 = time.time()
+    for spec in specs:
+        req = new_req(spec, inst.mode, inst.server_args.disaggregation_bootstrap_port)
+        reqs[req.rid] = req
+        plans[req.rid] = {"spec": spec, "chunks": list(spec.get("chunks") or [spec["prompt_len"]]), "ready_at": None}
+        s._add_request_to_queue(req)  # -> PrefillBootstrapQueue.add(req, num_kv_heads)
+    events: dict[str, dict[str, float]] = {rid: {"created": t0} for rid in reqs}
+    deadline = time.monotonic() + timeout
+    running: list[Req] = []  # admitted, being prefilled (one chunked request at a time, as SGLang)
+    longest_step = 0.0
+    while True:
+        step_start = time.monotonic()
+        # -- event_loop_normal_disagg_prefill, one iteration (prefill.py) -----------------------
+        s.waiting_queue.extend(queue.pop_bootstrapped())
+        for req in s.waiting_queue:
+            if not req.pending_bootstrap and plans[req.rid]["ready_at"] is None:
+                plans[req.rid]["ready_at"] = time.time()
+                events[req.rid]["bootstrapped"] = time.time()
+        # Aborts asked for by the test: SGLang's abort path for a client abort (Scheduler.abort_request),
+        # for a request in the bootstrap queue ("bootstrap") or bootstrapped in the waiting queue.
+        places = [(req, "bootstrap") for req in queue.queue] + [(req, "waiting") for req in s.waiting_queue]
+        due = [
+            req
+            for req, place in places
+            if aborts_in(plans[req.rid]["spec"].get("prefill_abort"), place) and "abort" not in events[req.rid]
+        ]
+        for req, ok in zip(due, consensus.all([True] * len(due)), strict=True):
+            if ok:
+                events[req.rid]["abort"] = time.time()
+                s.abort_request(AbortReq(rid=req.rid))
+        s.resolve_waiting_queue_bootstrap()
+        if s.chunked_req is not None:
+            # process_prefill_chunk: the chunk computed last iteration goes out (send_kv_chunk)
+            s.process_prefill_chunk(last_batch=None, running_batch=s.running_batch)
+        # -- get_new_batch_prefill: admit what is bootstrapped and due --------------------------
+        now = time.time()
+        candidates = [
+            req
+            for req in s.waiting_queue
+            if not req.pending_bootstrap
+            and req.finished_reason is None
+            and not plans[req.rid]["spec"].get("prefill_abort")
+            and now - plans[req.rid]["ready_at"] >= float(plans[req.rid]["spec"].get("prefill_delay", 0))
+        ]
+        chunking = s.chunked_req  # SGLang prefills one chunked request at a time
+        for req, ok in zip(candidates, consensus.all([True] * len(candidates)), strict=True):
+            if not ok:
+                continue
+            if len(plans[req.rid]["chunks"]) > 1:
+                if chunking is not None:
+                    continue
+                chunking = req
+            s.waiting_queue.remove(req)
+            running.append(req)
+        # -- run_batch + process_batch_result_disagg_prefill (the forward is this harness) -------
+        batch, running = running, []
+        # A request whose remaining (page-less) last chunk is not due yet stays for later.
+        waits = [time.time() - plans[r.rid].get("sent_all_at", 0.0) < FORWARD_S for r in batch]
+        waits = [not ok for ok in consensus.all([not w for w in waits])]
+        for req, wait in zip(list(batch), waits, strict=True):
+            if wait:
+                batch.remove(req)
+                running.append(req)
+        for req in batch:
+            plan = plans[req.rid]
+            if req.finished_reason is not None:
+                continue  # failed (its bootstrap check) while chunking: SGLang dropped it
+            if plan.get("finish_only"):
+                finish_prefill(inst, req)
+                continue
+            start = req.prefix_len
+            end = plan["chunks"].pop(0)
+            if end > start:
+                forward_chunk(inst, req, start, end, corrupt=bool(plan["spec"].get("prefill_corrupt")))
+            if plan["chunks"]:
+                s.chunked_req = req  # still chunking: sent next iteration by process_prefill_chunk
+                running.append(req)
+                continue
+            if s.chunked_req is req:
+                s.chunked_req = None
+            if plan["spec"].get("zero_page_last") and "sent_all_at" not in plan:
+                # Every page goes out as a non-last chunk (send_kv_chunk with an explicit end, as
+                # the overlap path's send_kv_chunk(req, last_chunk=False, end_idx=tmp_end_idx) is
+                # called, prefill.py:1125); the last chunk's result comes a forward later and its
+                # send carries no new page, only the aux row that set_buf writes just before it.
+                s.send_kv_chunk(req, last_chunk=False, end_idx=len(req.origin_input_ids))
+                plan["sent_all_at"] = time.time()
+                plan["finish_only"] = True
+                running.append(req)
+                continue
+            finish_prefill(inst, req)
+        # -- process_disagg_prefill_inflight_queue (prefill.py:1151) -----------------------------
+        s.process_disagg_prefill_inflight_queue()
+        longest_step = max(longest_step, time.monotonic() - step_start)
+        concluded = all(rid in streamer.finished or rid in s.aborted_outputs for rid in reqs)
+        idle = not (queue.queue or s.waiting_queue or s.disagg_prefill_inflight_queue or running or s.chunked_req)
+        timed_out = time.monotonic() > deadline
+        if side_all_done(inst, (concluded and idle) or timed_out):
+            break
+        time.sleep(0.002)
+    results = {}
+    for rid, req in reqs.items():
+        reason, at = streamer.finished.get(rid, (None, None))
+        if reason is None and rid in s.aborted_outputs:
+            reason, at = FINISH_ABORT("aborted by the client (send_abort_output)"), s.aborted_outputs[rid]
+        state, error = outcome_of(reason)
+        results[rid] = {"state": state, "error": error, "at": at, **events[rid]}
+        if state == "timeout" and getattr(req, "disagg_kv_sender", None) is not None:
+            results[rid]["poll"] = int(req.disagg_kv_sender.poll())
+    return {"outcomes": results, "leaks": leaks(inst), "t0": t0, "longest_step_s": longest_step}
+
+
+def aborts_in(when: Any, place: str) -> bool:
+    """``prefill_abort``: "bootstrap" (in PrefillBootstrapQueue), "waiting" or true (bootstrapped)."""
+    return when == place or (when is True and place == "waiting")
+
+
+def forward_chunk(inst: Instance, req: Req, start: int, end: int, corrupt: bool = False) -> None:
+    """ScheduleBatch.prepare_for_extend's allocation, for real (alloc_for_extend with a batch of
+    one), then the forward's KV writes for tokens [start, end)."""
+    req.extend_end = end
+    seq_lens = torch.tensor([end], dtype=torch.int64)
+    # Stand-in for the ScheduleBatch of the forward (a batch of one): what alloc_for_extend reads.
+    batch = SimpleNamespace(
+        reqs=[req],
+        prefix_lens=[start],
+        extend_lens=[end - start],
+        extend_num_tokens=end - start,
+        seq_lens=seq_lens,
+        seq_lens_cpu=seq_lens,
+        req_to_token_pool=inst.req_to_token_pool,
+        tree_cache=inst.tree_cache,
+        device="cpu",
+        hisparse_coordinator=None,
+        is_dllm=lambda: False,
+        maybe_evict_swa=lambda: None,
+    )
+    out_cache_loc, _, _ = alloc_for_extend(batch)
+    inst.write_kv(req.bootstrap_room, out_cache_loc, start, end, corrupt)
+
+
+def finish_prefill(inst: Instance, req: Req) -> None:
+    """The per-request part of process_batch_result_disagg_prefill (prefill.py:1012-1074) for a
+    request whose last chunk was computed: the sampled token and its logprobs (the forward's
+    output), the checkpoint, the inflight queue, and the last send_kv_chunk (set_buf inside)."""
+    s = inst.sched
+    room = req.bootstrap_room
+    req.output_ids.append(output_token(room))
+    req.cached_tokens = cached_tokens(room)
+    req.logprob.output_token_logprobs_val = [token_logprob(room)]
+    req.logprob.output_token_logprobs_idx = [output_token(room)]
+    vals, idxs = top_logprobs(room)
+    req.logprob.output_top_logprobs_val = [vals]
+    req.logprob.output_top_logprobs_idx = [idxs]
+    s.checkpoint_disagg_prefill(req)
+    s.disagg_prefill_inflight_queue.append(req)
+    if not req.pending_bootstrap:
+        s.send_kv_chunk(req, last_chunk=True)
+
+
+def run_decode(inst: Instance, specs: list[dict[str, Any]], timeout: float) -> dict[str, Any]:
+    s: DecodeScheduler = inst.sched
+    pq, tq = s.disagg_decode_prealloc_queue, s.disagg_decode_transfer_queue
+    consensus = Consensus(inst)
+    streamer: OutputStreamer = s.output_streamer
+    reqs: dict[str, Req] = {}
+    specs_by_rid = {spec["rid"]: spec for spec in specs}
+    results: dict[str, dict[str, Any]] = {}
+    events: dict[str, dict[str, float]] = {}
+    t0 = time.time()
+    arriving = list(specs)
+    for spec in specs:
+        events[spec["rid"]] = {}
+    # A clean pool: afterwards, any page that holds data and was not a delivered request's is a
+    # write that landed where no request of this run was told to expect it.
+    for buf in inst.kv_buffers():
+        buf.zero_()
+    if any(spec.get("stray_write") for spec in specs):  # the control for the check above
+        inst.kv_buffers()[-1][0] = 1  # slot 0: the padding page, never handed to a request
+    given: set[int] = set()
+    deadline = time.monotonic() + timeout
+    longest_step = 0.0
+    while True:
+        step_start = time.monotonic()
+        # -- event_loop_normal_disagg_decode, one iteration (decode.py:3123) --------------------
+        pq.prefetch_prefill_dp_rank_queries()
+        # ingest_requests: what the router sent this rank (a request may arrive late).
+        due_in = [time.time() - t0 >= float(spec.get("decode_delay", 0)) for spec in arriving]
+        for spec, ok in zip(list(arriving), consensus.all(due_in), strict=True):
+            if ok:
+                arriving.remove(spec)
+                req = new_req(spec, inst.mode, int(spec["bootstrap_port"]))
+                reqs[req.rid] = req
+                events[req.rid]["arrived"] = time.time()
+                s._add_request_to_queue(req)  # -> DecodePreallocQueue.add(req)
+        # Aborts asked for by the test, where the spec says: SGLang's client-abort path.
+        due = []
+        for decode_req in pq.queue:
+            # "prealloc": its prefill rank is known and ready (SGLang's waiting_for_input), but
+            # decode has no memory for it yet, so its pages were never announced.
+            if specs_by_rid[decode_req.req.rid].get("decode_abort") == "prealloc" and decode_req.waiting_for_input:
+                due.append(decode_req.req)
+        for decode_req in tq.queue:
+            if specs_by_rid[decode_req.req.rid].get("decode_abort") == "transfer":
+                due.append(decode_req.req)
+        due = [req for req in due if "abort" not in events[req.rid]]
+        for req, ok in zip(due, consensus.all([True] * len(due)), strict=True):
+            if ok:
+                events[req.rid]["abort"] = time.time()
+                s.abort_request(AbortReq(rid=req.rid))
+        for decode_req in tq.queue:
+            events[decode_req.req.rid].setdefault("metadata_sent", time.time())
+        s.process_decode_queue()  # SGLang's: pop_preallocated -> transfer queue -> pop_transferred
+        # Transferred requests wait for a prebuilt batch; this harness checks them instead.
+        for req in s.waiting_queue:
+            results[req.rid] = verify_decode(inst, req)
+            locs = inst.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(req.origin_input_ids)]
+            given |= {int(p) for p in (locs.to(torch.int64) // inst.page_size).unique().tolist()}
+            # What the end of the request does (process_batch_result_decode -> release_kv_cache).
+            req.finished_reason = FINISH_LENGTH(length=0)
+            release_kv_cache(req, inst.tree_cache, checkpoint=False)
+        s.waiting_queue = []
+        # When a failed request's pages went back (at once, or after SGLang's deferred release).
+        for rid, req in reqs.items():
+            if rid in streamer.finished and "released" not in events[rid] and not req.kv.holds_kv:
+                events[rid]["released"] = time.time()
+        longest_step = max(longest_step, time.monotonic() - step_start)
+        concluded = not arriving and all(rid in results or rid in streamer.finished for rid in reqs)
+        idle = not (pq.queue or pq.pending_reqs or tq.queue or tq.has_pending_deferred_releases())
+        timed_out = time.monotonic() > deadline
+        if side_all_done(inst, (concluded and idle) or timed_out):
+            break
+        time.sleep(0.002)
+    where = {d.req.rid: ("prealloc", d) for d in pq.queue} | {d.req.rid: ("transfer", d) for d in tq.queue}
+    for spec in arriving:  # never arrived (the run timed out first)
+        results[spec["rid"]] = {"state": "timeout", "error": "never added", "at": None}
+    for rid in reqs:
+        if rid not in results:
+            reason, at = streamer.finished.get(rid, (None, None))
+            state, error = outcome_of(reason)
+            results[rid] = {"state": state, "error": error, "at": at}
+            if rid in where:  # still queued: where, and what its receiver and aux row say
+                name, d = where[rid]
+                results[rid]["queue"] = name
+                results[rid]["poll"] = int(d.kv_receiver.poll()) if d.kv_receiver is not None else None
+                if d.metadata_buffer_index >= 0:
+                    results[rid]["aux_room"] = int(tq.metadata_buffers.bootstrap_room[d.metadata_buffer_index, 0])
+        results[rid].update(events[rid])
+    stray = sorted(inst.written_pages() - given)
+    return {
+        "outcomes": results,
+        "leaks": leaks(inst),
+        "t0": t0,
+        "longest_step_s": longest_step,
+        "stray_pages": stray[:20],
+        "stray_page_count": len(stray),
+    }
+
+
+def verify_decode(inst: Instance, req: Req) -> dict[str, Any]:
+    """Every KV byte of the request, and what _commit_transfer_to_req read from its aux row."""
+    room = req.bootstrap_room
+    n = len(req.origin_input_ids)
+    locs = inst.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n].to(torch.int64)
+    kv_bytes, error = inst.verify_kv(room, locs)
+    aux = {
+        "output_id": int(req.output_ids[-1]) if req.output_ids else None,
+        "cached_tokens": int(req.cached_tokens),
+        "logprob": req.logprob.output_token_logprobs_val[-1] if req.logprob.output_token_logprobs_val else None,
+        "logprob_idx": req.logprob.output_token_logprobs_idx[-1] if req.logprob.output_token_logprobs_idx else None,
+        "top_val": req.logprob.output_top_logprobs_val[-1] if req.logprob.output_top_logprobs_val else None,
+        "top_idx": req.logprob.output_top_logprobs_idx[-1] if req.logprob.output_top_logprobs_idx else None,
+    }
+    vals, idxs = top_logprobs(room)
+    want = {
+        "output_id": output_token(room),
+        "cached_tokens": cached_tokens(room),
+        "logprob": token_logprob(room),
+        "logprob_idx": output_token(room),
+        "top_val": [float(torch.tensor(v, dtype=torch.float32)) for v in vals],
+        "top_idx": idxs,
+    }
+    bad = {k: (aux[k], want[k]) for k in want if aux[k] != want[k]}
+    if bad and not error:
+        error = f"aux row differs: {bad}"
+    return {
+        "state": "success" if not error else "corrupt",
+        "error": error,
+        "kv_bytes": kv_bytes,
+        "tokens": n,
+        "aux": aux,
+        "at": time.time(),
+    }
+
+
+def leaks(inst: Instance) -> dict[str, int]:
+    """What is still allocated once every request concluded (all of it must be back)."""
+    return {
+        "kv_tokens": inst.free_tokens - inst.allocator.available_size(),
+        "req_rows": inst.free_rows - inst.req_to_token_pool.available_size(),
+        "metadata_slots": inst.free_slots - inst.sched.req_to_metadata_buffer_idx_allocator.available_size(),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The process
+# ---------------------------------------------------------------------------------------------
+
+
+def reply(doc: dict[str, Any]) -> None:
+    _PROTO.write(json.dumps(doc) + "\n")
+    _PROTO.flush()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--role", choices=["prefill", "decode"], required=True)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--dp-size", type=int, default=1)
+    p.add_argument("--dp-attention", action="store_true")
+    p.add_argument("--master-port", type=int, required=True)
+    p.add_argument("--model-path", required=True)
+    args = p.parse_args()
+    logging.basicConfig(level=os.environ.get("SGLANG_HARNESS_LOG", "WARNING"), stream=sys.stderr)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{args.master_port}",
+        rank=args.rank,
+        world_size=args.tp_size,
+        timeout=datetime.timedelta(seconds=180),
+    )
+    attn_tp = args.tp_size // args.dp_size if args.dp_attention else args.tp_size
+    world = dist.group.WORLD
+    # Every rank creates every group, in the same order (torch.distributed's rule).
+    attn_tp_groups = [
+        dist.new_group(list(range(d * attn_tp, (d + 1) * attn_tp))) for d in range(args.tp_size // attn_tp)
+    ]
+    attn_cp_groups = [dist.new_group([r]) for r in range(args.tp_size)]
+    topo = {
+        "role": args.role,
+        "tp_size": args.tp_size,
+        "dp_size": args.dp_size,
+        "dp_attention": args.dp_attention,
+        "model_path": args.model_path,
+        "attn_tp_groups": attn_tp_groups,
+        "attn_cp_groups": attn_cp_groups,
+    }
+    inst: Instance | None = None
+    env_keys: set[str] = set()
+    reply({"ready": True, "pid": os.getpid()})
+    try:
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            try:
+                op = cmd["cmd"]
+                if op == "configure":
+                    if inst is not None:
+                        inst.close()
+                        inst = None
+                    for key in env_keys:
+                        os.environ.pop(key, None)
+                    env = {k: str(v) for k, v in cmd["config"].get("env", {}).items()}
+                    os.environ.update(env)
+                    env_keys = set(env)
+                    inst = Instance(args.rank, topo, cmd["config"], world)
+                    result: dict[str, Any] = {"ok": True, "info": inst.info()}
+                elif op == "run":
+                    assert inst is not None, "run before configure"
+                    runner = run_prefill if args.role == "prefill" else run_decode
+                    result = {"ok": True, **runner(inst, cmd["requests"], float(cmd.get("timeout", 60)))}
+                elif op == "close":
+                    reply({"ok": True})
+                    break
+                else:
+                    raise ValueError(f"unknown command {op!r}")
+            except Exception as exc:  # noqa: BLE001 - reported to the test, with the traceback
+                result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+            reply({**result, "seq": cmd.get("seq")})
+    finally:
+        t = time.monotonic()
+        if inst is not None:
+            try:
+                inst.close()
+            except Exception:  # noqa: BLE001 - exiting anyway
+                traceback.print_exc()
+        log.info("closed in %.2f s", time.monotonic() - t)
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    # The instance is torn down; skip the interpreter's exit, which waits seconds on the
+    # transfer engines' and gloo's threads.
+    sys.stderr.flush()
+    _PROTO.flush()
+    os._exit(code)

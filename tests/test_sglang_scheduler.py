@@ -1,0 +1,789 @@
+"""kvtransport's SGLang backend driven by SGLang 0.5.23's own scheduler code, on CPU: each prefill
+and decode rank is a process (tests/sglang_scheduler.py) running SGLang's real queues
+(``PrefillBootstrapQueue``, ``process_disagg_prefill_inflight_queue``, ``send_kv_chunk``;
+``DecodePreallocQueue``/``DecodeTransferQueue`` through ``process_decode_queue``), SGLang's real
+memory pools, allocators, ``Req`` objects, ``MetadataBuffers`` and its abort path
+(``Scheduler.abort_request``), with gloo process groups among the ranks of a side so every poll is
+SGLang's MIN all-reduce. The only stand-ins are the model forward (it writes deterministic KV),
+the tokenizer/detokenizer IPC and the CUDA-only pieces; see the worker's docstring.
+
+Every byte of every request's KV (each layer's K and V, or MLA's latent) and its aux row is checked
+on the decode side against content both sides compute from the room, and both sides must hand
+every page, request row and metadata slot back.
+
+One cluster of processes per topology (TP 1, TP 2, DP attention 2) serves all the cases of that
+topology: a case reconfigures the instances (page size, MLA, driver, timeouts) without a new
+process. The driver is ``KVTRANSPORT_DRIVER`` (nixl-ucx by default); the base case runs over
+nixl-ucx and mooncake-gdr (and mooncake-staged) whatever it says.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import queue
+import random
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .conftest import require_engines
+
+pytest.importorskip("sglang.srt.plugins", reason="needs sglang==0.5.23 (bash scripts/dev setup)")
+pytest.importorskip("transformers", reason="needs SGLang's import-time dependencies (tests/requirements-sglang.txt)")
+
+ROOT = Path(__file__).resolve().parent.parent
+STAND_INS = Path(__file__).resolve().parent / "stand_ins"
+CHILD_PATH = [ROOT, ROOT / "drivers" / "nixl", ROOT / "drivers" / "mooncake", ROOT / "drivers" / "cuda", STAND_INS]
+#: Read at import: tests/conftest.py clears KVTRANSPORT_* around every test.
+DRIVER = os.environ.get("KVTRANSPORT_DRIVER", "nixl-ucx")
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "torch_dtype": "float32",
+}
+FAST = {"KVTRANSPORT_HEARTBEAT_INTERVAL": "0.2", "KVTRANSPORT_HEARTBEAT_TIMEOUT": "2"}
+#: Timeouts for the abort cases: a failure that only the timers catch shows as a late one.
+ABORT_TIMEOUT_S = 12
+PROMPT_S = 4.0
+ABORT_ENV = {
+    "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": str(2 * PROMPT_S),
+    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(ABORT_TIMEOUT_S),
+    "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(ABORT_TIMEOUT_S),
+    "KVTRANSPORT_TRANSFER_TIMEOUT": str(ABORT_TIMEOUT_S),
+}
+STEP_S = 3.0  # the slowest scheduler iteration allowed (SGLang's loop must never wait on the network)
+START_S = 240  # processes import SGLang (~12 s each) on two shared cores
+NOISE = re.compile(r"UserWarning|warnings\.warn\(|^[IW]\d{4} |Radix cache is disabled|Intel AMX|deprecated")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Rank:
+    """One rank process; every exchange has a timeout; its stderr goes to a file."""
+
+    def __init__(self, role: str, rank: int, args: list[str], env: dict[str, str], logdir: Path) -> None:
+        self.name = f"{role}{rank}"
+        self.role, self.rank = role, rank
+        self.log = logdir / f"{self.name}.stderr"
+        self._err = open(self.log, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.sglang_scheduler", "--role", role, "--rank", str(rank), *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._err,
+            text=True,
+            cwd=ROOT,
+            env=env,
+        )
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.info: dict[str, Any] = {}
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def send(self, doc: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(doc) + "\n")
+        self.proc.stdin.flush()
+
+    def recv(self, deadline: float, seq: int | None = None) -> dict[str, Any]:
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"{self.name} gave no answer in time") from None
+            if line is None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.poll()}")
+            if line.startswith("{"):
+                doc: dict[str, Any] = json.loads(line)
+                if seq is not None and doc.get("seq") != seq:
+                    continue  # the late answer to a command that timed out
+                if "error" in doc:
+                    raise RuntimeError(f"{self.name}: {doc['error']}\n{doc.get('traceback', '')}")
+                return doc
+
+    def stderr_tail(self, lines: int = 40) -> str:
+        """The end of the rank's stderr, without import warnings and Mooncake's info lines."""
+        if not self._err.closed:
+            self._err.flush()
+        text = self.log.read_text(errors="replace").splitlines()
+        kept = [line for line in text if not NOISE.search(line)]
+        return "\n".join(kept[-lines:])
+
+    def ask_to_close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError, ValueError):
+                self.send({"cmd": "close"})
+
+    def close(self) -> None:
+        self.ask_to_close()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._err.close()
+
+
+@dataclass
+class Outcome:
+    prefill: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # rid -> one per rank
+    decode: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    leaks: dict[str, dict[str, int]] = field(default_factory=dict)  # rank -> counts
+    longest_step_s: dict[str, float] = field(default_factory=dict)  # rank -> its slowest scheduler iteration
+    #: decode rank -> (count, first few) of pages written that no delivered request was given
+    stray_pages: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    wall_s: float = 0.0
+    killed_at: float = 0.0  # when the prefill processes were killed (wall clock)
+
+
+class Cluster:
+    """A prefill instance and a decode instance of the same topology, one process per rank."""
+
+    def __init__(self, tp: int, dp: int, dp_attention: bool, tmp: Path) -> None:
+        self.tp, self.dp, self.dp_attention = tp, dp, dp_attention
+        self.tmp = tmp
+        self.model = tmp / "tiny-llama"
+        self.model.mkdir(parents=True, exist_ok=True)
+        (self.model / "config.json").write_text(json.dumps(TINY_LLAMA))
+        self.ranks: list[Rank] = []
+        self.config: dict[str, Any] | None = None
+        self.rooms = itertools.count(1_000 + random.randrange(10**6) * 100)
+        self.seq = itertools.count()
+        self.spawns = 0
+        self._spawn()
+
+    def _spawn(self) -> None:
+        self.close()
+        self.spawns += 1
+        clean = {k: v for k, v in os.environ.items() if not k.startswith(("KVTRANSPORT_", "SGLANG_"))}
+        path = os.pathsep.join([*(str(p) for p in CHILD_PATH), clean.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        env = {**clean, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+        logs = self.tmp / f"spawn{self.spawns}"
+        logs.mkdir()
+        self.ranks = []
+        for role in ("prefill", "decode"):
+            args = ["--tp-size", str(self.tp), "--dp-size", str(self.dp), "--master-port", str(free_port())]
+            args += ["--model-path", str(self.model), *(["--dp-attention"] if self.dp_attention else [])]
+            self.ranks += [Rank(role, r, args, env, logs) for r in range(self.tp)]
+        self.config = None
+        with self.explain():
+            deadline = time.monotonic() + START_S
+            for r in self.ranks:
+                r.recv(deadline)
+
+    @property
+    def prefill(self) -> list[Rank]:
+        return [r for r in self.ranks if r.role == "prefill"]
+
+    @property
+    def decode(self) -> list[Rank]:
+        return [r for r in self.ranks if r.role == "decode"]
+
+    def room(self) -> int:
+        return next(self.rooms)
+
+    def configure(
+        self, *, page_size: int = 16, mla: bool = False, driver: str = DRIVER, pool_tokens: int = 16384, **env: str
+    ) -> None:
+        want = {
+            "page_size": page_size,
+            "mla": mla,
+            "pool_tokens": pool_tokens,
+            "env": {"KVTRANSPORT_DRIVER": driver, **FAST, **env},
+        }
+        if any(r.proc.poll() is not None for r in self.ranks):
+            self._spawn()  # a rank died (or was stopped after a broken exchange): start afresh
+        if self.config == want:
+            return
+        self.config = None
+        cfg = {**want, "bootstrap_port": free_port()}
+        seq = next(self.seq)
+        with self.explain():
+            for r in self.ranks:
+                r.send({"cmd": "configure", "config": cfg, "seq": seq})
+            deadline = time.monotonic() + 120
+            for r in self.ranks:
+                r.info = r.recv(deadline, seq)["info"]
+        self.config = want
+        self.bootstrap_port = cfg["bootstrap_port"]
+
+    def run(self, requests: list[dict[str, Any]], timeout: float = 60, kill_prefill_after: float = 0) -> Outcome:
+        """Send every request to both instances: prefill DP rank ``room % dp`` (SGLang's
+        follow_bootstrap_room), decode DP rank ``decode_dp`` (the router's choice; round robin
+        unless the request says), every TP rank of that DP group. ``kill_prefill_after``: the
+        prefill processes are killed that many seconds in (and every process restarts for the
+        next case)."""
+        assert self.config is not None, "configure first"
+        for i, req in enumerate(requests):
+            req.setdefault("decode_dp", i % self.dp if self.dp_attention else 0)
+            req["bootstrap_port"] = self.bootstrap_port
+        decoded = [q for q in requests if not q.get("prefill_only")]
+        dp = self.dp if self.dp_attention else 1
+        t0 = time.monotonic()
+        seq = next(self.seq)
+        for r in self.ranks:
+            if r.role == "prefill":
+                mine = [q for q in requests if q.get("prefill_dp", q["room"]) % dp == r.info["attn_dp_rank"]]
+            else:
+                mine = [q for q in decoded if q["decode_dp"] % dp == r.info["attn_dp_rank"]]
+            r.send({"cmd": "run", "requests": mine, "timeout": timeout, "seq": seq})
+        deadline = time.monotonic() + timeout + 60
+        out = Outcome()
+        if kill_prefill_after:
+            time.sleep(kill_prefill_after)
+            for r in self.prefill:
+                r.proc.kill()
+            out.killed_at = time.time()
+        with self.explain():
+            for r in self.ranks:
+                if kill_prefill_after and r.role == "prefill":
+                    continue
+                answer = r.recv(deadline, seq)
+                side = out.prefill if r.role == "prefill" else out.decode
+                for rid, o in answer["outcomes"].items():
+                    side.setdefault(rid, []).append({"rank": r.name, **o})
+                out.leaks[r.name] = answer["leaks"]
+                out.longest_step_s[r.name] = answer["longest_step_s"]
+                if r.role == "decode":
+                    out.stray_pages[r.name] = (answer["stray_page_count"], answer["stray_pages"])
+        out.wall_s = time.monotonic() - t0
+        if kill_prefill_after:
+            self.stop()  # the next configure starts every rank afresh
+        clean = all(o["state"] != "timeout" for side in (out.prefill, out.decode) for v in side.values() for o in v)
+        if not clean or any(any(c.values()) for c in out.leaks.values()):
+            self.config = None  # requests left in SGLang's queues: the next case gets fresh instances
+        return out
+
+    @contextlib.contextmanager
+    def explain(self) -> Iterator[None]:
+        """A failure shows the ranks' stderr."""
+        try:
+            yield
+        except BaseException as exc:
+            if not isinstance(exc, AssertionError):
+                self.stop()  # an exchange broke: the next configure starts new processes
+            logs = "\n".join(f"----- {r.name} stderr -----\n{r.stderr_tail()}" for r in self.ranks)
+            raise AssertionError(f"{type(exc).__name__}: {exc}\n{logs}") from exc
+
+    def stop(self) -> None:
+        for r in self.ranks:
+            if r.proc.poll() is None:
+                r.proc.kill()
+
+    def close(self) -> None:
+        for r in self.ranks:
+            r.ask_to_close()  # all at once: each side tears down together
+        for r in self.ranks:
+            r.close()
+
+
+def spawn(tp: int, dp: int, dp_attention: bool, tmp: Path) -> Iterator[Cluster]:
+    require_engines()
+    cluster = Cluster(tp, dp, dp_attention, tmp)
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture(scope="module")
+def tp1() -> Iterator[Cluster]:
+    with tempfile.TemporaryDirectory(prefix="sglang-tp1-") as tmp:
+        yield from spawn(1, 1, False, Path(tmp))
+
+
+@pytest.fixture(scope="module")
+def tp2() -> Iterator[Cluster]:
+    with tempfile.TemporaryDirectory(prefix="sglang-tp2-") as tmp:
+        yield from spawn(2, 1, False, Path(tmp))
+
+
+@pytest.fixture(scope="module")
+def dpa2() -> Iterator[Cluster]:
+    with tempfile.TemporaryDirectory(prefix="sglang-dpa2-") as tmp:
+        yield from spawn(2, 2, True, Path(tmp))
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks
+# ---------------------------------------------------------------------------------------------
+
+
+def kv_bytes(tokens: int, decode_rank: Rank, mla: bool = False) -> int:
+    """Bytes of one request's KV on one decode rank: every layer's K and V of the rank's heads
+    (or MLA's latent), in the dtype SGLang resolved for the model."""
+    info = decode_rank.info
+    per_token = (32 + 8) if mla else 2 * info["kv_heads"] * 16
+    return tokens * info["layers"] * per_token * info["element_size"]
+
+
+def assert_all_delivered(
+    cluster: Cluster,
+    out: Outcome,
+    requests: list[dict[str, Any]],
+    mla: bool = False,
+    failed: frozenset[str] = frozenset(),
+) -> None:
+    """Every request but those in ``failed`` succeeded on every rank of both sides, every byte
+    right; those in ``failed`` failed on both sides; nothing stray, nothing left allocated."""
+    with cluster.explain():
+        ranks_per_req = 1 if cluster.dp_attention else cluster.tp
+        for req in requests:
+            rid = req["rid"]
+            pre, dec = out.prefill.get(rid, []), out.decode.get(rid, [])
+            assert len(pre) == ranks_per_req and len(dec) == ranks_per_req, show(rid, pre, dec)
+            if rid in failed:
+                assert all(o["state"] == "failed" for o in pre + dec), show(rid, pre, dec)
+                continue
+            assert all(o["state"] == "success" for o in pre), show(rid, pre)
+            assert all(o["state"] == "success" for o in dec), show(rid, dec)
+            for o in dec:
+                want = kv_bytes(req["prompt_len"], next(r for r in cluster.decode if r.name == o["rank"]), mla)
+                assert o["tokens"] == req["prompt_len"] and o["kv_bytes"] == want, show(rid, o, want)
+        for rank, (count, first) in out.stray_pages.items():
+            assert count == 0, f"{rank}: {count} pages written outside every request's pages, e.g. {first}"
+        assert_no_leaks(out)
+
+
+def show(*items: Any) -> str:
+    return "\n".join(json.dumps(item, default=str) for item in items)
+
+
+def assert_no_leaks(out: Outcome) -> None:
+    for rank, counts in out.leaks.items():
+        assert counts == {"kv_tokens": 0, "req_rows": 0, "metadata_slots": 0}, (rank, counts)
+
+
+def requests(cluster: Cluster, lengths: list[int], **extra: Any) -> list[dict[str, Any]]:
+    return [{"rid": f"r{cluster.room()}-{n}", "room": cluster.room(), "prompt_len": n, **extra} for n in lengths]
+
+
+def chunked(cluster: Cluster, length: int, ends: list[int], **extra: Any) -> dict[str, Any]:
+    room = cluster.room()
+    return {"rid": f"c{room}", "room": room, "prompt_len": length, "chunks": ends, **extra}
+
+
+# ---------------------------------------------------------------------------------------------
+# Transfers
+# ---------------------------------------------------------------------------------------------
+
+LENGTHS = [1, 15, 16, 17, 40, 129]
+
+
+@pytest.mark.parametrize("driver", ["nixl-ucx", "mooncake-gdr", "mooncake-staged"])
+def test_mha_requests_arrive_byte_for_byte(tp1: Cluster, driver: str) -> None:
+    """The base case, over each driver, from a fresh instance (the first request of a decode
+    rank looks its prefill up and connects): every byte arrives, and no scheduler iteration
+    waits on the network (SGLang calls the backend from its event loop)."""
+    tp1.configure(driver=driver)
+    reqs = requests(tp1, LENGTHS)
+    out = tp1.run(reqs)
+    assert_all_delivered(tp1, out, reqs)
+    with tp1.explain():
+        assert max(out.longest_step_s.values()) < STEP_S, show(out.longest_step_s)
+
+
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_page_sizes(tp1: Cluster, page_size: int) -> None:
+    tp1.configure(page_size=page_size)
+    reqs = requests(tp1, [*LENGTHS, 64, 65, 200])
+    out = tp1.run(reqs)
+    assert_all_delivered(tp1, out, reqs)
+
+
+def test_mla_latent_arrives_byte_for_byte(tp1: Cluster) -> None:
+    tp1.configure(mla=True)
+    reqs = [*requests(tp1, LENGTHS), chunked(tp1, 70, [20, 50, 70])]
+    out = tp1.run(reqs)
+    assert_all_delivered(tp1, out, reqs, mla=True)
+
+
+def test_chunked_prefill_sends_every_chunk(tp1: Cluster) -> None:
+    """Several chunks per request (boundaries on and off pages), each sent by SGLang's
+    process_prefill_chunk -> send_kv_chunk as the next chunk is scheduled, the last by
+    send_kv_chunk(last_chunk=True) with the aux row."""
+    tp1.configure()
+    reqs = [
+        chunked(tp1, 100, [16, 40, 64, 100]),
+        chunked(tp1, 48, [16, 32, 48]),
+        chunked(tp1, 33, [5, 21, 33]),
+        chunked(tp1, 200, [60, 61, 130, 200]),
+    ]
+    out = tp1.run(reqs)
+    assert_all_delivered(tp1, out, reqs)
+
+
+def test_last_chunk_without_new_pages(tp1: Cluster) -> None:
+    """The prompt's pages all went out as non-last chunks; the last chunk carries no page, only
+    the aux row SGLang writes (MetadataBuffers.set_buf) just before that last send."""
+    tp1.configure()
+    reqs = [chunked(tp1, 64, [32, 64], zero_page_last=True), chunked(tp1, 32, [32], zero_page_last=True)]
+    out = tp1.run(reqs, timeout=8)
+    assert_all_delivered(tp1, out, reqs)
+
+
+def test_sixty_four_concurrent_requests(tp1: Cluster) -> None:
+    tp1.configure()
+    rng = random.Random(64)
+    reqs = []
+    for i in range(64):
+        n = rng.randint(1, 300)
+        if i % 4 == 0 and n > 40:
+            cuts = sorted(rng.sample(range(1, n), 2))
+            reqs.append(chunked(tp1, n, [*cuts, n]))
+        else:
+            reqs += requests(tp1, [n])
+    out = tp1.run(reqs, timeout=120)
+    assert_all_delivered(tp1, out, reqs)
+
+
+def test_tp2_each_rank_gets_its_own_heads(tp2: Cluster) -> None:
+    """TP 2 on both sides: each decode rank must hold exactly its attention-TP rank's KV heads
+    (content is a function of the global head), polls all-reduced across the two ranks."""
+    tp2.configure()
+    reqs = [*requests(tp2, LENGTHS), chunked(tp2, 90, [30, 60, 90])]
+    out = tp2.run(reqs)
+    assert_all_delivered(tp2, out, reqs)
+
+
+def test_tp2_many_concurrent_chunked_requests(tp2: Cluster) -> None:
+    """Many requests at once under TP 2, a quarter chunked: every poll list is all-reduced in the
+    same order on both ranks of a side, whatever order the transfers finish in."""
+    tp2.configure()
+    rng = random.Random(32)
+    reqs = []
+    for i in range(32):
+        n = rng.randint(1, 200)
+        reqs += (
+            [chunked(tp2, n, [*sorted(rng.sample(range(1, n), 2)), n])] if i % 4 == 0 and n > 20 else requests(tp2, [n])
+        )
+    out = tp2.run(reqs, timeout=120)
+    assert_all_delivered(tp2, out, reqs)
+
+
+def test_tp2_mla_latent_on_every_rank(tp2: Cluster) -> None:
+    """MLA under TP 2: the latent is replicated, every decode rank gets all of it."""
+    tp2.configure(mla=True)
+    reqs = [*requests(tp2, [1, 16, 33]), chunked(tp2, 50, [20, 50])]
+    out = tp2.run(reqs)
+    assert_all_delivered(tp2, out, reqs, mla=True)
+
+
+def test_dp_attention_routes_rooms_to_both_prefill_ranks(dpa2: Cluster) -> None:
+    """tp 2, dp 2, DP attention (attention TP 1) on both sides. A room goes to prefill DP rank
+    room % 2 (follow_bootstrap_room); decode's router spreads requests over its DP ranks
+    independently, so decode DP rank 0 pulls from both prefill DP ranks and so does rank 1."""
+    dpa2.configure()
+    assert sorted(r.info["attn_dp_rank"] for r in dpa2.prefill) == [0, 1]
+    reqs = []
+    for i in range(8):
+        room = dpa2.room()
+        reqs.append({"rid": f"d{room}", "room": room, "prompt_len": 20 + 9 * i, "decode_dp": (i // 2) % 2})
+    assert len({(r["room"] % 2, r["decode_dp"]) for r in reqs}) == 4  # every prefill/decode DP pairing
+    out = dpa2.run(reqs, timeout=60)
+    assert_all_delivered(dpa2, out, reqs)
+
+
+def test_dp_attention_honours_a_router_given_prefill_dp_rank(dpa2: Cluster) -> None:
+    """A router that picks the prefill DP rank itself (routed_dp_rank to prefill, and
+    disagg_prefill_dp_rank to both) may pick one other than room % 2: decode must pull each
+    request from that rank."""
+    dpa2.configure()
+    reqs = []
+    for i in range(4):
+        room = dpa2.room()
+        reqs.append({"rid": f"x{room}", "room": room, "prompt_len": 30 + i, "prefill_dp": (room + 1) % 2})
+    out = dpa2.run(reqs, timeout=60)
+    assert_all_delivered(dpa2, out, reqs)
+
+
+def test_the_checks_catch_a_corrupt_page_and_a_stray_write(tp1: Cluster) -> None:
+    """The controls: a prefill forward that writes another room's KV into one layer's V makes the
+    decode side's check fail; data in a page no request was given counts as a stray write (so
+    the other tests' checks can fail)."""
+    tp1.configure()
+    good, bad = requests(tp1, [40], stray_write=True), requests(tp1, [40], prefill_corrupt=True)
+    out = tp1.run(good + bad)
+    with tp1.explain():
+        assert out.decode[good[0]["rid"]][0]["state"] == "success"
+        (d,) = out.decode[bad[0]["rid"]]
+        assert d["state"] == "corrupt" and "layer 1 V" in d["error"], show(d)
+        assert out.stray_pages["decode0"] == (1, [0]), show(out.stray_pages)
+
+
+# ---------------------------------------------------------------------------------------------
+# Aborts: the other side must fail the request promptly, not when a timer fires
+# ---------------------------------------------------------------------------------------------
+
+
+def _failed_promptly(cluster: Cluster, outcomes: list[dict[str, Any]], since: float) -> None:
+    with cluster.explain():
+        for o in outcomes:
+            assert o["state"] == "failed", show(o)
+            assert o["at"] - since < PROMPT_S, f"failed {o['at'] - since:.1f} s after the abort: {show(o)}"
+
+
+def _pages_back_promptly(cluster: Cluster, outcomes: list[dict[str, Any]]) -> None:
+    with cluster.explain():
+        for o in outcomes:
+            assert o["state"] == "failed", show(o)
+            held = o.get("released", float("inf")) - o["at"]
+            assert held < PROMPT_S, f"pages held {held:.1f} s after the failure: {show(o)}"
+
+
+#: What each abort case asks of the two instances: a request of 48 tokens with these fields.
+ABORTS: dict[str, dict[str, Any]] = {
+    # Decode's client abort (Scheduler.abort_request -> receiver.abort()) once its pages are
+    # announced; prefill holds the request bootstrapped, before any forward.
+    "decode-transfer-queue": {"decode_abort": "transfer", "prefill_delay": ABORT_TIMEOUT_S},
+    # Decode's client abort while the request waits in DecodePreallocQueue for memory: its
+    # receiver is ready (waiting_for_input) but its pages were never announced, so prefill's
+    # sender waits in PrefillBootstrapQueue. (The pool is small and a first request holds it.)
+    "decode-prealloc-queue": {"decode_abort": "prealloc", "prompt_len": 500},
+    # Prefill's client abort of a bootstrapped request in its waiting queue
+    # (release_aborted_prefill_waiting_req -> sender.abort()); decode waits with pages announced.
+    "prefill-waiting-queue": {"prefill_abort": "waiting"},
+    # Prefill's client abort in PrefillBootstrapQueue before any decode rank announced the room;
+    # the decode request arrives a second later and announces its pages.
+    "prefill-bootstrap-queue": {"prefill_abort": "bootstrap", "decode_delay": 1.0},
+}
+#: The decode pool of the prealloc case: room for the request that holds it, not for a second.
+SMALL_POOL = 1024
+_abort_runs: dict[tuple[int, str], tuple[dict[str, Any], Outcome]] = {}
+
+
+def abort_case(cluster: Cluster, case: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Outcome]:
+    """Run an abort case once per cluster (several tests check its outcome); (decode, prefill)
+    outcomes of the request."""
+    key = (id(cluster), case)
+    if key not in _abort_runs:
+        fields = {"prompt_len": 48, **ABORTS[case]}
+        (req,) = requests(cluster, [fields.pop("prompt_len")], **fields)
+        batch = [req]
+        if case == "decode-prealloc-queue":
+            cluster.configure(pool_tokens=SMALL_POOL, **ABORT_ENV)
+            # Holds decode's memory (its prefill forward comes later) until the abort is done.
+            (hog,) = requests(cluster, [500], prefill_delay=2.0)
+            batch = [hog, req]
+        else:
+            cluster.configure(**ABORT_ENV)
+        _abort_runs[key] = (req, cluster.run(batch, timeout=ABORT_TIMEOUT_S + 15))
+    req, out = _abort_runs[key]
+    return out.decode[req["rid"]], out.prefill[req["rid"]], out
+
+
+def test_abort_from_decode_in_the_transfer_queue_fails_prefill(tp1: Cluster) -> None:
+    """Prefill's sender must turn Failed and SGLang's resolve_waiting_queue_bootstrap fail the
+    request within seconds of decode's abort."""
+    (d,), (p,), out = abort_case(tp1, "decode-transfer-queue")
+    with tp1.explain():
+        assert d["state"] == "failed" and "abort" in d, show(d)
+    _failed_promptly(tp1, [p], d["abort"])
+    assert_no_leaks(out)
+
+
+def test_abort_from_decode_before_the_pages_are_announced_fails_prefill(tp1: Cluster) -> None:
+    """Prefill's sender, still in PrefillBootstrapQueue, must learn of decode's abort, not wait
+    out SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT."""
+    (d,), (p,), out = abort_case(tp1, "decode-prealloc-queue")
+    with tp1.explain():
+        assert d["state"] == "failed" and "abort" in d and "metadata_sent" not in d, show(d)
+        assert "bootstrapped" not in p, show(p)
+        assert sorted(o[0]["state"] for o in out.decode.values()) == ["failed", "success"], show(out.decode)
+    _failed_promptly(tp1, [p], d["abort"])
+    assert_no_leaks(out)
+
+
+def test_abort_from_prefill_fails_decode(tp1: Cluster) -> None:
+    """Decode must fail the request within seconds of prefill's abort."""
+    (d,), (p,), out = abort_case(tp1, "prefill-waiting-queue")
+    with tp1.explain():
+        assert p["state"] == "failed" and "abort" in p, show(p)
+    _failed_promptly(tp1, [d], p["abort"])
+    assert_no_leaks(out)
+
+
+def test_abort_from_prefill_before_decode_announces_fails_decode(tp1: Cluster) -> None:
+    """Decode, arriving after prefill aborted, must fail within seconds of announcing, not at
+    SGLANG_DISAGGREGATION_WAITING_TIMEOUT."""
+    (d,), (p,), out = abort_case(tp1, "prefill-bootstrap-queue")
+    with tp1.explain():
+        assert p["state"] == "failed" and "abort" in p and "bootstrapped" not in p, show(p)
+        assert d["state"] == "failed", show(d)
+    _failed_promptly(tp1, [d], d["arrived"])
+    assert_no_leaks(out)
+
+
+@pytest.mark.parametrize("case", ["decode-transfer-queue", "prefill-waiting-queue", "prefill-bootstrap-queue"])
+def test_decode_gets_failed_pages_back_promptly(tp1: Cluster, case: str) -> None:
+    """After a failed transfer SGLang holds decode's pages (deferred KV release,
+    decode.py:2894-2925) until the backend says no write can land any more, or 30 s: a backend
+    that never says so costs every failed request its pages for that long."""
+    (d,), _, _ = abort_case(tp1, case)
+    _pages_back_promptly(tp1, [d])
+
+
+def test_aborts_leave_the_other_requests_alone(tp1: Cluster) -> None:
+    """Aborts from both sides among requests that go through: each aborted one fails on both
+    sides, every other one arrives byte for byte, nothing stray, nothing left allocated."""
+    tp1.configure(**ABORT_ENV)
+    reqs = requests(tp1, [20, 40, 60, 80, 100, 120, 140, 160])
+    reqs[1].update(ABORTS["decode-transfer-queue"])
+    reqs[4].update(ABORTS["prefill-waiting-queue"])
+    reqs[6].update(ABORTS["decode-transfer-queue"])
+    out = tp1.run(reqs, timeout=ABORT_TIMEOUT_S + 15)
+    with tp1.explain():
+        assert out.wall_s < ABORT_TIMEOUT_S, f"the run waited for a timer: {out.wall_s:.1f} s"
+    assert_all_delivered(tp1, out, reqs, failed=frozenset(reqs[i]["rid"] for i in (1, 4, 6)))
+
+
+def test_abort_from_decode_under_dp_attention(dpa2: Cluster) -> None:
+    """Decode DP rank 0 aborts a request that prefill DP rank room % 2 holds, and a second one
+    from the other prefill DP rank: each prefill rank must fail its request promptly."""
+    dpa2.configure(**ABORT_ENV)
+    room = dpa2.room()
+    reqs = [
+        {"rid": f"a{room + k}", "room": room + k, "prompt_len": 48, "decode_dp": 0, **ABORTS["decode-transfer-queue"]}
+        for k in range(2)
+    ]
+    out = dpa2.run(reqs, timeout=ABORT_TIMEOUT_S + 15)
+    with dpa2.explain():
+        assert {o[0]["rank"] for o in out.prefill.values()} == {"prefill0", "prefill1"}, show(out.prefill)
+    for req in reqs:
+        (d,), pre = out.decode[req["rid"]], out.prefill[req["rid"]]
+        with dpa2.explain():
+            assert d["state"] == "failed" and "abort" in d, show(d)
+        _failed_promptly(dpa2, pre, d["abort"])
+    assert_no_leaks(out)
+
+
+def test_abort_from_decode_with_tp2_fails_every_prefill_rank(tp2: Cluster) -> None:
+    """The same decode abort with two ranks a side: each prefill rank's poll is all-reduced
+    (MIN) with its peer's, and both must fail the request promptly."""
+    dec, pre, out = abort_case(tp2, "decode-transfer-queue")
+    with tp2.explain():
+        assert all(d["state"] == "failed" and "abort" in d for d in dec), show(dec)
+    _failed_promptly(tp2, pre, min(d["abort"] for d in dec))
+    assert_no_leaks(out)
+
+
+def test_failures_injected_by_sglang_on_single_ranks(tp2: Cluster) -> None:
+    """SGLang's own fault injection (SGLANG_TEST_DISAGG_FAILURE_PROB: a poll reads Failed at
+    random, on one rank) under TP 2: the MIN all-reduce fails the request on the other rank too,
+    whose own transfer is alive, at every stage of both sides. Every request still concludes on
+    both sides (no crash, no hang; SGLang raises on a poll state a queue does not expect), the
+    ranks of a side agree, whatever succeeds is byte-exact, and every page, row and slot goes
+    back."""
+    tp2.configure(SGLANG_TEST_DISAGG_FAILURE_PROB="0.002", **ABORT_ENV)
+    rng = random.Random(7)
+    reqs = []
+    for i in range(24):
+        n = rng.randint(8, 160)
+        reqs += [chunked(tp2, n, [n // 3, 2 * n // 3, n])] if i % 3 == 0 else requests(tp2, [n])
+    out = tp2.run(reqs, timeout=ABORT_TIMEOUT_S * 3)
+    with tp2.explain():
+        states = [o["state"] for side in (out.prefill, out.decode) for v in side.values() for o in v]
+        assert "timeout" not in states and "corrupt" not in states, show(out.prefill, out.decode)
+        assert 0 < states.count("success") < len(states), show(out.prefill, out.decode)  # a mix
+        # Ranks of one side agree on every request (they all-reduce every poll).
+        for side in (out.prefill, out.decode):
+            for rid, per_rank in side.items():
+                assert len({o["state"] for o in per_rank}) == 1, show(rid, per_rank)
+    assert_no_leaks(out)
+
+
+def test_decode_gets_failed_pages_back_promptly_with_tp2(tp2: Cluster) -> None:
+    """Deferred release under TP 2: SGLang holds the pages while any rank holds (MAX-reduced
+    flags) and releases when every rank's prefill peer confirmed (MIN-reduced)."""
+    dec, _, _ = abort_case(tp2, "decode-transfer-queue")
+    _pages_back_promptly(tp2, dec)
+
+
+# ---------------------------------------------------------------------------------------------
+# SGLang's timeouts
+# ---------------------------------------------------------------------------------------------
+
+SHORT_S = 3
+
+
+def test_sglang_waiting_timeout_fails_both_sides(tp1: Cluster) -> None:
+    """Decode announced its pages and prefill never computes the request:
+    SGLANG_DISAGGREGATION_WAITING_TIMEOUT (not kvtransport's 300 s default) fails it on decode,
+    and prefill, whose request waits bootstrapped, hears of it."""
+    tp1.configure(
+        SGLANG_DISAGGREGATION_WAITING_TIMEOUT=str(SHORT_S), SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT=str(SHORT_S)
+    )
+    (req,) = requests(tp1, [30], prefill_delay=1000)
+    out = tp1.run([req], timeout=30)
+    (d,), (p,) = out.decode[req["rid"]], out.prefill[req["rid"]]
+    with tp1.explain():
+        assert d["state"] == "failed" and p["state"] == "failed", show(d, p)
+        assert SHORT_S - 0.5 <= d["at"] - d["metadata_sent"] < SHORT_S + PROMPT_S, show(d)
+        assert p["at"] - d["at"] < PROMPT_S, show(d, p)
+    assert_no_leaks(out)
+
+
+def test_sglang_bootstrap_timeout_fails_an_unannounced_prefill_request(tp1: Cluster) -> None:
+    """No decode rank ever takes the request: SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT fails it
+    in PrefillBootstrapQueue (handle_bootstrap_failure), counted from the sender's creation."""
+    tp1.configure(SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT=str(SHORT_S))
+    (req,) = requests(tp1, [30], prefill_only=True)
+    out = tp1.run([req], timeout=30)
+    (p,) = out.prefill[req["rid"]]
+    with tp1.explain():
+        assert p["state"] == "failed" and "bootstrap" in p["error"].lower(), show(p)
+        assert SHORT_S - 0.5 <= p["at"] - p["created"] < SHORT_S + PROMPT_S, show(p)
+    assert_no_leaks(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# A prefill instance that dies (last: every process of the cluster restarts after it)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_prefill_killed_fails_the_waiting_decode_requests_promptly(tp1: Cluster) -> None:
+    """Decode waits in DecodeTransferQueue with its pages announced (and one request still in
+    DecodePreallocQueue's pending lookups would be the same); the prefill process is killed:
+    every decode request must fail within the heartbeat timeout (peer lost), its pages go back
+    (after SGLang's deferred release: a dead prefill confirms nothing), nothing leaks."""
+    tp1.configure(**ABORT_ENV)
+    reqs = requests(tp1, [16, 40, 100], prefill_delay=ABORT_TIMEOUT_S)
+    out = tp1.run(reqs, timeout=ABORT_TIMEOUT_S + 15, kill_prefill_after=2.0)
+    with tp1.explain():
+        for req in reqs:
+            (d,) = out.decode[req["rid"]]
+            assert d["state"] == "failed", show(d)
+            assert d["at"] - out.killed_at < PROMPT_S, (
+                f"failed {d['at'] - out.killed_at:.1f} s after the kill: {show(d)}"
+            )
+        assert out.leaks["decode0"] == {"kv_tokens": 0, "req_rows": 0, "metadata_slots": 0}, show(out.leaks)
