@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import itertools
 import logging
 import threading
 import time
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .errors import (
+    DriverError,
     InvalidPages,
     KVTransportError,
     PeerLost,
@@ -159,6 +161,10 @@ class Connection:
         return f"<Connection {self.id} to {self.peer_label} via {driver}>"
 
 
+#: Unique keys for the runner's settle watches (an object's id can be reused once it is gone).
+_SETTLE_IDS = itertools.count()
+
+
 class Session:
     def __init__(
         self, endpoint: Endpoint, conn_id: str, route: Route, peer_label: str, peer_address: str, initiator: bool
@@ -204,8 +210,12 @@ class Session:
         self.auth_step = ""
         self.nonce_i = b""
         self.nonce_a = b""
-        # driver thread only: batch id -> driver handle
-        self._handles: dict[int, int] = {}
+        # driver thread only: batch id -> (driver handle, its transfer), and the handles whose
+        # poll raised, by transfer (their writes may still be finishing)
+        self._handles: dict[int, tuple[int, Transfer]] = {}
+        self._failed_handles: dict[Transfer, list[int]] = {}
+        #: Set when the session starts closing: no per-transfer confirmations go out then.
+        self.closing = False
 
     @property
     def timeouts(self) -> Timeouts:
@@ -474,14 +484,17 @@ class Session:
         if transfer.state.final:
             return
         tag, sending = transfer.tag, transfer.role == SEND
-        batches, transfer.batches = transfer.batches, set()
+        transfer.batches = set()
         settling = False
-        if batches and self.runner is not None:
+        if sending and self.runner is not None:
+            # Always through the driver thread, even with no batch known here: a chunk handed
+            # to it just now may not have reached this thread's bookkeeping yet (send_chunk
+            # queues both at once). The driver thread decides what was submitted.
             try:
-                self.runner.call(lambda: self._driver_abort(batches, tag if sending else None))
-                settling = sending
+                self.runner.call(lambda: self._driver_abort(transfer, tag))
+                settling = True
             except KVTransportError as exc:  # the driver is closed: its close() drained it
-                log.debug("abort of %d batches not queued: %s", len(batches), exc)
+                log.debug("abort of %r not queued: %s", tag, exc)
         if error is None:
             error = TransferAborted(f"transfer {transfer.tag!r} aborted {'locally' if local else ''}: {reason}")
         transfer._set(State.FAILED, error)
@@ -500,7 +513,9 @@ class Session:
             self.send("abort", tag=tag, reason=reason)
 
     def send_drained(self, tag: str) -> None:
-        if self.phase is Phase.READY:
+        if self.phase is Phase.READY and not self.closing:
+            # Notices a two-sided driver queued for this peer go first (as before "done").
+            self.endpoint.flush_notices()
             self.send("drained", tag=tag)
 
     def settled(self, tag: str, error: KVTransportError | None) -> None:
@@ -696,6 +711,7 @@ class Session:
         """Fail every transfer, disconnect the driver; the endpoint then forgets the session."""
         if self.phase is Phase.CLOSED:
             return
+        self.closing = True  # the peer is gone or told "bye": no per-transfer confirmations
         for t in list(self.transfers.values()):
             self.abort(t, str(error), notify=notify, error=error)
         self.phase = Phase.CLOSED
@@ -728,16 +744,19 @@ class Session:
     def _driver_submit(self, transfer: Transfer, bid: int, runs: Runs) -> None:
         driver, runner = self.driver, self.runner
         assert driver is not None and runner is not None
-        if transfer.state.final:
+        if transfer.state.final or transfer.driver_stopped:
             return  # failed or aborted before its batch got here: nothing may be written now
         handle = driver.submit(self.id, runs)
-        self._handles[bid] = handle
+        self._handles[bid] = (handle, transfer)
 
         def check() -> bool:
             try:
                 done = driver.poll(handle)
             except BaseException:
                 self._handles.pop(bid, None)
+                # Some of its writes may still be finishing: the abort that follows waits for
+                # them before it confirms anything to the receiver.
+                self._failed_handles.setdefault(transfer, []).append(handle)
                 raise
             if done:
                 self._handles.pop(bid, None)
@@ -745,30 +764,34 @@ class Session:
 
         runner.watch(("batch", handle), check, lambda _, error: self.batch_finished(transfer, bid, error))
 
-    def _driver_abort(self, batches: set[int], tag: str | None = None) -> None:
-        """Abort ``batches``; with a ``tag``, then watch until the driver says none of them can
-        write any more and tell the I/O thread (which tells the receiver)."""
+    def _driver_abort(self, transfer: Transfer, tag: str) -> None:
+        """Driver thread: stop every batch of ``transfer`` (no later one is submitted), then
+        watch until the driver says none of them can write any more, and tell the I/O thread
+        (which tells the receiver). Gives up, without confirming, after the transfer timeout."""
         driver, runner = self.driver, self.runner
         assert driver is not None and runner is not None
-        aborted: list[int] = []
-        for bid in batches:
-            handle = self._handles.pop(bid, None)
-            if handle is None:
-                continue  # finished (or never submitted) before the abort got here
+        transfer.driver_stopped = True
+        aborted = self._failed_handles.pop(transfer, [])
+        for bid in [b for b, (_, t) in self._handles.items() if t is transfer]:
+            handle, _ = self._handles.pop(bid)
             runner.unwatch(("batch", handle))
             try:
                 driver.abort(handle)
                 aborted.append(handle)
             except Exception:
                 log.exception("%s: abort of batch %d failed", runner.name, handle)
-        if tag is None:
-            return
+        give_up = time.monotonic() + self.timeouts.transfer
 
         def quiet() -> bool:
             aborted[:] = [h for h in aborted if not driver.settled(h)]
+            if aborted and time.monotonic() > give_up:
+                raise DriverError(
+                    f"{runner.name}: {len(aborted)} aborted batch(es) of {tag!r} still not settled after "
+                    f"{self.timeouts.transfer:g} s"
+                )
             return not aborted
 
-        runner.watch(("settle", self.id, id(batches)), quiet, lambda _, error: self.settled(tag, error))
+        runner.watch(("settle", self.id, next(_SETTLE_IDS)), quiet, lambda _, error: self.settled(tag, error))
 
     def _driver_watch_drained(self, t: Transfer) -> None:
         driver, runner = self.driver, self.runner

@@ -66,6 +66,7 @@ class Transfer:
         self.bytes = 0
         self.peer_done = False  # receiver: the sender said every byte was written
         self.peer_prefix = 0  # sender: how much the receiver holds already (its announcement)
+        self.driver_stopped = False  # sender, driver thread only: aborted there, submit nothing more
         #: Receiver: set once nothing of this transfer can be written into the announced pages
         #: any more: it succeeded, or it failed and the sender confirmed its writes settled
         #: (``drained``). A serving engine frees the pages of a failed request only then.

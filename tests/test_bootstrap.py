@@ -583,7 +583,7 @@ def test_registering_a_room_needs_the_secret(server: BootstrapServer) -> None:
         ("/register_dp_rank", [7, 0]),
         ("/query_dp_ranks", {"bootstrap_rooms": "7"}),
         ("/query_dp_ranks", {"bootstrap_rooms": [1.5]}),
-        ("/query_dp_ranks", {"bootstrap_rooms": list(range(4097))}),
+        ("/query_dp_ranks", {"bootstrap_rooms": list(range(65537))}),
     ],
 )
 def test_malformed_room_requests_get_400(server: BootstrapServer, target: str, doc: Any) -> None:
@@ -610,3 +610,12 @@ def test_routes_carry_the_instances_dp_layout(server: BootstrapServer) -> None:
     with pytest.raises(ProtocolError, match="dp_rank 2 is outside dp_size 2"):
         c.register({**route(), "dp_rank": 2, "dp_size": 2})
     assert call(server, "GET", "/health")[0] == 200
+
+
+def test_a_query_for_thousands_of_pending_rooms_is_answered(server: BootstrapServer) -> None:
+    # SGLang asks for every pending room of an instance at once: 63-bit rooms, ~21 bytes each.
+    c = client(server)
+    c.register_room(2**62 + 5, 1)
+    rooms = [2**62 + i for i in range(10_000)]
+    status, answer, _ = call(server, "POST", "/query_dp_ranks", json.dumps({"bootstrap_rooms": rooms}).encode())
+    assert (status, answer) == (200, {str(2**62 + 5): 1})

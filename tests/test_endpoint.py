@@ -383,8 +383,10 @@ def test_a_refused_tag_fails_its_announcer_now_or_when_the_announcement_arrives(
     while any(sender_ep.stats()[k] for k in left):
         assert time.monotonic() < deadline, sender_ep.stats()
         time.sleep(0.01)
-    again = recv_conn.expect("later", [3])
-    assert again.state is not State.FAILED  # waits for a sender, as any announcement does
+    # A later announcement of another tag is kept, as any announcement nobody sends for yet.
+    kept = recv_conn.expect("after", [3])
+    time.sleep(0.1)
+    assert kept.state is State.WAITING_FOR_INPUT and sender_ep.stats()["early_expects"] == 1
 
 
 def test_refused_tags_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -484,3 +486,46 @@ def test_a_late_drain_confirmation_still_reaches_a_forgotten_transfer() -> None:
         assert recv_conn.transfer("slow-drain") is None and decode.stats()["awaiting_drain"] == 1
         assert r.drained.wait(5)
         assert decode.stats()["awaiting_drain"] == 0
+
+
+def test_an_abort_racing_a_chunk_still_waits_for_that_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The I/O thread may learn of a chunk after the driver thread submitted it (send_chunk
+    queues both at once): an abort in between must still stop that batch and wait for it before
+    the receiver hears its pages are free."""
+    from kvtransport.session import Session
+
+    record = Session.submitted
+
+    def late(self: Session, transfer, bid, nbytes, last) -> None:  # type: ignore[no-untyped-def]
+        self.endpoint.channel.timers.call_later(0.3, lambda: record(self, transfer, bid, nbytes, last))
+
+    monkeypatch.setattr(Session, "submitted", late)
+    with endpoints({"fake.lose": "1", "fake.settle": "0.8"}) as (prefill, _, send_conn, recv_conn, _, _):
+        r = recv_conn.expect("race", [1, 2])
+        t = send_conn.sender("race")
+        ready(t)
+        t.send([3, 4])
+        time.sleep(0.05)
+        driver = prefill.sessions[send_conn.id].driver
+        assert driver is not None and driver.pending() == 1
+        r.abort("decode gave up")
+        assert not r.drained.wait(0.5), "drained while the racing batch was still writing"
+        assert r.drained.wait(5)
+        assert driver.pending() == 0
+
+
+def test_many_aborts_with_writes_in_flight_are_each_confirmed() -> None:
+    # Every abort's wait for its batches is its own (one once overwrote another's).
+    with endpoints({"fake.lose": "1", "fake.settle": "0.2"}, pages=128) as (_, _, send_conn, recv_conn, _, _):
+        receivers, senders = [], []
+        for i in range(30):
+            receivers.append(recv_conn.expect(f"m{i}", [i]))
+            senders.append(send_conn.sender(f"m{i}"))
+        for i, t in enumerate(senders):
+            ready(t)
+            t.send([64 + i])
+        time.sleep(0.05)
+        for r in receivers:
+            r.abort("freed")
+        missing = [r.tag for r in receivers if not r.drained.wait(5)]
+        assert not missing, missing

@@ -81,6 +81,8 @@ PARALLEL_INFO_LOOKUP_S = 5.0
 ROUTE_LOOKUP_S = 30.0
 #: Background connects (and registry lookups) at once, per manager.
 CONNECT_WORKERS = 4
+#: Threads for SGLang's own ``/query_dp_ranks`` lookups (its backends use as many).
+QUERY_WORKERS = 16
 #: Failed rooms a decode manager tracks for SGLang's deferred release at once (SGLang holds
 #: each for at most its deferred-release timeout; the oldest beyond this count as drained).
 MAX_HELD_ROOMS = 65536
@@ -253,6 +255,7 @@ class KVTransportKVManager(BaseKVManager):
             collections.OrderedDict()
         )
         self._publishing = 0  # prefill: room publications queued or running
+        self._queries: concurrent.futures.ThreadPoolExecutor | None = None
         self._warnings = RateLimitedLog(log)
         self._closing = threading.Event()  # stops the workers' registry lookups at teardown
         self._workers = concurrent.futures.ThreadPoolExecutor(CONNECT_WORKERS, thread_name_prefix="kvtransport-sglang")
@@ -391,8 +394,14 @@ class KVTransportKVManager(BaseKVManager):
 
     def _ensure_prefill_recompute_executor(self) -> concurrent.futures.Executor:
         """Decode: where SGLang runs its ``/query_dp_ranks`` lookups (a prefill instance that does
-        not route by room number); this manager's workers, bounded and stopped at teardown."""
-        return self._workers
+        not route by room number). Its own pool: SGLang waits for their results on the scheduler
+        thread, which must never queue behind this manager's connects and lookups."""
+        with self._peers_lock:
+            if self._queries is None:
+                self._queries = concurrent.futures.ThreadPoolExecutor(
+                    QUERY_WORKERS, thread_name_prefix="kvtransport-sglang-query"
+                )
+            return self._queries
 
     def publish_room(self, room: int) -> None:
         """Prefill: tell the registry this DP rank took ``room`` (attention-TP rank 0 speaks for
@@ -452,9 +461,13 @@ class KVTransportKVManager(BaseKVManager):
     def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
         """Decode (SGLang asks every loop for the rooms it holds): whether no write of the
         failed room can land in its pages any more. A room this manager does not hold (none
-        was announced, or it was cleared) has nothing in flight."""
+        was announced) has nothing in flight."""
         transfer = self._aborted_rooms.get(int(bootstrap_room))
-        return required_acks <= 0 or transfer is None or transfer.drained.is_set()
+        if required_acks <= 0:
+            return True
+        # A room SGLang holds but this manager no longer tracks (more than MAX_HELD_ROOMS held)
+        # is not known to be drained: SGLang's own timeout releases it.
+        return transfer is not None and transfer.drained.is_set()
 
     def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
         self._aborted_rooms.pop(int(bootstrap_room), None)
@@ -463,6 +476,8 @@ class KVTransportKVManager(BaseKVManager):
         self._unregister()
         self._closing.set()
         self._workers.shutdown(wait=False, cancel_futures=True)
+        if self._queries is not None:
+            self._queries.shutdown(wait=False, cancel_futures=True)
         self.endpoint.close()
 
     def _unregister(self) -> None:
@@ -585,6 +600,18 @@ class KVTransportKVSender(BaseKVSender):
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         self.num_kv_indices = int(num_kv_indices)
         self.aux_index = None if aux_index is None else int(aux_index)
+        t = self.transfer
+        announced = None if t is None or t.dst_pages is None else int(t.dst_pages.size)
+        if self.num_kv_indices < 0 or (announced is not None and announced != self.num_kv_indices):
+            # A prefix longer than the prompt, or decode and prefill disagreeing on the page
+            # count: SGLang would send nothing (or too much); fail now, with both numbers.
+            self.failure.set(
+                InvalidPages(
+                    f"room {self.room}: prefill has {self.num_kv_indices} pages to send after decode's prefix of "
+                    f"{t.peer_prefix if t else 0} tokens, decode announced {announced}"
+                )
+            )
+            self._refuse(f"room {self.room}: prefill and decode disagree on the pages to send")
 
     def _bind(self) -> None:
         if self.transfer is None and self.failure.error is None:

@@ -93,6 +93,9 @@ class _Batch:
     written: int = 0
     error: KVTransportError | None = None
     aborted: bool = False
+    #: Chunks being gathered or on the wire (their notice not sent yet): an aborted batch has
+    #: settled only when none is left.
+    moving: int = 0
 
     @property
     def finished(self) -> bool:
@@ -174,6 +177,7 @@ class StagingPipeline:
         self._in: dict[str, _Inbound] = {}
         self._draining: list[_Inbound] = []  # peers gone with chunks still being scattered
         self._batches: dict[int, _Batch] = {}
+        self._settling: dict[int, _Batch] = {}  # aborted batches with chunks still moving
         self._next = 0
         self._rr: collections.deque[str] = collections.deque()
         self._gather_rr: collections.deque[str] = collections.deque()
@@ -326,12 +330,25 @@ class StagingPipeline:
         return True
 
     def abort(self, handle: int) -> None:
-        """Forget the batch; its queued chunks are skipped (their credits kept for others)."""
+        """Forget the batch; its queued chunks are skipped (their credits kept for others), those
+        being gathered or on the wire finish without a notice (``settled`` waits for them)."""
         with self._lock:
             batch = self._batches.pop(handle, None)
             if batch is not None:
                 batch.aborted = True
+                if batch.moving:
+                    self._settling[handle] = batch
+            for done in [h for h, b in self._settling.items() if not b.moving]:  # never asked: forget
+                del self._settling[done]
             self._lock.notify_all()
+
+    def settled(self, handle: int) -> bool:
+        with self._lock:
+            batch = self._settling.get(handle)
+            if batch is None or not batch.moving:
+                self._settling.pop(handle, None)
+                return True
+            return False
 
     def _next_gather(self) -> tuple[_Outbound, _Job, int, int] | None:
         """Lock held: the next chunk that has a credit and a free outbound slot, round robin
@@ -349,7 +366,9 @@ class StagingPipeline:
                 self._send(out.peer, encode_release(slots))
                 continue
             if out.queue and out.credits and self._free_out:
-                return out, out.queue.popleft(), self._free_out.pop(), out.credits.pop()
+                job = out.queue.popleft()
+                job.batch.moving += 1
+                return out, job, self._free_out.pop(), out.credits.pop()
         return None
 
     def _gather_loop(self) -> None:
@@ -368,6 +387,7 @@ class StagingPipeline:
                 self.copy_engine.copy(np.uint64(self._out_ptr(local)) + c.offset, c.src, c.length)
             except Exception as exc:  # noqa: BLE001 - the batch fails, the slots come back
                 with self._lock:
+                    job.batch.moving -= 1
                     self._fail(job.batch, EngineError(f"{self.name}: gathering a chunk failed: {exc}"))
                     self._free_out.append(local)
                     out.credits.append(remote)
@@ -419,18 +439,24 @@ class StagingPipeline:
             inflight = still
             for out, job, _, remote in done:
                 c = job.chunk
-                # Queued before the batch counts the chunk written, so the endpoint sends it
-                # before the "done" that completes the transfer.
+                if job.batch.aborted:
+                    # Nobody wants it: the receiver's slot comes back unread.
+                    self._send(out.peer, encode_release([remote]))
+                    continue
+                # Queued before the batch counts the chunk written (and before an aborted batch
+                # counts as settled), so the endpoint sends it before "done" (or "drained").
                 self._send(out.peer, encode_chunk(remote, c.dst, c.length, c.offset))
             if done or failed:
                 completed: list[int] = []
                 with self._lock:
                     for _, job, local, _ in done:
                         self._free_out.append(local)
+                        job.batch.moving -= 1
                         job.batch.written += 1
                         if job.batch.written == job.batch.chunks and not job.batch.aborted:
                             completed.append(job.batch.handle)
                     for out, job, local, remote, error in failed:
+                        job.batch.moving -= 1
                         self._fail(job.batch, error)
                         self._free_out.append(local)
                         if not out.closed:

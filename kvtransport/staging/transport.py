@@ -84,6 +84,9 @@ class StagedTransport(KVTransport):
         if self._pipeline is not None:
             self._pipeline.abort(handle)
 
+    def settled(self, handle: int) -> bool:
+        return self._pipeline.settled(handle) if self._pipeline is not None else True
+
     def pending(self) -> int:
         return self._pipeline.pending() if self._pipeline is not None else 0
 

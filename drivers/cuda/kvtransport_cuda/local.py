@@ -93,6 +93,7 @@ class CudaLocal(KVTransport):
         self._regions: RegionSet | None = None
         self._peers: dict[str, _Peer] = {}
         self._batches: dict[int, tuple[str, Any]] = {}
+        self._settling: dict[int, Any] = {}  # aborted handle -> its event, until its copies ended
         self._next = 0
 
     def open(self, regions: RegionSet) -> bytes:
@@ -183,10 +184,21 @@ class CudaLocal(KVTransport):
         return True
 
     def abort(self, handle: int) -> None:
-        # Copies already on the stream cannot be recalled; the handle fails at once.
+        # Copies already on the stream cannot be recalled: the handle is forgotten at once, and
+        # its event kept until they ended (``settled``), so nobody reuses the pages before.
         entry = self._batches.pop(handle, None)
         if entry is not None and self._cuda is not None:
-            self._cuda.destroy_event(entry[1])
+            self._settling[handle] = entry[1]
+
+    def settled(self, handle: int) -> bool:
+        event = self._settling.get(handle)
+        if event is None or self._cuda is None:
+            return True
+        if not self._cuda.event_done(event):
+            return False
+        del self._settling[handle]
+        self._cuda.destroy_event(event)
+        return True
 
     def pending(self) -> int:
         return len(self._batches)
@@ -229,7 +241,10 @@ class CudaLocal(KVTransport):
         if self._cuda is None:
             return
         for peer in list(self._peers):
-            self.disconnect(peer)
+            self.disconnect(peer)  # destroying each stream waits for its copies
+        for event in self._settling.values():
+            self._cuda.destroy_event(event)
+        self._settling.clear()
         self._cuda.release()
         self._cuda = None
 

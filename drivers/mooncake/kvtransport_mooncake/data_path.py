@@ -131,7 +131,9 @@ class MooncakeDataPath(KVTransport):
                 for s, d, n in zip(src, dst, lengths, strict=True):
                     posted.append(engine.post(session, s, d, n))
             except KVTransportError:
-                self._drain(posted)
+                # The core gets no handle to ask ``settled`` about: wait here for what was
+                # posted (a handful of writes), so nothing of it lands after the failure.
+                engine.drain(posted)
                 raise
             self._jobs[handle] = _Inline(peer, posted)
             return handle
@@ -171,7 +173,9 @@ class MooncakeDataPath(KVTransport):
                         still.append(batch)
                 except KVTransportError:
                     del self._jobs[handle]
-                    self._drain(still + job.posted[n + 1 :])
+                    draining = self._drain(still + job.posted[n + 1 :])
+                    if draining is not None:  # the core asks ``settled`` before it confirms
+                        self._settling[handle] = draining
                     raise
             job.posted = still
             if still:

@@ -33,7 +33,7 @@ _OPTIONAL: dict[str, tuple[type, Any]] = {
     "kv_cache_dtype": (str, ""),
 }
 DEFAULT_MAX_ROOMS = 65536
-MAX_ROOMS_PER_QUERY = 4096
+MAX_ROOMS_PER_QUERY = 65536
 #: An answer: HTTP status and JSON body.
 Reply = tuple[int, dict[str, Any]]
 

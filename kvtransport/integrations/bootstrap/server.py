@@ -35,6 +35,9 @@ from .signing import RequestVerifier
 log = logging.getLogger(__name__)
 
 MAX_BODY = 64 * 1024
+#: SGLang's decode asks for every pending room of a prefill instance in one body (aiohttp,
+#: which its own registry runs on, takes 1 MiB).
+MAX_QUERY_BODY = 1 << 20
 #: Seconds a connection has to deliver its whole request and take the answer.
 REQUEST_TIMEOUT = 5.0
 MAX_CONNECTIONS = 64
@@ -119,16 +122,24 @@ class _Handler(BaseHTTPRequestHandler):
         # SGLang's own client sends it, unsigned).
         path = urllib.parse.urlsplit(self.path).path
         if path == "/query_dp_ranks":
-            self._write(path, lambda url, doc: (200, self._srv.rooms.query(rooms_of(doc))), signed=False)
+            self._write(
+                path, lambda url, doc: (200, self._srv.rooms.query(rooms_of(doc))), signed=False, limit=MAX_QUERY_BODY
+            )
         else:
             self._write("/register_dp_rank", lambda url, doc: self._srv.rooms.put(*room_rank_of(doc)))
 
-    def _write(self, path: str, action: Callable[[urllib.parse.SplitResult, Any], Reply], signed: bool = True) -> None:
+    def _write(
+        self,
+        path: str,
+        action: Callable[[urllib.parse.SplitResult, Any], Reply],
+        signed: bool = True,
+        limit: int = MAX_BODY,
+    ) -> None:
         url = urllib.parse.urlsplit(self.path)
         if url.path != path:
             self._reply(404, {"error": "unknown path"})
             return
-        body = self._body()
+        body = self._body(limit)
         if body is None:
             return
         refused = (
@@ -153,7 +164,7 @@ class _Handler(BaseHTTPRequestHandler):
         # The stranger learns only that it failed, not which check (that is in our log).
         self._reply(code, {"error": "authentication failed"} if code == 401 else why)
 
-    def _body(self) -> bytes | None:
+    def _body(self, limit: int = MAX_BODY) -> bytes | None:
         """The request body, or None after replying with why it cannot be taken."""
         lengths = self.headers.get_all("Content-Length") or []
         if "Transfer-Encoding" in self.headers or not lengths:
@@ -163,8 +174,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(400, {"error": "Content-Length must be one whole number of bytes"})
             return None
         length = int(lengths[0])
-        if not 0 < length <= MAX_BODY:
-            self._reply(413, {"error": f"body must be 1..{MAX_BODY} bytes"})
+        if not 0 < length <= limit:
+            self._reply(413, {"error": f"body must be 1..{limit} bytes"})
             return None
         body = self.rfile.read(length)
         if len(body) != length:  # the client closed (or was cut off) mid-body
