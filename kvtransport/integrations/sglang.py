@@ -93,12 +93,14 @@ PUBLISH_TIMEOUT_S = 2.0
 MAX_PREFILL_PEERS = 1024
 
 
-def _put(table: collections.OrderedDict[Any, Any], key: Any, value: Any, drop: Any = None) -> None:
-    """``table[key] = value`` as the newest entry; the oldest beyond ``MAX_PREFILL_PEERS`` go
-    (``drop`` is called on what goes, e.g. to close a connection)."""
+def _put(
+    table: collections.OrderedDict[Any, Any], key: Any, value: Any, limit: int | None = None, drop: Any = None
+) -> None:
+    """``table[key] = value`` as the newest entry; the oldest beyond ``limit`` (default
+    ``MAX_PREFILL_PEERS``) go (``drop`` is called on what goes, e.g. to close a connection)."""
     table.pop(key, None)
     table[key] = value
-    while len(table) > MAX_PREFILL_PEERS:
+    while len(table) > (MAX_PREFILL_PEERS if limit is None else limit):
         _, old = table.popitem(last=False)
         if drop is not None:
             drop(old)
@@ -342,7 +344,7 @@ class KVTransportKVManager(BaseKVManager):
             if old is not None and old.alive:  # another thread got there first: keep one
                 conn.close("a second connection to the same prefill rank")
                 return old
-            _put(self._peers, key, conn, lambda c: c.close("too many prefill peers; the oldest goes"))
+            _put(self._peers, key, conn, drop=lambda c: c.close("too many prefill peers; the oldest goes"))
         return conn
 
     def connect_soon(self, bootstrap_addr: str, prefill_dp_rank: int) -> concurrent.futures.Future[Connection]:
@@ -453,10 +455,7 @@ class KVTransportKVManager(BaseKVManager):
 
     def note_aborted(self, room: int, transfer: Transfer) -> None:
         """Decode: SGLang will hold ``room``'s pages until :meth:`is_abort_release_safe`."""
-        self._aborted_rooms.pop(room, None)
-        self._aborted_rooms[room] = transfer
-        while len(self._aborted_rooms) > MAX_HELD_ROOMS:
-            self._aborted_rooms.popitem(last=False)
+        _put(self._aborted_rooms, room, transfer, MAX_HELD_ROOMS)
 
     def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
         """Decode (SGLang asks every loop for the rooms it holds): whether no write of the
@@ -857,20 +856,20 @@ class KVTransportKVReceiver(BaseKVReceiver):
         self._told_prefill = True
         tag = self.tag
 
-        def tell(fut: concurrent.futures.Future[Connection]) -> None:
-            if fut.cancelled() or fut.exception() is not None:
-                return  # no connection: no prefill rank heard of this room from here
+        def tell(conn: Connection) -> None:
             try:
-                fut.result().abort(tag, reason)
+                conn.abort(tag, reason)
             except KVTransportError as exc:
                 log.debug("room %s: telling prefill of the abort failed: %s", tag, exc)
 
+        def tell_once_up(fut: concurrent.futures.Future[Connection]) -> None:
+            if not fut.cancelled() and fut.exception() is None:  # else no prefill rank heard of it
+                tell(fut.result())
+
         if self.conn is not None:
-            done: concurrent.futures.Future[Connection] = concurrent.futures.Future()
-            done.set_result(self.conn)
-            tell(done)
+            tell(self.conn)
         elif self._connecting is not None:
-            self._connecting.add_done_callback(tell)
+            self._connecting.add_done_callback(tell_once_up)
 
 
 class KVTransportKVBootstrapServer(BaseKVBootstrapServer):
