@@ -47,6 +47,7 @@ from .auth import (
     proof,
     proof_ok,
 )
+from .bounded import put_newest
 from .config import Limits, Timeouts
 from .control import ControlChannel, Route, advertised_host
 from .driver import DriverStatus, KVTransport
@@ -172,6 +173,15 @@ class Endpoint:
             )
         if layout.memory != regions.kv_kind:
             raise MemoryLayoutError(f"layout says KV in {layout.memory}, regions are in {regions.kv_kind}")
+        if layout.state_item_lens not in ((), regions.state_item_lens):
+            raise MemoryLayoutError(
+                f"layout says state items of {[list(g) for g in layout.state_item_lens][:4]} bytes per group, the "
+                f"regions hold {[list(g) for g in regions.state_item_lens][:4]}; they must match group by group"
+            )
+        if layout.state_types and len(layout.state_types) != len(regions.state_groups):
+            raise MemoryLayoutError(
+                f"layout names {len(layout.state_types)} state groups, the regions have {len(regions.state_groups)}"
+            )
         self.regions = regions
         self.layout = layout
         self.name = name or f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
@@ -354,10 +364,7 @@ class Endpoint:
                 return
             if owner is not None:
                 return  # already a live transfer: its sender aborts it
-            self.refused.pop(tag, None)
-            self.refused[tag] = reason
-            while len(self.refused) > self.limits.max_early_aborts:
-                self.refused.popitem(last=False)
+            put_newest(self.refused, tag, reason, self.limits.max_early_aborts)
 
         self.call(run)
 
@@ -943,9 +950,7 @@ class Endpoint:
     def _warn_once(self, route: Route, text: str) -> None:
         key = route[1] if route[0] == "in" else route
         if key not in self._warned:
-            self._warned[key] = None
-            while len(self._warned) > self.limits.max_warned_peers:
-                self._warned.popitem(last=False)
+            put_newest(self._warned, key, None, self.limits.max_warned_peers)
             log.warning("%s (further problems from this peer are logged at DEBUG)", text)
         else:
             log.debug("%s", text)

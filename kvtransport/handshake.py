@@ -13,7 +13,7 @@ from typing import Any
 from .driver import KVTransport
 from .errors import DecisionMismatch, KVTransportError, MemoryLayoutError, NegotiationError, ProtocolError
 from .hello import Hello
-from .memory import Region, RegionSet
+from .memory import MAX_STATE_GROUPS, Region, RegionSet
 from .negotiate import Decision, negotiate
 
 #: Longest peer label kept (it ends up in logs and error messages).
@@ -25,7 +25,9 @@ MAX_DRIVERS = 64
 
 
 def regions_to_dict(regions: RegionSet) -> dict[str, Any]:
-    return {k: [r.to_dict() for r in getattr(regions, k)] for k in ("kv", "aux", "state")}
+    doc: dict[str, Any] = {k: [r.to_dict() for r in getattr(regions, k)] for k in ("kv", "aux", "state")}
+    doc["state_groups"] = list(regions.state_groups)
+    return doc
 
 
 def regions_from_dict(data: Mapping[str, Any]) -> RegionSet:
@@ -41,10 +43,16 @@ def regions_from_dict(data: Mapping[str, Any]) -> RegionSet:
             groups[key] = raw
         if sum(len(g) for g in groups.values()) > MAX_REGIONS:
             raise ValueError(f"more than {MAX_REGIONS} regions")
+        state_groups = data.get("state_groups", ())
+        if not isinstance(state_groups, list | tuple) or len(state_groups) > MAX_STATE_GROUPS:
+            raise TypeError(f"regions.state_groups must be a list of at most {MAX_STATE_GROUPS} counts")
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in state_groups):
+            raise TypeError("regions.state_groups must hold integers")
         return RegionSet(
             kv=tuple(Region.from_dict(r) for r in groups["kv"]),
             aux=tuple(Region.from_dict(r) for r in groups["aux"]),
             state=tuple(Region.from_dict(r) for r in groups["state"]),
+            state_groups=tuple(state_groups),
         )
     except (KeyError, TypeError, ValueError, MemoryLayoutError) as exc:
         raise ProtocolError(f"invalid region description from peer: {str(exc)[:300]}") from exc
@@ -67,6 +75,8 @@ def read_peer(msg_hello: Any, msg_regions: Any) -> tuple[Hello, RegionSet]:
             f"the peer's layout says KV pages of {hello.layout.kv_item_lens[:4]}... bytes, its regions hold "
             f"{regions.kv_item_lens[:4]}..."
         )
+    if hello.layout is not None and hello.layout.state_item_lens not in ((), regions.state_item_lens):
+        raise ProtocolError("the peer's layout describes other state buffers than its regions hold")
     return hello, regions
 
 

@@ -2,9 +2,10 @@
 
 A one-sided driver's writes are checked by the sender against the pages the receiver announced.
 A two-sided driver (the staged path) writes on the receiver's behalf from what the peer's notices
-say, so the receiver checks every piece itself: it must lie inside pages (or the aux slot) that
-a live receive transfer of *that* connection announced. :class:`InboundGuard` keeps a count per
-page and per aux slot, raised when a transfer announces and lowered when it finishes.
+say, so the receiver checks every piece itself: it must lie inside pages (or the aux slot, or
+state items) that a live receive transfer of *that* connection announced (its :class:`Claim`).
+:class:`InboundGuard` keeps a count per page, per aux slot and per item of each state group,
+raised when a transfer announces and lowered when it finishes.
 
 A transfer that *failed* (aborted, timed out) may still have chunks on the wire that left the
 sender before it learnt of the failure. Its pages are *revoked* for a while rather than
@@ -19,6 +20,8 @@ transfer's end is refused, which is the safe answer.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import numpy.typing as npt
 
@@ -28,56 +31,71 @@ from .memory import RegionSet
 U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
 
-_KV, _AUX, _OTHER = 0, 1, 2
+_NONE: I64 = np.zeros(0, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What one receive transfer announced: KV pages, an aux slot (-1: none) and, per state
+    group, the state items (window pages, slots) it expects."""
+
+    pages: I64
+    aux: int = -1
+    state: tuple[I64, ...] = ()
+
+    def spaces(self) -> list[I64]:
+        """Indices per index space: KV pages, aux slots, then each state group's items."""
+        aux = np.array([self.aux], dtype=np.int64) if self.aux >= 0 else _NONE
+        return [self.pages, aux, *self.state]
 
 
 class InboundGuard:
     def __init__(self, regions: RegionSet) -> None:
-        ordered = sorted(
-            [(r, _KV) for r in regions.kv] + [(r, _AUX) for r in regions.aux] + [(r, _OTHER) for r in regions.state],
-            key=lambda x: x[0].ptr,
-        )
+        # Index spaces: 0 the KV pages, 1 the aux slots, 2 + g the items of state group g.
+        tagged = [(r, 0) for r in regions.kv] + [(r, 1) for r in regions.aux]
+        for g in range(len(regions.state_groups)):
+            tagged += [(r, 2 + g) for r in regions.state_group(g)]
+        ordered = sorted(tagged, key=lambda x: x[0].ptr)
         self._starts = np.array([r.ptr for r, _ in ordered], dtype=np.uint64)
         self._ends = np.array([r.end for r, _ in ordered], dtype=np.uint64)
         self._items = np.array([r.item_len for r, _ in ordered], dtype=np.uint64)
-        self._kinds = np.array([k for _, k in ordered], dtype=np.int8)
-        self._pages = np.zeros(regions.num_pages, dtype=np.int32)
-        self._aux = np.zeros(min((r.num_items for r in regions.aux), default=0), dtype=np.int32)
-        self._revoked_pages = np.zeros_like(self._pages)
-        self._revoked_aux = np.zeros_like(self._aux)
+        self._spaces = np.array([k for _, k in ordered], dtype=np.int16)
+        sizes = [regions.num_pages, min((r.num_items for r in regions.aux), default=0)]
+        sizes += [regions.state_slots(g) for g in range(len(regions.state_groups))]
+        self._names = ["page", "aux slot"] + [f"item of state group {g}" for g in range(len(regions.state_groups))]
+        self._live = [np.zeros(n, dtype=np.int32) for n in sizes]
+        self._revoked = [np.zeros(n, dtype=np.int32) for n in sizes]
 
     # -- I/O thread ------------------------------------------------------------------------
 
-    def add(self, pages: I64, aux: int) -> None:
-        self._pages[pages] += 1  # pages of one announcement are unique (checked before)
-        if aux >= 0:
-            self._aux[aux] += 1
+    def _count(self, counts: list[npt.NDArray[np.int32]], claim: Claim, delta: int) -> None:
+        # The indices of one announcement are unique per space (checked before).
+        for space, indices in enumerate(claim.spaces()):
+            if indices.size:
+                counts[space][indices] += delta
 
-    def remove(self, pages: I64, aux: int) -> None:
-        self._pages[pages] -= 1
-        if aux >= 0:
-            self._aux[aux] -= 1
+    def add(self, claim: Claim) -> None:
+        self._count(self._live, claim, +1)
 
-    def revoke(self, pages: I64, aux: int) -> None:
-        """A transfer failed: its pages are no longer writable, but late chunks for them are
-        recognised (dropped quietly) until :meth:`forget_revoked`."""
-        self.remove(pages, aux)
-        self._revoked_pages[pages] += 1
-        if aux >= 0:
-            self._revoked_aux[aux] += 1
+    def remove(self, claim: Claim) -> None:
+        self._count(self._live, claim, -1)
 
-    def forget_revoked(self, pages: I64, aux: int) -> None:
-        self._revoked_pages[pages] -= 1
-        if aux >= 0:
-            self._revoked_aux[aux] -= 1
+    def revoke(self, claim: Claim) -> None:
+        """A transfer failed: what it claimed is no longer writable, but late chunks for it
+        are recognised (dropped quietly) until :meth:`forget_revoked`."""
+        self.remove(claim)
+        self._count(self._revoked, claim, +1)
+
+    def forget_revoked(self, claim: Claim) -> None:
+        self._count(self._revoked, claim, -1)
 
     # -- driver thread ---------------------------------------------------------------------
 
     def check(self, dst: U64, length: U64, what: str) -> bool:
-        """``True``: every ``[dst, dst+length)`` lies inside one region and covers only pages /
-        aux slots currently announced. ``False``: some pieces land on pages of a transfer of
-        this peer that failed recently (late data: write none of it). Raises
-        :class:`InvalidPages` for anything else."""
+        """``True``: every ``[dst, dst+length)`` lies inside one region and covers only pages,
+        aux slots and state items currently announced. ``False``: some pieces land on what a
+        transfer of this peer that failed recently announced (late data: write none of it).
+        Raises :class:`InvalidPages` for anything else."""
         if dst.size == 0:
             return True
         if np.any(length == 0):
@@ -88,19 +106,13 @@ class InboundGuard:
         end = self._ends[slot]
         if np.any(dst > end) or np.any(length > end - np.minimum(dst, end)):
             raise InvalidPages(f"{what}: a piece reaches outside the registered region it starts in")
-        kinds = self._kinds[slot]
-        if np.any(kinds == _OTHER):
-            raise InvalidPages(f"{what}: a piece lands in a state region, which staged transfers never write")
+        spaces = self._spaces[slot]
         first = ((dst - self._starts[slot]) // self._items[slot]).astype(np.int64)
         last = ((dst + length - np.uint64(1) - self._starts[slot]) // self._items[slot]).astype(np.int64)
         live = True
-        for kind, counts, revoked, name in (
-            (_KV, self._pages, self._revoked_pages, "page"),
-            (_AUX, self._aux, self._revoked_aux, "aux slot"),
-        ):
-            mask = kinds == kind
-            if not mask.any():
-                continue
+        for space in np.unique(spaces).tolist():
+            counts, revoked, name = self._live[space], self._revoked[space], self._names[space]
+            mask = spaces == space
             lo, hi = first[mask], last[mask]
             if np.any(hi >= counts.size):
                 raise InvalidPages(f"{what}: a piece reaches past the last {name}")

@@ -142,21 +142,42 @@ def _check_disjoint(regions: Sequence[Region]) -> None:
             )
 
 
+#: Most state groups one endpoint may register (SGLang's richest pools have a handful).
+MAX_STATE_GROUPS = 64
+
+
 @dataclass(frozen=True)
 class RegionSet:
     """The regions one endpoint registers: KV buffers, then aux and state buffers.
 
     Page ``p`` of KV buffer ``i`` lives at ``kv[i].ptr + p * kv[i].item_len``. All KV buffers
     hold the same number of pages (one page index addresses the same tokens in every layer).
+
+    State buffers come in *groups* (``state_groups`` gives how many consecutive ``state``
+    regions each group has): the buffers one index space addresses, such as the sliding-window
+    sub-pool of a hybrid SWA model (one index = one window page of every SWA layer) or the
+    Mamba pool (one index = one request's slot in every state tensor). Item ``i`` of every
+    region of a group belongs together, as page ``p`` of every KV region does. Without
+    ``state_groups``, all state regions form one group.
     """
 
     kv: tuple[Region, ...]
     aux: tuple[Region, ...] = ()
     state: tuple[Region, ...] = ()
+    state_groups: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.kv:
             raise MemoryLayoutError("at least one KV region is required")
+        if not self.state_groups and self.state:
+            object.__setattr__(self, "state_groups", (len(self.state),))
+        if len(self.state_groups) > MAX_STATE_GROUPS:
+            raise MemoryLayoutError(f"{len(self.state_groups)} state groups; at most {MAX_STATE_GROUPS}")
+        if any(n <= 0 for n in self.state_groups) or sum(self.state_groups) != len(self.state):
+            raise MemoryLayoutError(
+                f"state groups of {list(self.state_groups)} regions do not divide the {len(self.state)} state "
+                "regions (every group has at least one region, and together they hold all of them)"
+            )
         pages = {r.num_items for r in self.kv}
         if len(pages) != 1:
             raise MemoryLayoutError(
@@ -172,6 +193,20 @@ class RegionSet:
 
     def all(self) -> tuple[Region, ...]:
         return self.kv + self.aux + self.state
+
+    def state_group(self, group: int) -> tuple[Region, ...]:
+        """The regions of state group ``group``, in registration order."""
+        start = sum(self.state_groups[:group])
+        return self.state[start : start + self.state_groups[group]]
+
+    def state_slots(self, group: int) -> int:
+        """How many items (pages, slots) every region of state group ``group`` can address."""
+        return min(r.num_items for r in self.state_group(group))
+
+    @property
+    def state_item_lens(self) -> tuple[tuple[int, ...], ...]:
+        """Bytes of one item of each state region, group by group."""
+        return tuple(tuple(r.item_len for r in self.state_group(g)) for g in range(len(self.state_groups)))
 
     @property
     def kv_kind(self) -> MemoryKind:
@@ -201,12 +236,15 @@ class RegionSet:
         state_item_lens: Sequence[int] = (),
         aux_kind: MemoryKind = HOST,
         state_kind: MemoryKind | None = None,
+        state_groups: Sequence[int] = (),
     ) -> RegionSet:
-        """Regions from lists shaped like SGLang's ``KVArgs`` (one item = one page)."""
+        """Regions from lists shaped like SGLang's ``KVArgs`` (one item = one page); the state
+        lists flattened, ``state_groups`` giving each group's count of buffers."""
         return cls(
             kv=_regions("kv", kv_data_ptrs, kv_data_lens, kv_item_lens, kind),
             aux=_regions("aux", aux_data_ptrs, aux_data_lens, aux_item_lens, aux_kind),
             state=_regions("state", state_data_ptrs, state_data_lens, state_item_lens, state_kind or kind),
+            state_groups=tuple(int(n) for n in state_groups),
         )
 
     @classmethod
@@ -215,13 +253,17 @@ class RegionSet:
         kv: Iterable[Any],
         *,
         aux: Iterable[Any] = (),
-        state: Iterable[Any] = (),
+        state: Iterable[Iterable[Any]] = (),
     ) -> RegionSet:
-        """Regions from torch tensors whose first dimension is the page index."""
+        """Regions from torch tensors whose first dimension is the page (or slot) index;
+        ``state`` is a list of groups, each a list of tensors."""
+        groups = [list(g) for g in state]
+        flat = [t for g in groups for t in g]
         return cls(
             kv=tuple(_tensor_region(f"kv[{i}]", t) for i, t in enumerate(kv)),
             aux=tuple(_tensor_region(f"aux[{i}]", t) for i, t in enumerate(aux)),
-            state=tuple(_tensor_region(f"state[{i}]", t) for i, t in enumerate(state)),
+            state=tuple(_tensor_region(f"state[{i}]", t) for i, t in enumerate(flat)),
+            state_groups=tuple(len(g) for g in groups),
         )
 
 
@@ -276,6 +318,10 @@ class KVLayout:
     tp_rank: int = 0
     tp_size: int = 1
     aux_item_lens: tuple[int, ...] = ()
+    #: Per state group: what it holds (the application's name, e.g. SGLang's ``swa``,
+    #: ``mamba``) and the bytes of one item of each of its buffers.
+    state_types: tuple[str, ...] = ()
+    state_item_lens: tuple[tuple[int, ...], ...] = ()
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -291,6 +337,8 @@ class KVLayout:
             "tp_rank": self.tp_rank,
             "tp_size": self.tp_size,
             "aux_item_lens": list(self.aux_item_lens),
+            "state_types": list(self.state_types),
+            "state_item_lens": [list(g) for g in self.state_item_lens],
             "extra": dict(self.extra),
         }
 
@@ -309,6 +357,8 @@ class KVLayout:
                 tp_rank=int(data.get("tp_rank", 0)),
                 tp_size=int(data.get("tp_size", 1)),
                 aux_item_lens=tuple(int(x) for x in data.get("aux_item_lens", ())),
+                state_types=tuple(str(x)[:64] for x in data.get("state_types", ())),
+                state_item_lens=tuple(tuple(int(x) for x in g) for g in data.get("state_item_lens", ())),
                 extra=dict(data.get("extra", {})),
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -326,6 +376,8 @@ class KVLayout:
             "head_dim",
             "kv_item_lens",
             "aux_item_lens",
+            "state_types",
+            "state_item_lens",
         ):
             a, b = getattr(self, name), getattr(other, name)
             if name in ("num_kv_heads", "head_dim") and 0 in (a, b):

@@ -20,10 +20,13 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
+from .bounded import put_newest
 from .errors import (
     DriverError,
     InvalidPages,
@@ -33,8 +36,8 @@ from .errors import (
     TransferAborted,
     TransferTimeout,
 )
-from .inbound import InboundGuard
-from .memory import KVLayout, RegionSet
+from .inbound import Claim, InboundGuard
+from .memory import MAX_STATE_GROUPS, KVLayout, RegionSet
 from .plan import Runs, as_pages, check_pages, check_unique, plan
 from .transfer import RECV, SEND, State, Transfer
 from .wire import MAX_INT, Message, encode
@@ -118,12 +121,21 @@ class Connection:
         """A snapshot of the transfers filed under their tags now."""
         return dict(self._session.transfers)
 
-    def expect(self, tag: str, dst_pages: Any, *, aux: int | None = None, prefix: int = 0) -> Transfer:
+    def expect(
+        self,
+        tag: str,
+        dst_pages: Any,
+        *,
+        aux: int | None = None,
+        prefix: int = 0,
+        state: Sequence[Any] | None = None,
+    ) -> Transfer:
         """Receiver: pages of transfer ``tag`` go to ``dst_pages`` (and aux slot ``aux``).
         ``prefix`` tells the sender how much of the sequence this side holds already (its
         ``Transfer.peer_prefix``; the unit is the application's): ``dst_pages`` are for what
-        follows it."""
-        return self._session.expect(tag, dst_pages, aux, prefix)
+        follows it. ``state[g]``: the items of state group ``g`` (window pages, a slot) the
+        sender's last chunk fills (missing or empty: none of that group)."""
+        return self._session.expect(tag, dst_pages, aux, prefix, state)
 
     def sender(self, tag: str) -> Transfer:
         """Sender: the transfer ``tag``; it waits for the receiver's announcement."""
@@ -226,7 +238,9 @@ class Session:
 
     # -- caller threads ------------------------------------------------------------------------
 
-    def expect(self, tag: str, dst_pages: Any, aux: int | None, prefix: int = 0) -> Transfer:
+    def expect(
+        self, tag: str, dst_pages: Any, aux: int | None, prefix: int = 0, state: Sequence[Any] | None = None
+    ) -> Transfer:
         ep = self.endpoint
         what = f"transfer {tag!r} destination"
         _check_tag(tag)
@@ -237,18 +251,26 @@ class Session:
         check_unique(pages, what)
         if aux is not None:
             check_aux(aux, ep.regions, f"{what} aux")
+        items = state_items(state, ep.regions, what)
         transfer = Transfer(self, tag, RECV, State.WAITING_FOR_INPUT)
-        aux_index = -1 if aux is None else int(aux)
+        claim = Claim(pages, -1 if aux is None else int(aux), items)
 
         def announce() -> None:
             if not self.file(transfer):
                 return
-            transfer.announced, transfer.announced_aux = pages, aux_index
+            transfer.announced = claim
             if self.guard is None:
                 self.guard = InboundGuard(ep.regions)
-            self.guard.add(pages, aux_index)
+            self.guard.add(claim)
             ep.receiving(self, +1)
-            self.send("expect", tag=tag, pages=pages.tobytes(), aux=aux_index, prefix=int(prefix))
+            self.send(
+                "expect",
+                tag=tag,
+                pages=pages.tobytes(),
+                aux=claim.aux,
+                prefix=int(prefix),
+                state=[g.tobytes() for g in items],
+            )
 
         ep.call(announce)
         return transfer
@@ -267,7 +289,9 @@ class Session:
         self.endpoint.call(register)
         return transfer
 
-    def send_chunk(self, transfer: Transfer, src_pages: Any, last: bool, aux: int | None) -> None:
+    def send_chunk(
+        self, transfer: Transfer, src_pages: Any, last: bool, aux: int | None, state: Sequence[Any] | None = None
+    ) -> None:
         if transfer.state.final:
             raise transfer.error or KVTransportError(f"transfer {transfer.tag!r} already finished")
         if transfer.dst_pages is None:
@@ -295,6 +319,10 @@ class Session:
                 raise InvalidPages(f"transfer {transfer.tag!r}: aux sent but the receiver announced no aux slot")
             check_aux(aux, ep.regions, f"transfer {transfer.tag!r} source aux")
             runs = Runs.concat([runs, plan(ep.regions.aux, self.peer_regions.aux, [aux], [transfer.dst_aux])])
+        if state is not None and not last:
+            raise InvalidPages(f"transfer {transfer.tag!r}: state items go with the last chunk")
+        if last and (state or transfer.dst_state):
+            runs = Runs.concat([runs, self._plan_state(transfer, state or ())])
         transfer.sent_pages = stop
         transfer.last_planned = last
         bid = ep.next_batch_id() if len(runs) else 0
@@ -308,6 +336,36 @@ class Session:
                 lambda: self._driver_submit(transfer, bid, runs),
                 lambda _, error: self.batch_failed(transfer, bid, error) if error else None,
             )
+
+    def _plan_state(self, transfer: Transfer, state: Sequence[Any]) -> Runs:
+        """Runs moving, per state group, the source items to the items the receiver announced
+        (both sides must name as many; a group that one side lacks cannot move)."""
+        assert self.peer_regions is not None
+        ep, what = self.endpoint, f"transfer {transfer.tag!r} source"
+        src = state_items(state, ep.regions, what)
+        parts = []
+        for g in range(max(len(src), len(transfer.dst_state))):
+            mine = src[g] if g < len(src) else _NO_ITEMS
+            theirs = transfer.dst_state[g] if g < len(transfer.dst_state) else _NO_ITEMS
+            if mine.size != theirs.size:
+                raise InvalidPages(
+                    f"transfer {transfer.tag!r}: state group {g} has {mine.size} source items, the receiver "
+                    f"announced {theirs.size}; they pair one to one"
+                )
+            if not mine.size:
+                continue
+            if g >= len(self.peer_regions.state_groups):
+                raise InvalidPages(f"transfer {transfer.tag!r}: state group {g} is not registered at the receiver")
+            parts.append(
+                plan(
+                    ep.regions.state_group(g),
+                    self.peer_regions.state_group(g),
+                    mine,
+                    theirs,
+                    max_run_bytes=ep.max_run_bytes,
+                )
+            )
+        return Runs.concat(parts)
 
     def abort_from_caller(self, transfer: Transfer, reason: str) -> None:
         self.endpoint.call(lambda: self.abort(transfer, reason, notify=True, local=True))
@@ -381,20 +439,17 @@ class Session:
             return
         if t.state.final:
             if t.announced is not None and self.guard is not None:
-                pages, aux, guard = t.announced, t.announced_aux, self.guard
+                claim, guard = t.announced, self.guard
                 t.announced = None
                 ep.receiving(self, -1)
                 if t.state is State.SUCCESS:
-                    guard.remove(pages, aux)
+                    guard.remove(claim)
                 else:
                     if not t.drained.is_set():
-                        self.awaiting_drain.pop(t.tag, None)
-                        self.awaiting_drain[t.tag] = t
-                        while len(self.awaiting_drain) > ep.limits.max_early_aborts:
-                            self.awaiting_drain.popitem(last=False)
+                        put_newest(self.awaiting_drain, t.tag, t, ep.limits.max_early_aborts)
                     # Chunks the sender had on the wire may still arrive: recognised, not written.
-                    guard.revoke(pages, aux)
-                    timers.call_later(self.timeouts.retain_finished, lambda: guard.forget_revoked(pages, aux))
+                    guard.revoke(claim)
+                    timers.call_later(self.timeouts.retain_finished, lambda: guard.forget_revoked(claim))
             t.timer = timers.call_later(self.timeouts.retain_finished, lambda: self.forget(t))
             return
         limit = {
@@ -548,17 +603,19 @@ class Session:
             check_unique(pages, f"pages announced by {self.peer_label}")
             if msg["aux"] >= 0:
                 check_aux(msg["aux"], self.peer_regions, f"aux slot announced by {self.peer_label}")
+            state = peer_state_items(msg["state"], self.peer_regions, f"state items announced by {self.peer_label}")
         except InvalidPages as exc:
             self.abort(t, str(exc), notify=True, error=exc)
             return
         t.dst_pages, t.dst_aux, t.peer_prefix = pages, int(msg["aux"]), int(msg["prefix"])
+        t.dst_state = state
         t._set(State.WAITING_FOR_INPUT)
 
     def _keep_early_expect(self, tag: str, msg: Message) -> None:
         """An announcement for a transfer this side has not created yet: kept (bounded in
         count and bytes, per connection and in all) until the sender exists."""
         ep, limits = self.endpoint, self.endpoint.limits
-        size = len(msg["pages"])
+        size = announcement_bytes(msg)
         refusal = ""
         if tag in ep.refused:
             refusal = ep.refused.pop(tag)
@@ -600,7 +657,7 @@ class Session:
     def pop_early_expect(self, tag: str) -> Message | None:
         msg = self.early_expects.pop(tag, None)
         if msg is not None:
-            size = len(msg["pages"])
+            size = announcement_bytes(msg)
             self.early_expect_bytes -= size
             self.endpoint.early_expects_total -= 1
             self.endpoint.early_expect_bytes_total -= size
@@ -636,12 +693,15 @@ class Session:
         self.runner.call(lambda: self._driver_watch_inbound(t))
 
     def expected_bytes(self, t: Transfer) -> int:
-        """What a complete transfer writes into the pages (and aux slot) ``t`` announced."""
-        regions = self.endpoint.regions
-        pages = 0 if t.announced is None else int(t.announced.size)
-        total = pages * sum(r.item_len for r in regions.kv)
-        if t.announced_aux >= 0:
+        """What a complete transfer writes into the pages (aux slot, state items) ``t`` announced."""
+        regions, claim = self.endpoint.regions, t.announced
+        if claim is None:
+            return 0
+        total = int(claim.pages.size) * sum(r.item_len for r in regions.kv)
+        if claim.aux >= 0:
             total += sum(r.item_len for r in regions.aux)
+        for g, items in enumerate(claim.state):
+            total += int(items.size) * sum(r.item_len for r in regions.state_group(g))
         return total
 
     def inbound_settled(self, t: Transfer, error: KVTransportError | None) -> None:
@@ -671,10 +731,8 @@ class Session:
             log.debug("ignoring an abort for %r from %s: another connection owns it", tag, self.peer_label)
             return
         self.claim_tag(tag)
-        self.early_aborts[tag] = str(reason)
         self.pop_early_expect(tag)
-        while len(self.early_aborts) > self.endpoint.limits.max_early_aborts:
-            dropped, _ = self.early_aborts.popitem(last=False)
+        for dropped, _ in put_newest(self.early_aborts, tag, str(reason), self.endpoint.limits.max_early_aborts):
             self.release_tag(dropped)
         if tag not in self.settling:
             self.send_drained(tag)  # this side never wrote (or no longer writes) anything of it
@@ -808,6 +866,54 @@ class Session:
         runner.watch(
             ("inbound", self.id, id(t)), lambda: driver.inbound_idle(self.id), lambda _, e: self.inbound_settled(t, e)
         )
+
+
+_NO_ITEMS: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
+
+
+def announcement_bytes(msg: Message) -> int:
+    """What keeping an announcement costs, counted against the early-announcement limits (each
+    state entry at least as much as a small object, whatever it holds)."""
+    return len(msg["pages"]) + sum(64 + (len(x) if isinstance(x, bytes) else 0) for x in msg["state"])
+
+
+def state_items(state: Sequence[Any] | None, regions: RegionSet, what: str) -> tuple[npt.NDArray[np.int64], ...]:
+    """A caller's items per state group (``None`` or an empty entry: none of that group), each
+    checked against the group's registered items and for repeats; trailing empty groups dropped."""
+    if state is None:
+        return ()
+    if isinstance(state, str | bytes) or not isinstance(state, Sequence | np.ndarray):
+        raise InvalidPages(f"{what}: state items must be a list with one entry per state group")
+    groups = len(regions.state_groups)
+    out: list[npt.NDArray[np.int64]] = []
+    for g, entry in enumerate(state):
+        try:
+            flat = _NO_ITEMS if entry is None else np.asarray(entry).reshape(-1)
+        except (TypeError, ValueError) as exc:
+            raise InvalidPages(f"{what} state group {g}: not an array of item indices ({exc})") from exc
+        items = as_pages(flat, f"{what} state group {g}")
+        if items.size:
+            if g >= groups:
+                raise InvalidPages(f"{what}: state group {g} given, but {groups} state groups are registered")
+            check_pages(items, regions.state_slots(g), f"{what} state group {g}")
+            check_unique(items, f"{what} state group {g}")
+        out.append(items)
+    while out and not out[-1].size:
+        out.pop()
+    return tuple(out)
+
+
+def peer_state_items(raw: list[Any], regions: RegionSet, what: str) -> tuple[npt.NDArray[np.int64], ...]:
+    """The state items a peer announced (a list of packed int64 arrays), checked like
+    :func:`state_items` against that peer's regions."""
+    if len(raw) > MAX_STATE_GROUPS:
+        raise InvalidPages(f"{what}: {len(raw)} state groups; an endpoint registers at most {MAX_STATE_GROUPS}")
+    arrays = []
+    for g, packed in enumerate(raw):
+        if not isinstance(packed, bytes) or len(packed) % 8:
+            raise InvalidPages(f"{what}: state group {g} is not a packed int64 array")
+        arrays.append(np.frombuffer(packed, dtype=np.int64).copy())
+    return state_items(arrays, regions, what)
 
 
 def check_aux(index: Any, regions: RegionSet, what: str) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -23,6 +24,7 @@ import numpy.typing as npt
 from .errors import KVTransportError, TransferTimeout
 
 if TYPE_CHECKING:
+    from .inbound import Claim
     from .session import Connection, Session
     from .timers import Timer
 
@@ -58,6 +60,7 @@ class Transfer:
         # sender side
         self.dst_pages: npt.NDArray[np.int64] | None = None
         self.dst_aux = -1
+        self.dst_state: tuple[npt.NDArray[np.int64], ...] = ()  # per state group
         self.sent_pages = 0  # caller thread: pages planned so far
         self.last_planned = False  # caller thread: the last chunk was planned
         # I/O thread
@@ -71,8 +74,7 @@ class Transfer:
         #: any more: it succeeded, or it failed and the sender confirmed its writes settled
         #: (``drained``). A serving engine frees the pages of a failed request only then.
         self.drained = threading.Event()
-        self.announced: npt.NDArray[np.int64] | None = None  # receiver: pages it announced
-        self.announced_aux = -1
+        self.announced: Claim | None = None  # receiver: what it announced, until it ends
         self.filed = False  # filed under its tag in the session
         self.timer: Timer | None = None  # its state's timeout, or when it is forgotten
         self.started = 0.0
@@ -102,12 +104,16 @@ class Transfer:
             raise self.error
         return self._state
 
-    def send(self, src_pages: Any, *, last: bool = True, aux: int | None = None) -> None:
+    def send(
+        self, src_pages: Any, *, last: bool = True, aux: int | None = None, state: Sequence[Any] | None = None
+    ) -> None:
         """Write the next chunk of source pages (sender). They land on the destination pages
-        the receiver announced, in order. Bad indices raise here; nothing is submitted."""
+        the receiver announced, in order. The last chunk also carries the aux slot and, per
+        state group, the source items (``state[g]``: as many as the receiver announced for
+        group ``g``). Bad indices raise here; nothing is submitted."""
         if self.role != SEND:
             raise KVTransportError("send() on a receiving transfer")
-        self._session.send_chunk(self, src_pages, last, aux)
+        self._session.send_chunk(self, src_pages, last, aux, state)
 
     def abort(self, reason: str = "aborted by the caller") -> None:
         """Fail this transfer here and at the peer."""

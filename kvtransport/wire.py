@@ -69,8 +69,9 @@ SCHEMAS: dict[str, dict[str, Field]] = {
     "refuse": {"conn": Text(64), "reason": Text()},
     # receiver -> sender: pages of transfer ``tag`` go to these destination pages (aux -1: none);
     # ``prefix``: how much of the sequence the receiver holds already (the application's unit;
-    # SGLang: decode_prefix_len tokens), so the sender sends only what follows
-    "expect": {"tag": Text(256), "pages": bytes, "aux": Int(-1), "prefix": Int()},
+    # SGLang: decode_prefix_len tokens), so the sender sends only what follows; ``state``: per
+    # state group, the destination items (packed int64, empty: none) the last chunk fills
+    "expect": {"tag": Text(256), "pages": bytes, "aux": Int(-1), "prefix": Int(), "state": list},
     # sender -> receiver: every byte of ``tag`` is in place
     "done": {"tag": Text(256), "bytes": Int()},
     # either side: the transfer failed or was aborted

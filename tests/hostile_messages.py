@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 
 # --- the wire schema, as read from kvtransport/wire.py (deliberately not imported) -----------
 
-VERSION = 3
+VERSION = 4
 LIMIT = 4 << 20  # DEFAULT_MAX_MESSAGE_BYTES
 #: Frames larger than this make zmq drop the connection (MAXMSGSIZE: the limit plus framing room):
 #: the attacker's DEALER reconnects with a new route, so a session on the old one is orphaned.
@@ -56,7 +56,7 @@ SCHEMA: dict[str, dict[str, type]] = {
     "hello": {"conn": str, "hello": dict, "regions": dict},
     "welcome": {"conn": str, "hello": dict, "regions": dict, "decision": dict},
     "refuse": {"conn": str, "reason": str},
-    "expect": {"tag": str, "pages": bytes, "aux": int, "prefix": int},
+    "expect": {"tag": str, "pages": bytes, "aux": int, "prefix": int, "state": list},
     "done": {"tag": str, "bytes": int},
     "abort": {"tag": str, "reason": str},
     "drained": {"tag": str},
@@ -749,6 +749,7 @@ def wrong_for(expected: type) -> st.SearchStrategy[Any]:
             st.booleans(), st.sampled_from(SPECIAL_FLOATS), text_garbage, st.binary(max_size=8), st.none(), nested
         ),
         dict: st.one_of(scalar, st.lists(scalar, max_size=3)),
+        list: st.one_of(scalar, st.dictionaries(text_garbage, scalar, max_size=3)),
     }
     return others[expected]
 
@@ -765,6 +766,17 @@ def right_for(expected: type) -> st.SearchStrategy[Any]:
         ),
         int: st.one_of(st.sampled_from(EXTREME_INTS), st.integers(-(2**63), 2**64 - 1)),
         dict: st.dictionaries(st.one_of(text_garbage, st.sampled_from(["kv", "aux", "protocol", "drivers"])), nested),
+        # per state group a packed int64 array (or garbage in its place), up to past the 64 groups allowed
+        list: st.lists(
+            st.one_of(
+                st.binary(max_size=24),
+                st.lists(st.sampled_from(EXTREME_INTS), max_size=4).map(
+                    lambda xs: b"".join((x % 2**64).to_bytes(8, "little") for x in xs)
+                ),
+                scalar,
+            ),
+            max_size=70,
+        ),
     }[expected]
 
 
@@ -1026,7 +1038,8 @@ def session_frames(r: random.Random, sender_tags: list[str], recv_tags: list[str
             else:
                 body = u64s(*r.sample(range(pages), r.randrange(1, 4)))
             aux = r.choice([-1, -1, 0, 1, 2**31, 2**63 - 1, 2**64 - 1, -(2**63), 10**6])
-            yield message("expect", tag=tag, pages=body, aux=aux, prefix=0)
+            state = r.choice([[], [], [u64s(0)], [u64s(2**63 - 1)], [b"\x01"], [None], [u64s(1, 1)], [b""] * 70])
+            yield message("expect", tag=tag, pages=body, aux=aux, prefix=0, state=state)
         elif k < 6:
             tag = r.choice([*recv_tags, "unknown-" + str(r.randrange(10**6))]) if recv_tags else "nobody"
             yield message("done", tag=tag, bytes=r.choice(EXTREME_INTS))
@@ -1038,7 +1051,9 @@ def session_frames(r: random.Random, sender_tags: list[str], recv_tags: list[str
         elif k < 8:
             yield message("ping", seq=r.choice(EXTREME_INTS))
         else:
-            yield message("expect", tag="early-" + str(r.randrange(10**6)), pages=r.randbytes(16), aux=-1, prefix=0)
+            yield message(
+                "expect", tag="early-" + str(r.randrange(10**6)), pages=r.randbytes(16), aux=-1, prefix=0, state=[]
+            )
 
 
 def near_limit(r: random.Random) -> bytes:

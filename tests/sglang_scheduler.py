@@ -8,29 +8,46 @@ the original stdout out; everything else that prints goes to stderr):
 * ``{"cmd": "configure", "config": {...}}`` (re)builds the instance: SGLang's ``ServerArgs``
   (``--disaggregation-transfer-backend kvtransport``) published with
   ``runtime_context.publish`` under the rank SGLang's launcher would give it, SGLang's
-  ``ModelConfig`` and KV dtype resolution, SGLang's memory pools (``MHATokenToKVPool`` /
-  ``MLATokenToKVPool``, ``ReqToTokenPool`` or decode's ``DecodeReqToTokenPool``, the token
-  allocator, a ``UnifiedRadixCache`` with the cache disabled, which is what SGLang builds for
-  ``--disable-radix-cache``; 0.5.23 has no ``ChunkCache``), then ``Scheduler.init_disaggregation``
+  ``ModelConfig`` and KV dtype resolution, SGLang's memory pools as its KVCacheConfigurator
+  builds them for the model (``MHATokenToKVPool`` / ``MLATokenToKVPool``, ``ReqToTokenPool`` or
+  decode's ``DecodeReqToTokenPool``, the token allocator; for a hybrid sliding-window model
+  (gpt-oss) ``SWAKVPool`` with an MHA sub-pool each for the full-attention and the
+  sliding-window layers, and ``SWATokenToKVPoolAllocator``; for a hybrid linear-attention model
+  (Qwen3-Next) ``HybridReqToTokenPool`` with its ``MambaPool``, or decode's
+  ``HybridMambaDecodeReqToTokenPool``, under a ``HybridLinearKVPool``), a ``UnifiedRadixCache``
+  with the cache disabled and the components build_kv_cache gives it (FULL, and SWA or MAMBA),
+  which is what SGLang builds for ``--disable-radix-cache`` (0.5.23 has no ``ChunkCache``); the
+  scheduler's ``is_hybrid_swa`` / ``is_hybrid_ssm`` / ``sliding_window_size`` as build_kv_cache
+  resolves them (the window through ``resolve_sliding_window_size`` and the model class's own
+  ``get_attention_sliding_window_size``); then ``Scheduler.init_disaggregation``
   itself, which builds ``MetadataBuffers``, ``ReqToMetadataIdxAllocator`` and the queues
   (``PrefillBootstrapQueue``, or ``DecodeTransferQueue`` + ``DecodePreallocQueue``), and with
-  them ``KVArgs`` and the adapter's manager. Prefill rank 0 first starts the bootstrap server
+  them ``KVArgs`` (``setup_state_kv_args`` adds ``StateType.SWA`` or ``StateType.MAMBA``) and the
+  adapter's manager. Prefill rank 0 first starts the bootstrap server
   with SGLang's ``start_disagg_service()`` (what its TokenizerManager calls on node 0).
 * ``{"cmd": "run", "requests": [...], "timeout": s}`` builds SGLang ``Req`` objects, hands them to
   ``Scheduler._add_request_to_queue`` and runs the scheduler loop until every request of this
-  rank concluded (prefill: ``pop_bootstrapped``, ``resolve_waiting_queue_bootstrap``,
-  ``process_prefill_chunk`` -> ``send_kv_chunk``, the last ``send_kv_chunk(last_chunk=True)``
-  with ``set_buf`` inside, ``process_disagg_prefill_inflight_queue``; decode:
+  rank concluded (prefill: ``pop_bootstrapped``, ``process_pending_chunked_abort``,
+  ``resolve_waiting_queue_bootstrap``, ``process_prefill_chunk`` -> ``send_kv_chunk``, the last
+  ``send_kv_chunk(last_chunk=True)`` with ``set_buf`` and the state payloads (``_swa_payload``,
+  ``_mamba_payload``) inside, ``process_disagg_prefill_inflight_queue``; decode:
   ``prefetch_prefill_dp_rank_queries`` and ``process_decode_queue``, i.e. ``pop_preallocated``
-  with its real allocation and ``_send_kv_metadata``, then ``pop_transferred`` and
+  with its real allocation (the SWA tail, the mamba slot) and its state payloads for
+  ``_send_kv_metadata``, then ``pop_transferred`` and
   ``_commit_transfer_to_req``; client aborts through ``Scheduler.abort_request``). It answers per
-  request: ``state`` ("success"/"failed"/"corrupt"/"timeout"), the error, the KV bytes verified
-  (decode), when it failed and got its pages back, and what was left allocated.
+  request: ``state`` ("success"/"failed"/"corrupt"/"timeout"), the error, the KV and state bytes
+  verified (decode), when it failed and got its pages back, and what was left allocated (KV
+  pages, request rows, metadata slots, SWA pages, mamba slots).
 * ``{"cmd": "close"}``.
 
 Stand-ins, each because it cannot run here: the model forward (it allocates with SGLang's
-``alloc_for_extend`` and writes deterministic KV, and "samples" a deterministic first token and
-logprobs); the model runner object (its KV bookkeeping fields only); the output streamer and
+``alloc_for_extend``, after the real ``ScheduleBatch.maybe_evict_swa`` frees the SWA slots that
+slid out of the window, and writes deterministic KV and state, and "samples" a deterministic
+first token and logprobs); the loaded model (no weights: ``LoadedModel`` answers with the
+architecture class's own methods); the model runner object (its KV bookkeeping fields only);
+the memory profiler (pool sizes are small constants: the SWA pool is ``swa_full_tokens_ratio``
+of the full one, the prefill mamba pool a slot per request row where
+``--max-mamba-cache-size`` is unset); the output streamer and
 ``send_abort_output`` (IPC to the detokenizer/tokenizer: they record what the client would be
 told); the batch-result processor's reasoning-token counter (needs a tokenizer); grammar and
 beam-search managers (unused); the running batch (no decode batches run). The process groups are
@@ -40,17 +57,28 @@ KV content is a pure function of (room, layer, token position, global KV head, d
 prefill rank writes it into the pages its allocator handed out; the decode rank recomputes it
 for the heads it owns and compares the bits of every element of every layer (K and V, or MLA's
 latent), so a page sent to the wrong place, the wrong rank's heads or a stale aux row fails the
-test; pages written that no delivered request owns are reported too.
+test. State the same way: the sliding-window layers' KV of the window tokens (the same function,
+at the tokens' SWA slots), and each mamba state tensor's slot row as a function of (room,
+tensor, attention-TP rank, tokens computed, element), checked bit for bit in the slot decode
+gave the request. Pages, SWA pages and mamba slots written that no request was given as a
+destination are reported too.
+
+Not covered: a decode-side prefix (``decode_prefix_len`` > 0 needs
+``--disaggregation-decode-enable-radix-cache``, a live decode radix tree and requests that
+share a cached prefix; this harness runs with the cache disabled).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import logging
+import math
 import os
 import sys
+import threading
 import time
 import traceback
 from array import array
@@ -75,9 +103,11 @@ from sglang.srt.plugins import load_plugins  # noqa: E402
 # TransferBackend("kvtransport") and get_kv_class resolve to the adapter.
 load_plugins()
 
+from sglang.srt.configs.hybrid_arch import mambaish_config  # noqa: E402
 from sglang.srt.configs.model_config import ModelConfig  # noqa: E402
 from sglang.srt.disaggregation.decode import (  # noqa: E402
     DecodeReqToTokenPool,
+    HybridMambaDecodeReqToTokenPool,
     SchedulerDisaggregationDecodeMixin,
 )
 from sglang.srt.disaggregation.prefill import SchedulerDisaggregationPrefillMixin  # noqa: E402
@@ -85,17 +115,37 @@ from sglang.srt.disaggregation.utils import DisaggregationMode  # noqa: E402
 from sglang.srt.layers.dp_attention import compute_dp_attention_world_info  # noqa: E402
 from sglang.srt.managers.disagg_service import start_disagg_service  # noqa: E402
 from sglang.srt.managers.io_struct import AbortReq  # noqa: E402
-from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req  # noqa: E402
+from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req, ScheduleBatch  # noqa: E402
 from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
 from sglang.srt.mem_cache.allocation import alloc_for_extend  # noqa: E402
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
 from sglang.srt.mem_cache.common import release_kv_cache  # noqa: E402
+from sglang.srt.mem_cache.kv_cache_builder import uses_ssm_state  # noqa: E402
 from sglang.srt.mem_cache.kv_cache_dtype import configure_kv_cache_dtype  # noqa: E402
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import (  # noqa: E402
+    HybridLinearKVPool,
+    HybridReqToTokenPool,
+    MHATokenToKVPool,
+    MLATokenToKVPool,
+    ReqToTokenPool,
+)
+from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool  # noqa: E402
 from sglang.srt.mem_cache.unified_cache.components import ComponentType  # noqa: E402
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: E402
-from sglang.srt.runtime_context import SpawnRanks, get_model, get_parallel, publish  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
+from sglang.srt.model_executor.model_runner_components.load_model_utils import (  # noqa: E402
+    resolve_sliding_window_size,
+)
+from sglang.srt.runtime_context import (  # noqa: E402
+    SpawnRanks,
+    get_exec,
+    get_model,
+    get_parallel,
+    get_schedule,
+    publish,
+)
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
@@ -136,10 +186,31 @@ def kv_content(
     return (value % _FINITE_BELOW[size]).to(_INT_OF[size]).view(dtype)
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Element-wise bit equality (reduced over the last two dims)."""
-    ints = _INT_OF[a.element_size()]
-    return (a.view(ints) == b.view(ints)).all(dim=-1).all(dim=-1)
+def state_content(
+    room: int, entry: int, shard: int, tokens: int, shape: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
+    """One slot's row (``shape``, ``dtype``) of mamba state tensor number ``entry`` as the forward
+    leaves it after ``tokens`` tokens of the room's prompt on attention-TP rank ``shard`` (each
+    holds its heads' share of the state): each element's bit pattern a function of the room, the
+    tensor, the shard, the token count and the element; all finite numbers."""
+    elem = torch.arange(math.prod(shape), dtype=torch.int64)
+    value = (room % 65_521) * 1_000_003 + entry * 7_919 + shard * 131 + tokens * 104_729 + elem * 17 + 3 * 65_537 + 1
+    size = torch.empty((), dtype=dtype).element_size()
+    return (value % _FINITE_BELOW[size]).to(_INT_OF[size]).view(dtype).reshape(shape)
+
+
+def compare(got: torch.Tensor, want: torch.Tensor, first: int = 0, rows: str = "tokens", row: str = "position") -> str:
+    """Empty when every bit of ``got`` is ``want``'s; else which rows (tokens, numbered from
+    ``first``) differ."""
+    ints = _INT_OF[got.element_size()]
+    ok = (got.view(ints) == want.view(ints)).reshape(got.shape[0], -1).all(dim=1)
+    if bool(ok.all()):
+        return ""
+    bad = (~ok).nonzero().flatten()
+    return (
+        f"{len(bad)} of {len(ok)} {rows} differ, first at {row} {first + int(bad[0])} "
+        f"(got {got[bad[0]].flatten()[:4].tolist()}, want {want[bad[0]].flatten()[:4].tolist()})"
+    )
 
 
 def output_token(room: int) -> int:
@@ -188,6 +259,28 @@ class BatchResultProcessor:
         pass
 
 
+#: Where a model class of an architecture the harness serves lives (what SGLang's ModelRegistry
+#: resolves; importing one module is far cheaper than the registry's scan of every model).
+_MODEL_MODULES = {"GptOssForCausalLM": "sglang.srt.models.gpt_oss"}
+
+
+class LoadedModel:
+    """Stands in for the loaded model (no weights here): what the model runner asks the model
+    about its KV, SGLang's own methods of the architecture's class where it has them."""
+
+    def __init__(self, model_config: ModelConfig) -> None:
+        self.config = model_config.hf_config
+        arch = model_config.hf_config.architectures[0]
+        module = _MODEL_MODULES.get(arch)
+        self._cls = getattr(importlib.import_module(module), arch) if module else None
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        attr = getattr(self._cls, name, None) if name != "_cls" else None
+        if attr is None or not callable(attr):
+            raise AttributeError(name)
+        return lambda *args, **kwargs: attr(self, *args, **kwargs)
+
+
 class _Noop:
     def __getattr__(self, name: str) -> Callable[..., None]:
         return lambda *args, **kwargs: None
@@ -211,6 +304,7 @@ class _SchedulerBase:
     _set_or_validate_priority = Scheduler._set_or_validate_priority
     _prefetch_kvcache = Scheduler._prefetch_kvcache
     retire_unadmitted_request = Scheduler.retire_unadmitted_request
+    process_pending_chunked_abort = Scheduler.process_pending_chunked_abort
 
     def __init__(self, inst: Instance) -> None:
         self.server_args = inst.server_args
@@ -244,12 +338,19 @@ class _SchedulerBase:
         self.attn_tp_cpu_group = inst.attn_tp_group
         self.attn_cp_cpu_group = inst.attn_cp_group
         self.tp_cpu_group = inst.world_group
+        # What the Scheduler takes from kv_cache_builder.build_kv_cache's result.
+        self.is_hybrid_swa = inst.is_hybrid_swa
+        self.is_hybrid_ssm = inst.is_hybrid_ssm
+        self.sliding_window_size = inst.sliding_window_size
         # Stand-in for the TP worker and its model runner (no model here): their KV bookkeeping only.
         self.tp_worker = SimpleNamespace(
-            is_hybrid_swa=False,
+            is_hybrid_swa=inst.is_hybrid_swa,
+            sliding_window_size=inst.sliding_window_size,
             model_runner=SimpleNamespace(
                 effective_logical_max_total_num_tokens=inst.pool_tokens,
                 kv_cache_dtype_str=inst.kv_cache_dtype_str,
+                full_max_total_num_tokens=inst.pool_tokens if inst.is_hybrid_swa else None,
+                swa_max_total_num_tokens=inst.swa_tokens if inst.is_hybrid_swa else None,
             ),
         )
         self.metrics_reporter = SimpleNamespace(enable_metrics=False)  # SGLang's, with metrics off
@@ -260,6 +361,7 @@ class _SchedulerBase:
         self.mm_receiver = None
         self.dllm_config = None
         self.chunked_req: Req | None = None
+        self._pending_chunked_abort_req: Req | None = None
         self.waiting_queue: list[Req] = []
         # Stand-in for the running ScheduleBatch: no batch runs here, so it stays empty.
         self.running_batch = SimpleNamespace(reqs=[], batch_is_full=False)
@@ -295,7 +397,7 @@ class Instance:
         self.mla = bool(cfg.get("mla", False))
         self.world_group = world_group
         self.server_args = ServerArgs(
-            model_path=topo["model_path"],
+            model_path=cfg.get("model_path") or topo["model_path"],
             disaggregation_mode=self.role,
             disaggregation_transfer_backend="kvtransport",
             device="cpu",
@@ -335,8 +437,112 @@ class Instance:
         )
         self.kv_cache_dtype_str = resolved if resolved is not None else get_model().kv_cache_dtype
         self.dtype = dtype
-        layers = self.model_config.num_hidden_layers
         self.pool_tokens = int(cfg.get("pool_tokens", 16384))
+        # What SGLang's model runner and kv_cache_builder.build_kv_cache derive from the model config.
+        self.is_hybrid_swa = bool(self.model_config.is_hybrid_swa)
+        self.is_hybrid_ssm = uses_ssm_state(self.model_config)
+        self.mamba_config: Any = mambaish_config(self.model_config) if self.is_hybrid_ssm else None
+        self.sliding_window_size: int | None = None
+        self.swa_tokens = 0
+        if self.is_hybrid_swa:
+            self.sliding_window_size = resolve_sliding_window_size(LoadedModel(self.model_config), self.model_config)
+            # The pool configurator's split (pool_configurator.py: full tokens * swa_full_tokens_ratio).
+            ratio = get_schedule().swa_full_tokens_ratio
+            self.swa_tokens = int(self.pool_tokens * ratio) // self.page_size * self.page_size
+        self._build_pools(par, dtype)
+        self.tree_cache = UnifiedRadixCache(
+            CacheInitParams(
+                disable=True,
+                req_to_token_pool=self.req_to_token_pool,
+                token_to_kv_pool_allocator=self.allocator,
+                page_size=self.page_size,
+                tp_cache_group=self.attn_tp_group,
+                attn_tp_cache_group=self.attn_tp_group,
+                attn_cp_cache_group=self.attn_cp_group,
+                enable_mamba_extra_buffer=get_exec().mamba.enable_mamba_extra_buffer,
+                enable_mamba_extra_buffer_lazy=get_exec().mamba.enable_mamba_extra_buffer_lazy,
+                sliding_window_size=self.sliding_window_size,
+                tree_components=tuple(
+                    c
+                    for c, on in (
+                        (ComponentType.FULL, True),
+                        (ComponentType.SWA, self.is_hybrid_swa),
+                        (ComponentType.MAMBA, self.is_hybrid_ssm),
+                    )
+                    if on
+                ),
+            )
+        )
+        self.bootstrap_server: Any = None
+        self.registry_starter: threading.Thread | None = None
+        delay = float(cfg.get("registry_delay", 0))
+        if self.mode == DisaggregationMode.PREFILL and rank == 0:
+            # What SGLang's TokenizerManager does on node 0 (managers/disagg_service.py); it runs
+            # beside the schedulers, so with ``registry_delay`` every rank starts before it is up.
+            if delay:
+                self.registry_starter = threading.Thread(target=self._start_registry_after, args=(delay,))
+                self.registry_starter.start()
+            else:
+                self.bootstrap_server = start_disagg_service()
+        dist.barrier(group=world_group)  # the registry is up (unless delayed) before any rank goes on
+        cls = PrefillScheduler if self.mode == DisaggregationMode.PREFILL else DecodeScheduler
+        self.sched: Any = cls(self)
+        self.sched.disaggregation_mode = self.mode
+        self.sched.init_disaggregation()  # SGLang's own: metadata buffers, queues, KVArgs, manager
+        self.free = self.free_counts()
+
+    def _build_pools(self, par: Any, dtype: torch.dtype) -> None:
+        """The request pool, KV pool and allocator SGLang's KVCacheConfigurator builds for this
+        model (mem_cache/kv_cache_configurator.py: _build_req_to_token_pool,
+        _build_token_to_kv_pool, _build_token_to_kv_pool_allocator), with tiny sizes."""
+        mc = self.model_config
+        decode = self.mode == DisaggregationMode.DECODE
+        layers = mc.num_hidden_layers
+        local = mc.get_total_num_kv_heads() // par.attn_tp_size
+        # The global KV heads this rank holds (the model shards them over attention TP).
+        self.heads = torch.arange(par.attn_tp_rank * local, (par.attn_tp_rank + 1) * local)
+        self.shard = par.attn_tp_rank  # whose share of the mamba state this rank holds
+        self.head_dim = HEAD_DIM if not (self.is_hybrid_swa or self.is_hybrid_ssm) else mc.head_dim
+        #: Layers whose KV is paged by the full-attention pool (every token), and the SWA layers.
+        self.kv_layers: list[int] = list(range(layers))
+        self.swa_layers: list[int] = []
+        if self.is_hybrid_ssm:
+            # _build_hybrid_req_pool / _build_hybrid_mamba_decode_req_pool
+            cache_params = self.mamba_config.mamba2_cache_params
+            common: dict[str, Any] = {
+                "max_context_len": MAX_CONTEXT,
+                "device": "cpu",
+                "enable_memory_saver": False,
+                "cache_params": cache_params,
+                "mamba_layer_ids": list(cache_params.layers),
+                "enable_mamba_extra_buffer": get_exec().mamba.enable_mamba_extra_buffer,
+                "enable_overlap_schedule": not get_schedule().disable_overlap_schedule,
+                "start_layer": 0,
+            }
+            if decode:
+                self.req_to_token_pool: Any = HybridMambaDecodeReqToTokenPool(
+                    size=MAX_RUNNING,
+                    speculative_num_draft_tokens=None,
+                    pre_alloc_size=MAX_RUNNING,
+                    mamba_size=get_schedule().max_mamba_cache_size,
+                    **common,
+                )
+            else:
+                # --max-mamba-cache-size, or what _handle_max_mamba_cache would derive from
+                # the memory left (here: a slot per request row).
+                self.req_to_token_pool = HybridReqToTokenPool(
+                    size=MAX_RUNNING,
+                    mamba_size=get_schedule().max_mamba_cache_size or MAX_RUNNING,
+                    mamba_spec_state_size=MAX_RUNNING,
+                    speculative_num_draft_tokens=None,
+                    **common,
+                )
+        elif decode:
+            self.req_to_token_pool = DecodeReqToTokenPool(
+                MAX_RUNNING, MAX_CONTEXT, "cpu", enable_memory_saver=False, pre_alloc_size=MAX_RUNNING
+            )
+        else:
+            self.req_to_token_pool = ReqToTokenPool(MAX_RUNNING, MAX_CONTEXT, "cpu", enable_memory_saver=False)
         if self.mla:
             self.kv_pool: Any = MLATokenToKVPool(
                 self.pool_tokens,
@@ -349,9 +555,46 @@ class Instance:
                 enable_memory_saver=False,
             )
             self.heads = torch.zeros(1, dtype=torch.int64)
+        elif self.is_hybrid_swa:
+            # _build_hybrid_swa_kv_pool: an MHA pool for the full-attention layers and one for the
+            # sliding-window layers.
+            self.kv_layers = list(mc.full_attention_layer_ids)
+            self.swa_layers = list(mc.swa_attention_layer_ids)
+            self.kv_pool = SWAKVPool(
+                size=self.pool_tokens,
+                size_swa=self.swa_tokens,
+                page_size=self.page_size,
+                dtype=dtype,
+                head_num=local,
+                head_dim=mc.head_dim,
+                swa_attention_layer_ids=self.swa_layers,
+                full_attention_layer_ids=self.kv_layers,
+                device="cpu",
+                enable_kv_cache_copy=False,
+                token_to_kv_pool_class=MHATokenToKVPool,
+                enable_memory_saver=False,
+            )
+        elif self.is_hybrid_ssm:
+            # _build_hybrid_linear_kv_pool: MHA KV for the full-attention layers; the mamba state
+            # is the request pool's MambaPool.
+            self.kv_layers = list(self.mamba_config.full_attention_layer_ids)
+            self.kv_pool = HybridLinearKVPool(
+                page_size=self.page_size,
+                size=self.pool_tokens,
+                dtype=dtype,
+                head_num=local,
+                head_dim=mc.head_dim,
+                full_attention_layer_ids=self.kv_layers,
+                device="cpu",
+                mamba_pool=self.req_to_token_pool.mamba_pool,
+                enable_memory_saver=False,
+                enable_kv_cache_copy=False,
+                start_layer=0,
+                full_kv_pool_class=MHATokenToKVPool,
+                quant_method=None,
+                use_mla=False,
+            )
         else:
-            total_heads = self.model_config.get_total_num_kv_heads()
-            local = total_heads // par.attn_tp_size
             self.kv_pool = MHATokenToKVPool(
                 self.pool_tokens,
                 self.page_size,
@@ -362,45 +605,43 @@ class Instance:
                 device="cpu",
                 enable_memory_saver=False,
             )
-            # The global KV heads this rank holds (the model shards them over attention TP).
-            self.heads = torch.arange(par.attn_tp_rank * local, (par.attn_tp_rank + 1) * local)
-        if self.page_size == 1:
-            self.allocator: Any = TokenToKVPoolAllocator(self.pool_tokens, dtype, "cpu", self.kv_pool, need_sort=False)
+        if self.is_hybrid_swa:
+            # need_sort as SGLang sets it for a disaggregation mode.
+            self.allocator: Any = SWATokenToKVPoolAllocator(
+                self.pool_tokens,
+                self.swa_tokens,
+                page_size=self.page_size,
+                dtype=dtype,
+                device="cpu",
+                kvcache=self.kv_pool,
+                need_sort=True,
+                req_to_token_pool=self.req_to_token_pool,
+            )
+        elif self.page_size == 1:
+            self.allocator = TokenToKVPoolAllocator(self.pool_tokens, dtype, "cpu", self.kv_pool, need_sort=False)
         else:
             self.allocator = PagedTokenToKVPoolAllocator(
                 self.pool_tokens, self.page_size, dtype, "cpu", self.kv_pool, need_sort=False
             )
-        if self.mode == DisaggregationMode.DECODE:
-            self.req_to_token_pool: Any = DecodeReqToTokenPool(
-                MAX_RUNNING, MAX_CONTEXT, "cpu", enable_memory_saver=False, pre_alloc_size=MAX_RUNNING
-            )
-        else:
-            self.req_to_token_pool = ReqToTokenPool(MAX_RUNNING, MAX_CONTEXT, "cpu", enable_memory_saver=False)
-        # What SGLang builds for --disable-radix-cache (mem_cache/registry.py).
-        self.tree_cache = UnifiedRadixCache(
-            CacheInitParams(
-                disable=True,
-                req_to_token_pool=self.req_to_token_pool,
-                token_to_kv_pool_allocator=self.allocator,
-                page_size=self.page_size,
-                tp_cache_group=self.attn_tp_group,
-                attn_tp_cache_group=self.attn_tp_group,
-                attn_cp_cache_group=self.attn_cp_group,
-                tree_components=(ComponentType.FULL,),
-            )
-        )
-        self.bootstrap_server = None
-        if self.mode == DisaggregationMode.PREFILL and rank == 0:
-            # What SGLang's TokenizerManager does on node 0 (managers/disagg_service.py).
-            self.bootstrap_server = start_disagg_service()
-        dist.barrier(group=world_group)  # the registry is up before any prefill rank registers
-        cls = PrefillScheduler if self.mode == DisaggregationMode.PREFILL else DecodeScheduler
-        self.sched: Any = cls(self)
-        self.sched.disaggregation_mode = self.mode
-        self.sched.init_disaggregation()  # SGLang's own: metadata buffers, queues, KVArgs, manager
-        self.free_tokens = self.allocator.available_size()
-        self.free_rows = self.req_to_token_pool.available_size()
-        self.free_slots = self.sched.req_to_metadata_buffer_idx_allocator.available_size()
+
+    def free_counts(self) -> dict[str, int]:
+        """What is free in each pool: KV tokens (of the full-attention pool), request rows,
+        metadata slots, and SWA tokens or mamba slots where the model has them."""
+        a = self.allocator
+        counts = {
+            "kv_tokens": a.full_available_size() if self.is_hybrid_swa else a.available_size(),
+            "req_rows": self.req_to_token_pool.available_size(),
+            "metadata_slots": self.sched.req_to_metadata_buffer_idx_allocator.available_size(),
+        }
+        if self.is_hybrid_swa:
+            counts["swa_tokens"] = a.swa_available_size()
+        if self.is_hybrid_ssm:
+            counts["mamba_slots"] = self.req_to_token_pool.mamba_allocator.available_size()
+        return counts
+
+    def _start_registry_after(self, delay: float) -> None:
+        time.sleep(delay)
+        self.bootstrap_server = start_disagg_service()
 
     @property
     def kv_manager(self) -> Any:
@@ -425,28 +666,40 @@ class Instance:
             "engine_rank": args.engine_rank,
             "kv_item_lens": list(args.kv_item_lens),
             "aux_item_lens": list(args.aux_item_lens),
+            "state_types": [str(getattr(t, "name", t)) for t in getattr(args, "state_types", [])],
+            "state_item_lens": [list(lens) for lens in getattr(args, "state_item_lens", [])],
             "manager": type(self.kv_manager).__qualname__,
+            "kv_pool": type(self.kv_pool).__qualname__,
+            "req_pool": type(self.req_to_token_pool).__qualname__,
+            "allocator": type(self.allocator).__qualname__,
             "kv_cache_dtype_str": self.kv_cache_dtype_str,
             "dtype": str(self.dtype),
             "element_size": torch.empty((), dtype=self.dtype).element_size(),
             "kv_heads": len(self.heads),
-            "layers": self.kv_pool.layer_num,
+            "layers": len(self.kv_layers),
+            "swa_layers": len(self.swa_layers),
+            "sliding_window_size": self.sliding_window_size,
+            "mamba_row_bytes": sum(t[0].nbytes for _, t in self.mamba_entries()),
         }
 
     def close(self) -> None:
         teardown = getattr(self.kv_manager, "teardown", None) or getattr(self.kv_manager, "close", None)
         if teardown is not None:
             teardown()
+        if self.registry_starter is not None:
+            self.registry_starter.join()
         if self.bootstrap_server is not None:
             self.bootstrap_server.close()
 
     # -- content --------------------------------------------------------------------------------
 
-    def write_kv(self, room: int, locs: torch.Tensor, start: int, end: int, corrupt: bool = False) -> None:
-        """What the model forward would do for tokens [start, end): write each layer's KV
-        (``corrupt``: layer 1's V of another room, for the test that shows the check bites)."""
+    def write_kv(self, room: int, locs: torch.Tensor, start: int, end: int, corrupt: str = "") -> None:
+        """What the model forward would do for tokens [start, end): write each full-attention
+        layer's KV, each sliding-window layer's KV at the tokens' SWA slots, and the request's
+        mamba state after ``end`` tokens (``corrupt``: "kv" writes another room's V into layer
+        1, "state" another room's into one state buffer, for the tests that show the checks bite)."""
         positions = torch.arange(start, end)
-        for layer in range(self.kv_pool.layer_num):
+        for layer in self.kv_layers:
             if self.mla:
                 dim = KV_LORA_RANK + QK_ROPE_HEAD_DIM
                 self.kv_pool.get_key_buffer(layer)[locs] = kv_content(
@@ -454,53 +707,145 @@ class Instance:
                 )
             else:
                 self.kv_pool.get_key_buffer(layer)[locs] = kv_content(
-                    room, layer, positions, self.heads, HEAD_DIM, 0, self.dtype
+                    room, layer, positions, self.heads, self.head_dim, 0, self.dtype
                 )
+                bad = int(corrupt == "kv" and layer == 1)
                 self.kv_pool.get_value_buffer(layer)[locs] = kv_content(
-                    room + int(corrupt and layer == 1), layer, positions, self.heads, HEAD_DIM, 1, self.dtype
+                    room + bad, layer, positions, self.heads, self.head_dim, 1, self.dtype
                 )
+        if self.swa_layers:
+            swa_locs = self.allocator.translate_loc_from_full_to_swa(locs.to(torch.int64))
+            swa = self.kv_pool.swa_kv_pool
+            for i, layer in enumerate(self.swa_layers):
+                k, v = swa.get_key_buffer(i), swa.get_value_buffer(i)
+                k[swa_locs] = kv_content(room, layer, positions, self.heads, self.head_dim, 0, self.dtype)
+                bad = int(corrupt == "state" and i == len(self.swa_layers) - 1)
+                v[swa_locs] = kv_content(room + bad, layer, positions, self.heads, self.head_dim, 1, self.dtype)
+
+    def write_mamba(self, room: int, slot: int, tokens: int, corrupt: str = "") -> None:
+        """The state the forward leaves in the request's mamba slot after ``tokens`` tokens."""
+        entries = self.mamba_entries()
+        for n, (_, t) in enumerate(entries):
+            bad = int(corrupt == "state" and n == len(entries) - 1)
+            t[slot] = state_content(room + bad, n, self.shard, tokens, tuple(t.shape[1:]), t.dtype)
+
+    def mamba_entries(self) -> list[tuple[str, torch.Tensor]]:
+        """Every per-slot tensor of the mamba pool's state ([slots, ...] for one layer): each conv
+        state and the temporal (SSM) state of every mamba layer."""
+        if not self.is_hybrid_ssm:
+            return []
+        pool = self.req_to_token_pool.mamba_pool
+        cache, layers = pool.mamba_cache, pool.mamba_layer_ids
+        out = [
+            (f"conv{c} of layer {layer}", conv[i])
+            for c, conv in enumerate(cache.conv)
+            for i, layer in enumerate(layers)
+        ]
+        out += [(f"temporal of layer {layer}", cache.temporal[i]) for i, layer in enumerate(layers)]
+        return out
+
+    def mamba_slot(self, req: Req) -> int:
+        """The request's mamba slot, read as SGLang's ``_mamba_payload`` reads it."""
+        pool = self.req_to_token_pool
+        return int(pool.translate_mamba_indices(pool.req_index_to_mamba_index_mapping[req.kv.req_pool_idx]))
+
+    def window_start(self, tokens: int) -> int:
+        """The first token of the SWA window SGLang transfers (page-aligned; no decode prefix)."""
+        assert self.sliding_window_size is not None
+        return max(0, tokens - self.sliding_window_size) // self.page_size * self.page_size
 
     def kv_buffers(self) -> list[torch.Tensor]:
-        layers = range(self.kv_pool.layer_num)
         if self.mla:
-            return [self.kv_pool.get_key_buffer(layer) for layer in layers]
-        return [self.kv_pool.get_key_buffer(layer) for layer in layers] + [
-            self.kv_pool.get_value_buffer(layer) for layer in layers
+            return [self.kv_pool.get_key_buffer(layer) for layer in self.kv_layers]
+        return [self.kv_pool.get_key_buffer(layer) for layer in self.kv_layers] + [
+            self.kv_pool.get_value_buffer(layer) for layer in self.kv_layers
         ]
 
-    def written_pages(self) -> set[int]:
-        """Pages holding anything but zeros, in any layer."""
+    def swa_buffers(self) -> list[torch.Tensor]:
+        if not self.swa_layers:
+            return []
+        swa = self.kv_pool.swa_kv_pool
+        n = len(self.swa_layers)
+        return [swa.get_key_buffer(i) for i in range(n)] + [swa.get_value_buffer(i) for i in range(n)]
+
+    def written_pages(self, buffers: list[torch.Tensor] | None = None) -> set[int]:
+        """Pages holding anything but zeros, in any layer (of the full-attention pool, or of
+        ``buffers``)."""
         pages: set[int] = set()
-        for buf in self.kv_buffers():
+        for buf in self.kv_buffers() if buffers is None else buffers:
             rows = buf.view(buf.shape[0], -1).view(_INT_OF[buf.element_size()]).ne(0).any(dim=1)
             pages |= {int(p) for p in (rows.nonzero().flatten() // self.page_size).unique().tolist()}
         return pages
 
+    def written_mamba_slots(self) -> set[int]:
+        slots: set[int] = set()
+        for _, t in self.mamba_entries():
+            rows = t.reshape(t.shape[0], -1).view(_INT_OF[t.element_size()]).ne(0).any(dim=1)
+            slots |= {int(s) for s in rows.nonzero().flatten().tolist()}
+        return slots
+
+    def destinations(self, req: Req) -> dict[str, set[int]]:
+        """The pages (and SWA pages, mamba slot) a decode request's row points at."""
+        locs = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(req.origin_input_ids)].to(torch.int64)
+        out = {"kv": {int(p) for p in (locs // self.page_size).unique().tolist()}}
+        if self.swa_layers:
+            swa_locs = self.allocator.translate_swa_indices_for_transfer(locs)
+            out["swa"] = {int(p) for p in (swa_locs[swa_locs > 0] // self.page_size).unique().tolist()}
+        if self.is_hybrid_ssm:
+            out["mamba"] = {self.mamba_slot(req)}
+        return out
+
     def verify_kv(self, room: int, locs: torch.Tensor) -> tuple[int, str]:
-        """Compare every element of the request's KV with the content prefill wrote."""
+        """Compare every element of the request's full-attention KV with the content prefill wrote."""
         positions = torch.arange(len(locs))
         checked = 0
-        for layer in range(self.kv_pool.layer_num):
+        for layer in self.kv_layers:
             if self.mla:
                 dim = KV_LORA_RANK + QK_ROPE_HEAD_DIM
                 parts = [(self.kv_pool.get_key_buffer(layer), 2, dim)]
             else:
                 parts = [
-                    (self.kv_pool.get_key_buffer(layer), 0, HEAD_DIM),
-                    (self.kv_pool.get_value_buffer(layer), 1, HEAD_DIM),
+                    (self.kv_pool.get_key_buffer(layer), 0, self.head_dim),
+                    (self.kv_pool.get_value_buffer(layer), 1, self.head_dim),
                 ]
             for buf, kind, dim in parts:
                 got = buf[locs]
-                want = kv_content(room, layer, positions, self.heads, dim, kind, self.dtype)
-                ok = same_bits(got, want)
-                if not bool(ok.all()):
-                    bad = (~ok).nonzero().flatten()
-                    return checked, (
-                        f"layer {layer} {'KVL'[kind]}: {len(bad)} of {len(locs)} tokens differ, first at position "
-                        f"{int(bad[0])} (got {got[bad[0]].flatten()[:4].tolist()}, "
-                        f"want {want[bad[0]].flatten()[:4].tolist()})"
-                    )
+                error = compare(got, kv_content(room, layer, positions, self.heads, dim, kind, self.dtype))
+                if error:
+                    return checked, f"layer {layer} {'KVL'[kind]}: {error}"
                 checked += got.numel() * got.element_size()
+        return checked, ""
+
+    def verify_swa(self, room: int, locs: torch.Tensor) -> tuple[int, str]:
+        """Every element of the request's SWA window (the sliding-window layers' K and V of the
+        last window tokens, page-aligned) at the SWA slots decode's allocator mapped them to."""
+        start = self.window_start(len(locs))
+        swa_locs = self.allocator.translate_swa_indices_for_transfer(locs[start:])
+        if bool((swa_locs <= 0).any()):
+            return 0, f"SWA window [{start}, {len(locs)}) not allocated: {swa_locs.tolist()[:8]}"
+        positions = torch.arange(start, len(locs))
+        checked = 0
+        swa = self.kv_pool.swa_kv_pool
+        for i, layer in enumerate(self.swa_layers):
+            for buf, kind in ((swa.get_key_buffer(i), 0), (swa.get_value_buffer(i), 1)):
+                got = buf[swa_locs]
+                want = kv_content(room, layer, positions, self.heads, self.head_dim, kind, self.dtype)
+                error = compare(got, want, first=start)
+                if error:
+                    return checked, f"SWA layer {layer} {'KV'[kind]} (window from {start}): {error}"
+                checked += got.numel() * got.element_size()
+        return checked, ""
+
+    def verify_mamba(self, room: int, slot: int, tokens: int) -> tuple[int, str]:
+        """Every byte of the request's mamba slot, in every state tensor."""
+        checked = 0
+        for n, (label, t) in enumerate(self.mamba_entries()):
+            got = t[slot]
+            want = state_content(room, n, self.shard, tokens, tuple(t.shape[1:]), t.dtype)
+            error = compare(got.reshape(-1, 1), want.reshape(-1, 1), rows="elements", row="element")
+            if error:
+                return checked, f"mamba {label} (slot {slot}): {error}"
+            checked += got.numel() * got.element_size()
         return checked, ""
 
 
@@ -590,8 +935,11 @@ def run_prefill(inst: Instance, specs: list[dict[str, Any]], timeout: float) -> 
                 plans[req.rid]["ready_at"] = time.time()
                 events[req.rid]["bootstrapped"] = time.time()
         # Aborts asked for by the test: SGLang's abort path for a client abort (Scheduler.abort_request),
-        # for a request in the bootstrap queue ("bootstrap") or bootstrapped in the waiting queue.
+        # for a request in the bootstrap queue ("bootstrap"), bootstrapped in the waiting queue, or
+        # being chunked with a chunk sent ("chunking": it holds pages, and SWA pages or a mamba slot).
         places = [(req, "bootstrap") for req in queue.queue] + [(req, "waiting") for req in s.waiting_queue]
+        if s.chunked_req is not None and s.chunked_req.start_send_idx > 0:
+            places.append((s.chunked_req, "chunking"))
         due = [
             req
             for req, place in places
@@ -601,6 +949,8 @@ def run_prefill(inst: Instance, specs: list[dict[str, Any]], timeout: float) -> 
             if ok:
                 events[req.rid]["abort"] = time.time()
                 s.abort_request(AbortReq(rid=req.rid))
+        # -- get_next_disagg_prefill_batch_to_run (prefill.py:654) ------------------------------
+        s.process_pending_chunked_abort()
         s.resolve_waiting_queue_bootstrap()
         if s.chunked_req is not None:
             # process_prefill_chunk: the chunk computed last iteration goes out (send_kv_chunk)
@@ -612,7 +962,7 @@ def run_prefill(inst: Instance, specs: list[dict[str, Any]], timeout: float) -> 
             for req in s.waiting_queue
             if not req.pending_bootstrap
             and req.finished_reason is None
-            and not plans[req.rid]["spec"].get("prefill_abort")
+            and plans[req.rid]["spec"].get("prefill_abort") in (None, "chunking")
             and now - plans[req.rid]["ready_at"] >= float(plans[req.rid]["spec"].get("prefill_delay", 0))
         ]
         chunking = s.chunked_req  # SGLang prefills one chunked request at a time
@@ -644,7 +994,8 @@ def run_prefill(inst: Instance, specs: list[dict[str, Any]], timeout: float) -> 
             start = req.prefix_len
             end = plan["chunks"].pop(0)
             if end > start:
-                forward_chunk(inst, req, start, end, corrupt=bool(plan["spec"].get("prefill_corrupt")))
+                corrupt = plan["spec"].get("prefill_corrupt") or ""
+                forward_chunk(inst, req, start, end, corrupt="kv" if corrupt is True else corrupt)
             if plan["chunks"]:
                 s.chunked_req = req  # still chunking: sent next iteration by process_prefill_chunk
                 running.append(req)
@@ -684,13 +1035,15 @@ def run_prefill(inst: Instance, specs: list[dict[str, Any]], timeout: float) -> 
 
 
 def aborts_in(when: Any, place: str) -> bool:
-    """``prefill_abort``: "bootstrap" (in PrefillBootstrapQueue), "waiting" or true (bootstrapped)."""
+    """``prefill_abort``: "bootstrap" (in PrefillBootstrapQueue), "waiting" or true (bootstrapped),
+    "chunking" (the chunked request, once a chunk of it went out)."""
     return when == place or (when is True and place == "waiting")
 
 
-def forward_chunk(inst: Instance, req: Req, start: int, end: int, corrupt: bool = False) -> None:
+def forward_chunk(inst: Instance, req: Req, start: int, end: int, corrupt: str = "") -> None:
     """ScheduleBatch.prepare_for_extend's allocation, for real (alloc_for_extend with a batch of
-    one), then the forward's KV writes for tokens [start, end)."""
+    one), then the forward's writes for tokens [start, end): KV (and SWA KV), and the mamba state
+    the request's slot holds after them."""
     req.extend_end = end
     seq_lens = torch.tensor([end], dtype=torch.int64)
     # Stand-in for the ScheduleBatch of the forward (a batch of one): what alloc_for_extend reads.
@@ -706,10 +1059,19 @@ def forward_chunk(inst: Instance, req: Req, start: int, end: int, corrupt: bool 
         device="cpu",
         hisparse_coordinator=None,
         is_dllm=lambda: False,
-        maybe_evict_swa=lambda: None,
+        # ScheduleBatch.maybe_evict_swa, for real: a chunk of a hybrid-SWA request frees the SWA
+        # slots that slid out of the window before the next chunk allocates (no-op otherwise).
+        forward_mode=ForwardMode.EXTEND,
+        enable_overlap=False,
+        token_to_kv_pool_allocator=inst.allocator,
     )
+    batch.maybe_evict_swa = lambda: ScheduleBatch.maybe_evict_swa(batch)
+    batch._swa_eviction_trigger = lambda *args: ScheduleBatch._swa_eviction_trigger(batch, *args)
+    batch._evict_swa = lambda *args, **kwargs: ScheduleBatch._evict_swa(batch, *args, **kwargs)
     out_cache_loc, _, _ = alloc_for_extend(batch)
     inst.write_kv(req.bootstrap_room, out_cache_loc, start, end, corrupt)
+    if inst.is_hybrid_ssm:
+        inst.write_mamba(req.bootstrap_room, inst.mamba_slot(req), end, corrupt)
 
 
 def finish_prefill(inst: Instance, req: Req) -> None:
@@ -744,13 +1106,24 @@ def run_decode(inst: Instance, specs: list[dict[str, Any]], timeout: float) -> d
     arriving = list(specs)
     for spec in specs:
         events[spec["rid"]] = {}
-    # A clean pool: afterwards, any page that holds data and was not a delivered request's is a
-    # write that landed where no request of this run was told to expect it.
-    for buf in inst.kv_buffers():
+    # A clean pool: afterwards, any page (or SWA page, or mamba slot) that holds data and was not
+    # announced as a request's destination is a write that landed where no request of this run
+    # was told to expect it.
+    for buf in inst.kv_buffers() + inst.swa_buffers() + [t for _, t in inst.mamba_entries()]:
         buf.zero_()
-    if any(spec.get("stray_write") for spec in specs):  # the control for the check above
-        inst.kv_buffers()[-1][0] = 1  # slot 0: the padding page, never handed to a request
-    given: set[int] = set()
+    for spec in specs:  # the controls for the check above
+        if spec.get("stray_write") is True:
+            inst.kv_buffers()[-1][0] = 1  # slot 0: the padding page, never handed to a request
+        elif spec.get("stray_write") == "state":
+            # SWA slot 0 (the padding page) or mamba slot 0 (the dummy slot): never a request's
+            for buf in inst.swa_buffers()[-1:] + [t for _, t in inst.mamba_entries()[-1:]]:
+                buf[0] = 1
+    given: dict[str, set[int]] = {"kv": set(), "swa": set(), "mamba": set()}
+
+    def announced(req: Req) -> None:
+        for pool, where in inst.destinations(req).items():
+            given[pool] |= where
+
     deadline = time.monotonic() + timeout
     longest_step = 0.0
     while True:
@@ -784,11 +1157,12 @@ def run_decode(inst: Instance, specs: list[dict[str, Any]], timeout: float) -> d
         for decode_req in tq.queue:
             events[decode_req.req.rid].setdefault("metadata_sent", time.time())
         s.process_decode_queue()  # SGLang's: pop_preallocated -> transfer queue -> pop_transferred
+        for decode_req in tq.queue:  # pages announced (a request that fails later got writes too)
+            announced(decode_req.req)
         # Transferred requests wait for a prebuilt batch; this harness checks them instead.
         for req in s.waiting_queue:
             results[req.rid] = verify_decode(inst, req)
-            locs = inst.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(req.origin_input_ids)]
-            given |= {int(p) for p in (locs.to(torch.int64) // inst.page_size).unique().tolist()}
+            announced(req)
             # What the end of the request does (process_batch_result_decode -> release_kv_cache).
             req.finished_reason = FINISH_LENGTH(length=0)
             release_kv_cache(req, inst.tree_cache, checkpoint=False)
@@ -819,7 +1193,12 @@ def run_decode(inst: Instance, specs: list[dict[str, Any]], timeout: float) -> d
                 if d.metadata_buffer_index >= 0:
                     results[rid]["aux_room"] = int(tq.metadata_buffers.bootstrap_room[d.metadata_buffer_index, 0])
         results[rid].update(events[rid])
-    stray = sorted(inst.written_pages() - given)
+    stray = sorted(inst.written_pages() - given["kv"])
+    stray_state = {}
+    if inst.swa_layers:
+        stray_state["swa_pages"] = sorted(inst.written_pages(inst.swa_buffers()) - given["swa"])
+    if inst.is_hybrid_ssm:
+        stray_state["mamba_slots"] = sorted(inst.written_mamba_slots() - given["mamba"])
     return {
         "outcomes": results,
         "leaks": leaks(inst),
@@ -827,15 +1206,25 @@ def run_decode(inst: Instance, specs: list[dict[str, Any]], timeout: float) -> d
         "longest_step_s": longest_step,
         "stray_pages": stray[:20],
         "stray_page_count": len(stray),
+        # pages/slots of the state pools written that no request was given
+        "stray_state": {k: (len(v), v[:20]) for k, v in stray_state.items()},
     }
 
 
 def verify_decode(inst: Instance, req: Req) -> dict[str, Any]:
-    """Every KV byte of the request, and what _commit_transfer_to_req read from its aux row."""
+    """Every KV byte of the request, every byte of its state (the SWA window, the mamba slot),
+    and what _commit_transfer_to_req read from its aux row."""
     room = req.bootstrap_room
     n = len(req.origin_input_ids)
     locs = inst.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n].to(torch.int64)
     kv_bytes, error = inst.verify_kv(room, locs)
+    state_bytes = 0
+    if inst.swa_layers:
+        state_bytes, state_error = inst.verify_swa(room, locs)
+        error = error or state_error
+    if inst.is_hybrid_ssm:
+        state_bytes, state_error = inst.verify_mamba(room, inst.mamba_slot(req), n)
+        error = error or state_error
     aux = {
         "output_id": int(req.output_ids[-1]) if req.output_ids else None,
         "cached_tokens": int(req.cached_tokens),
@@ -860,6 +1249,7 @@ def verify_decode(inst: Instance, req: Req) -> dict[str, Any]:
         "state": "success" if not error else "corrupt",
         "error": error,
         "kv_bytes": kv_bytes,
+        "state_bytes": state_bytes,
         "tokens": n,
         "aux": aux,
         "at": time.time(),
@@ -868,11 +1258,7 @@ def verify_decode(inst: Instance, req: Req) -> dict[str, Any]:
 
 def leaks(inst: Instance) -> dict[str, int]:
     """What is still allocated once every request concluded (all of it must be back)."""
-    return {
-        "kv_tokens": inst.free_tokens - inst.allocator.available_size(),
-        "req_rows": inst.free_rows - inst.req_to_token_pool.available_size(),
-        "metadata_slots": inst.free_slots - inst.sched.req_to_metadata_buffer_idx_allocator.available_size(),
-    }
+    return {k: inst.free[k] - n for k, n in inst.free_counts().items()}
 
 
 # ---------------------------------------------------------------------------------------------

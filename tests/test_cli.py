@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtransport.hello import PROTOCOL_VERSION
 from kvtransport.probe import probe_host
 
 from .conftest import require_engines, run_cli
@@ -15,7 +16,7 @@ from .conftest import require_engines, run_cli
 def test_doctor_json_is_a_hello_document() -> None:
     out = run_cli("doctor", "--json")
     doc = json.loads(out.stdout)
-    assert doc["protocol"]["name"] == "kvtransport" and doc["protocol"]["version"] == 3
+    assert doc["protocol"]["name"] == "kvtransport" and doc["protocol"]["version"] == PROTOCOL_VERSION
     assert {"cuda-local", "mooncake-gdr", "mooncake-staged", "nixl-ucx"} <= set(doc["drivers"])
     for entry in doc["drivers"].values():
         assert entry["status"] is None or entry["status"]["reason"]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvtransport.errors import ProtocolError
-from kvtransport.inbound import InboundGuard
+from kvtransport.inbound import Claim, InboundGuard
 from kvtransport.memory import MemoryKind, RegionSet
 from kvtransport.registry import load_driver
 from kvtransport_cuda.local import _Peer
@@ -60,7 +60,7 @@ def _receiver(aux: np.ndarray) -> object:
     )
     driver._regions = regions  # type: ignore[attr-defined]
     context.guard = InboundGuard(regions)
-    context.guard.add(np.array([], dtype=np.int64), 1)
+    context.guard.add(Claim(np.array([], dtype=np.int64), 1))
     return driver
 
 

@@ -21,6 +21,7 @@ from kvtransport.errors import (
     TransferError,
     TransferTimeout,
 )
+from kvtransport.hello import PROTOCOL_VERSION
 from kvtransport.memory import KVLayout
 from kvtransport.testing.fake import FakeDriver
 from kvtransport.testing.kv import KVPool
@@ -171,7 +172,17 @@ def test_garbage_on_the_control_port_does_not_disturb_other_peers(pair) -> None:
     before = [b.array.copy() for b in a_pool.buffers]
     for frame in (
         b"\xff" * 10,
-        msgpack.packb({"v": 3, "t": "expect", "tag": "x", "pages": b"\x00" * 8, "aux": -1, "prefix": 0}),
+        msgpack.packb(
+            {
+                "v": PROTOCOL_VERSION,
+                "t": "expect",
+                "tag": "x",
+                "pages": b"\x00" * 8,
+                "aux": -1,
+                "prefix": 0,
+                "state": [],
+            }
+        ),
         msgpack.packb({"v": 1, "t": "hello", "conn": "c", "hello": {"junk": 1}, "regions": {}}),
         msgpack.packb({"v": 9, "t": "ping", "seq": 1}),
         b"\xc1" + b"\x00" * 60,  # a seal from nobody
@@ -179,7 +190,7 @@ def test_garbage_on_the_control_port_does_not_disturb_other_peers(pair) -> None:
     ):
         sock.send(frame)
     # A hello from a peer that skipped authentication: refused, told nothing more.
-    sock.send(msgpack.packb({"v": 3, "t": "hello", "conn": "c", "hello": {"junk": 1}, "regions": {}}))
+    sock.send(msgpack.packb({"v": PROTOCOL_VERSION, "t": "hello", "conn": "c", "hello": {"junk": 1}, "regions": {}}))
     # An oversized frame makes zmq drop its sender's connection (MAXMSGSIZE), and with it any
     # answer still queued for that sender: it comes from a socket of its own.
     big = ctx.socket(zmq.DEALER)
@@ -187,14 +198,18 @@ def test_garbage_on_the_control_port_does_not_disturb_other_peers(pair) -> None:
     big.connect(prefill.address)
     big.send(b"x" * (5 << 20))
     refusal = msgpack.unpackb(sock.recv()) if sock.poll(2000) else None
-    assert refusal == {"v": 3, "t": "refuse", "conn": "c", "reason": "authentication failed"}
+    assert refusal == {"v": PROTOCOL_VERSION, "t": "refuse", "conn": "c", "reason": "authentication failed"}
     # Authenticated (the endpoints here run without a secret, on loopback: the well-known key),
     # a malformed hello is refused for what is wrong with it.
     insider = ctx.socket(zmq.DEALER)
     insider.setsockopt(zmq.LINGER, 0)
     insider.connect(prefill.address)
     link = authenticate(insider, b"", conn="c2")
-    insider.send(link.seal(msgpack.packb({"v": 3, "t": "hello", "conn": "c2", "hello": {"junk": 1}, "regions": {}})))
+    insider.send(
+        link.seal(
+            msgpack.packb({"v": PROTOCOL_VERSION, "t": "hello", "conn": "c2", "hello": {"junk": 1}, "regions": {}})
+        )
+    )
     answer = link.open(insider.recv()) if insider.poll(2000) else None
     assert answer is not None
     refusal = msgpack.unpackb(answer)
@@ -220,7 +235,9 @@ def test_a_malicious_announcement_fails_only_that_transfer(pair) -> None:  # typ
 
     from kvtransport.wire import encode
 
-    data = encode("expect", tag="evil", pages=np.array([1, 10_000], dtype=np.int64).tobytes(), aux=-1, prefix=0)
+    data = encode(
+        "expect", tag="evil", pages=np.array([1, 10_000], dtype=np.int64).tobytes(), aux=-1, prefix=0, state=[]
+    )
     # Sealed in the session, as the peer itself would send it (an unsealed frame is dropped).
     decode.call(lambda: recv_conn._session.send_frame(data))
     with pytest.raises(InvalidPages, match="outside the registered range"):

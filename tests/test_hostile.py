@@ -38,7 +38,7 @@ import threading
 import time
 import uuid
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -230,6 +230,7 @@ class Session:
     donor: Donor | None = None  # whose identity it presents
     sender_tags: list[str] = field(default_factory=list)  # victim sends, waiting for an expect
     recv_tags: list[str] = field(default_factory=list)  # victim receives
+    recv_pages: list[int] = field(default_factory=list)  # what it announced for them (writable by this session)
 
     def victim_region(self, kind: str = "kv", i: int = 0) -> dict[str, Any]:
         """One of the victim's regions, as its welcome described them."""
@@ -553,7 +554,7 @@ class Rig:
             self.victim.call("send", conn=s.index, transfers={t: [[]] for t in s.sender_tags}, timeout=0.01)
         if receivers:
             s.recv_tags = [f"{label}-r{i}" for i in range(receivers)]
-            pages = self.rng.sample(range(PAGES), receivers)
+            pages = s.recv_pages = self.rng.sample(range(PAGES), receivers)
             self.victim.ok("expect", conn=s.index, transfers={t: [p] for t, p in zip(s.recv_tags, pages, strict=True)})
         return s
 
@@ -609,10 +610,13 @@ def granted_slots(a: Attacker, want: int, timeout: float = 10.0) -> list[int]:
     return slots
 
 
-def hostile_chunks(r: random.Random, slots: list[int], region: dict[str, Any], chunk_bytes: int) -> Iterator[bytes]:
+def hostile_chunks(
+    r: random.Random, slots: list[int], region: dict[str, Any], chunk_bytes: int, announced: Collection[int] = ()
+) -> Iterator[bytes]:
     """Chunk notices in granted slots whose pieces are hostile: past their ring slot, wrapping
     in uint64, outside every region, of mismatched lengths, or (worst) inside the victim's KV
-    pool although nothing was announced there."""
+    pool although nothing was announced there (``announced``: the pages the victim announced to
+    this session, which it may write)."""
     ptr, length, item = int(region["ptr"]), int(region["length"]), int(region["item_len"])
     while slots:
         slot = slots.pop()
@@ -632,7 +636,7 @@ def hostile_chunks(r: random.Random, slots: list[int], region: dict[str, Any], c
         elif k == 6:
             dst, ln, off = u64s(ptr - item), u64s(item), u64s(0)  # just below the pool
         else:
-            page = r.randrange(length // item)
+            page = r.choice([p for p in range(length // item) if p not in announced])
             dst, ln, off = u64s(ptr + page * item), u64s(item), u64s(0)  # a page nobody announced
         yield notice({"op": "chunk", "slot": slot, "dst": dst, "len": ln, "off": off})
 
@@ -753,11 +757,12 @@ def fuzz(rig: Rig, total: int, *, staged: bool) -> None:
                     pages=u64s(r.randrange(PAGES)),
                     aux=r.choice([-1, 2**64 - 1, 2**63, 3, -(2**63), 2**62 - 1, AUX]),
                     prefix=r.choice([0, 0, 5, 2**62 - 1, 2**62, -1]),
+                    state=r.choice([[], [], [u64s(0)], [b"\x01"], [None]]),
                 )
                 if to_session(frame) == "live" and well_formed(frame) is not None:
                     expected_out.add(tag)
             elif k < 80 and staged and slots:
-                placed["closing"].append(next(hostile_chunks(r, slots, region, 64 << 10)))
+                placed["closing"].append(next(hostile_chunks(r, slots, region, 64 << 10, s.recv_pages)))
             elif k < 86:
                 to_session(session_notice(r))
             else:
@@ -773,7 +778,7 @@ def fuzz(rig: Rig, total: int, *, staged: bool) -> None:
         # near the size limit: a few per batch (each is 4 MiB), on every kind of route
         spray[id(r.choice(sprayers))].append(near_limit(r))
         to_session(near_limit(r))
-        to_session(message("expect", tag=f"{label}-huge", pages=b"\x00" * (LIMIT - 200), aux=-1, prefix=0))
+        to_session(message("expect", tag=f"{label}-huge", pages=b"\x00" * (LIMIT - 200), aux=-1, prefix=0, state=[]))
 
         # phase 1: what the session survives, and the sprayers
         t0 = time.monotonic()
@@ -1006,14 +1011,14 @@ def test_expect_with_an_aux_slot_out_of_range(aux: int, rig_factory: Callable[..
     rig = rig_factory("fake", private=False)
     s = rig.session("atk", senders=1)
     tag = s.sender_tags[0]
-    rig.send(s.attacker, [message("expect", tag=tag, pages=u64s(1), aux=aux, prefix=0)])
+    rig.send(s.attacker, [message("expect", tag=tag, pages=u64s(1), aux=aux, prefix=0, state=[])])
     rig.sync(s.attacker, f"expect aux={aux}", timeout=10)
     state = rig.victim.ok("state", tags=[tag])["states"][tag]
     if -1 <= aux <= 2**62 - 1:
         assert state[:2] == ["FAILED", "InvalidPages"], f"an expect with aux slot {aux} left its transfer {state}"
     else:
         assert state[0] == "BOOTSTRAPPING", f"a malformed expect (aux {aux}) moved its transfer to {state}"
-        rig.send(s.attacker, [message("expect", tag=tag, pages=u64s(1), aux=-1, prefix=0)])
+        rig.send(s.attacker, [message("expect", tag=tag, pages=u64s(1), aux=-1, prefix=0, state=[])])
         rig.sync(s.attacker, f"a valid expect after aux={aux}", timeout=10)
         state = rig.victim.ok("state", tags=[tag])["states"][tag]
         assert state[0] == "WAITING_FOR_INPUT", f"a valid expect after a malformed one left its transfer {state}"
@@ -1026,12 +1031,37 @@ def test_expect_pages_odd_bytes_huge_and_repeated_fail_only_their_transfer(rig_f
     bodies = [b"\x01\x02\x03", u64s(2**63 - 1), u64s(2**64 - 1), u64s(3, 3), u64s(PAGES)]
     rig.send(
         s.attacker,
-        [message("expect", tag=t, pages=b, aux=-1, prefix=0) for t, b in zip(s.sender_tags, bodies, strict=True)],
+        [
+            message("expect", tag=t, pages=b, aux=-1, prefix=0, state=[])
+            for t, b in zip(s.sender_tags, bodies, strict=True)
+        ],
     )
     rig.sync(s.attacker, "bad pages", timeout=10)
     states = rig.victim.ok("state", tags=s.sender_tags)["states"]
     assert all(v[0] == "FAILED" and v[1] == "InvalidPages" for v in states.values()), states
     rig.check("bad pages")
+
+
+def test_expect_state_items_malformed_or_unregistered_fail_only_their_transfer(rig_factory: Callable[..., Rig]) -> None:
+    """The victim registers no state buffers: state items for a group it lacks, odd-sized or
+    non-bytes entries, and more groups than any endpoint may have each fail their transfer
+    with InvalidPages; empty entries are no state at all; the session goes on."""
+    rig = rig_factory("fake", private=False)
+    s = rig.session("atk", senders=6)
+    states = [[u64s(0)], [b"\x01\x02\x03"], [None], [b""] * 70, [u64s(2**63 - 1), u64s(1)], [b"", b""]]
+    rig.send(
+        s.attacker,
+        [
+            message("expect", tag=t, pages=u64s(1), aux=-1, prefix=0, state=st)
+            for t, st in zip(s.sender_tags, states, strict=True)
+        ],
+    )
+    rig.sync(s.attacker, "bad state items", timeout=10)
+    got = rig.victim.ok("state", tags=s.sender_tags)["states"]
+    *bad, empty = (got[t] for t in s.sender_tags)
+    assert all(v[:2] == ["FAILED", "InvalidPages"] for v in bad), got
+    assert empty[0] == "WAITING_FOR_INPUT", f"an announcement with empty state entries left its transfer {empty}"
+    rig.check("bad state items")
 
 
 @pytest.mark.parametrize("aux", [AUX, 2**62 - 1, 2**64 - 1])
@@ -1044,7 +1074,7 @@ def test_early_expect_with_a_bad_aux_does_not_hang_the_victims_sender(
     valid one, as for no announcement, and is not failed by the refused one."""
     rig = rig_factory("fake", private=False)
     s = rig.session("atk")
-    rig.send(s.attacker, [message("expect", tag="early", pages=u64s(1), aux=aux, prefix=0)])
+    rig.send(s.attacker, [message("expect", tag="early", pages=u64s(1), aux=aux, prefix=0, state=[])])
     rig.sync(s.attacker, "early expect")
     rig.victim.call("send", conn=s.index, transfers={"early": [[]]}, timeout=1)
     state = rig.victim.ok("state", tags=["early"])["states"]["early"]
@@ -1114,7 +1144,7 @@ def attempt_identity(
     reply = a.handshake(hello, 20)
     if reply["t"] == "welcome":
         index = rig.victim.accept_labelled(label)
-        rig.send(a, [message("expect", tag=label, pages=u64s(*target), aux=-1, prefix=0)])
+        rig.send(a, [message("expect", tag=label, pages=u64s(*target), aux=-1, prefix=0, state=[])])
         rig.sync(a, label)
         src = list(range(len(target)))
         rig.victim.call("send", conn=index, transfers={label: [src]}, timeout=5)
@@ -1222,7 +1252,7 @@ def test_a_live_donor_identity_is_refused_and_free_again_after_its_bye(rig_facto
     reply = second.handshake(s.donor.hello("second"), 10)
     assert reply["t"] == "refuse", f"a second live session with one identity was accepted: {reply}"
     assert re.search(r"another live connection \(first\) has this fake identity", reply["reason"]), reply
-    rig.send(s.attacker, [message("expect", tag="to-donor", pages=u64s(20, 21), aux=-1, prefix=0)])
+    rig.send(s.attacker, [message("expect", tag="to-donor", pages=u64s(20, 21), aux=-1, prefix=0, state=[])])
     rig.sync(s.attacker, "an expect on the first session")
     rig.victim.ok("send", conn=s.index, transfers={"to-donor": [[2, 3]]}, timeout=10)
     state = rig.victim.ok("wait", tags=["to-donor"], timeout=10)["states"]["to-donor"]
@@ -1402,10 +1432,17 @@ def test_early_announcements_are_bounded_in_bytes_not_only_in_count(rig_factory:
     answered with an abort."""
     rig = rig_factory("fake", private=False)
     s = rig.session("hoarder")
+    rig.victim.ok("trim")
     before = rig.victim.proc_status()["VmRSS"]
     body = b"\x00" * ((4 << 20) - 200)
-    rig.send(s.attacker, [message("expect", tag=f"never-{i}", pages=body, aux=-1, prefix=0) for i in range(24)])
+    rig.send(
+        s.attacker, [message("expect", tag=f"never-{i}", pages=body, aux=-1, prefix=0, state=[]) for i in range(24)]
+    )
     rig.sync(s.attacker, "24 large early expects", timeout=30)
+    held = rig.victim.ok("stats")["stats"]["early_expect_bytes"]
+    assert held <= 16 << 20, f"the victim's own count says it keeps {held} bytes of announcements nobody sends for"
+    # RSS after trimming: what is still live, not what zmq queued while the victim caught up.
+    rig.victim.ok("trim")
     grown = rig.victim.proc_status()["VmRSS"] - before
     assert grown < 32 << 10, f"the victim holds {grown >> 10} MiB more after 24 announcements nobody sends for"
     aborted = {

@@ -9,17 +9,25 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtransport.errors import InvalidPages
-from kvtransport.inbound import InboundGuard
+from kvtransport.inbound import Claim, InboundGuard
 from kvtransport.memory import HOST, Region, RegionSet
 
 ITEM, PAGES = 256, 32
 BASE_K, BASE_V, BASE_AUX = 1 << 20, 1 << 24, 1 << 28
+#: Two state groups: a window pool of two buffers (16 pages of 128 bytes), one slot pool (4 x 512).
+BASE_SWA_K, BASE_SWA_V, BASE_SLOTS = 1 << 30, 1 << 31, 1 << 32
 
 
 def _regions() -> RegionSet:
     return RegionSet(
         kv=(Region(BASE_K, ITEM * PAGES, HOST, ITEM), Region(BASE_V, ITEM * PAGES, HOST, ITEM)),
         aux=(Region(BASE_AUX, 64 * 8, HOST, 64),),
+        state=(
+            Region(BASE_SWA_K, 128 * 16, HOST, 128),
+            Region(BASE_SWA_V, 128 * 16, HOST, 128),
+            Region(BASE_SLOTS, 512 * 4, HOST, 512),
+        ),
+        state_groups=(2, 1),
     )
 
 
@@ -37,10 +45,10 @@ def test_check_agrees_with_a_page_by_page_model(
     live: set[int], revoked: set[int], pieces: list[tuple[int, int, int]]
 ) -> None:
     guard = InboundGuard(_regions())
-    guard.add(np.array(sorted(live), dtype=np.int64), -1)
+    guard.add(Claim(np.array(sorted(live), dtype=np.int64), -1))
     dead = sorted(revoked - live)
-    guard.add(np.array(dead, dtype=np.int64), -1)
-    guard.revoke(np.array(dead, dtype=np.int64), -1)
+    guard.add(Claim(np.array(dead, dtype=np.int64), -1))
+    guard.revoke(Claim(np.array(dead, dtype=np.int64), -1))
     dst = np.array([b + off for b, off, _ in pieces], dtype=np.uint64)
     length = np.array([n for _, _, n in pieces], dtype=np.uint64)
     outside = any(off + n > PAGES * ITEM for _, off, n in pieces)
@@ -69,18 +77,44 @@ def test_check_agrees_with_a_page_by_page_model(
 )
 def test_hostile_pieces_are_refused_without_overflow(dst: int, length: int) -> None:
     guard = InboundGuard(_regions())
-    guard.add(np.arange(PAGES, dtype=np.int64), 0)
+    guard.add(Claim(np.arange(PAGES, dtype=np.int64), 0))
     with pytest.raises(InvalidPages):
         guard.check(np.array([dst], dtype=np.uint64), np.array([length], dtype=np.uint64), "test")
 
 
 def test_aux_slots_are_guarded_like_pages() -> None:
     guard = InboundGuard(_regions())
-    guard.add(np.array([], dtype=np.int64), 3)
+    guard.add(Claim(np.array([], dtype=np.int64), 3))
     slot3 = np.array([BASE_AUX + 3 * 64], dtype=np.uint64)
     assert guard.check(slot3, np.array([64], dtype=np.uint64), "test")
     with pytest.raises(InvalidPages, match="aux slot"):
         guard.check(slot3 + np.uint64(64), np.array([64], dtype=np.uint64), "test")
-    guard.remove(np.array([], dtype=np.int64), 3)
+    guard.remove(Claim(np.array([], dtype=np.int64), 3))
     with pytest.raises(InvalidPages):
         guard.check(slot3, np.array([64], dtype=np.uint64), "test")
+
+
+def _one(addr: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.array([addr], dtype=np.uint64), np.array([length], dtype=np.uint64)
+
+
+def test_state_items_are_guarded_per_group() -> None:
+    """A transfer that announced window pages 2 and 3 and slot 1 may write exactly those, in
+    every buffer of their group; the same index in the other group is not announced."""
+    guard = InboundGuard(_regions())
+    claim = Claim(np.array([0], dtype=np.int64), -1, (np.array([2, 3], dtype=np.int64), np.array([1], dtype=np.int64)))
+    guard.add(claim)
+    assert guard.check(*_one(BASE_SWA_K + 2 * 128, 256), "test")
+    assert guard.check(*_one(BASE_SWA_V + 3 * 128, 128), "test")
+    assert guard.check(*_one(BASE_SLOTS + 512, 512), "test")
+    with pytest.raises(InvalidPages, match="state group 0"):
+        guard.check(*_one(BASE_SWA_V + 4 * 128, 128), "test")
+    with pytest.raises(InvalidPages, match="state group 1"):
+        guard.check(*_one(BASE_SLOTS + 2 * 512, 512), "test")
+    with pytest.raises(InvalidPages, match="outside the registered region"):
+        guard.check(*_one(BASE_SLOTS + 3 * 512, 1024), "test")
+    guard.revoke(claim)
+    assert guard.check(*_one(BASE_SLOTS + 512, 512), "test") is False  # late: dropped
+    guard.forget_revoked(claim)
+    with pytest.raises(InvalidPages):
+        guard.check(*_one(BASE_SLOTS + 512, 512), "test")

@@ -27,6 +27,7 @@ import zmq
 from kvtransport.auth import load_secret
 from kvtransport.endpoint import Connection, Endpoint, State, Timeouts
 from kvtransport.errors import AuthenticationFailed, ConfigError, KVTransportError, TransferAborted
+from kvtransport.hello import PROTOCOL_VERSION
 from kvtransport.testing.fake import FakeDriver
 from kvtransport.testing.kv import KVPool
 from tests.hostile_messages import (
@@ -199,10 +200,14 @@ def test_a_stranger_learns_a_nonce_and_authentication_failed_nothing_else() -> N
             mac = derive(master_key(OTHER), b"proof initiator", conn.encode(), nonce_i, obj["nonce"])
             sock.send(message("proof", conn=conn, nonce_i=nonce_i, nonce_a=obj["nonce"], mac=mac))
             hello = message("hello", conn="c", hello={}, regions={})
-            for frame in (hello, message("expect", tag="t", pages=b"\0" * 8, aux=-1, prefix=0), message("ping", seq=1)):
+            for frame in (
+                hello,
+                message("expect", tag="t", pages=b"\0" * 8, aux=-1, prefix=0, state=[]),
+                message("ping", seq=1),
+            ):
                 sock.send(frame)
             got = received(sock, 1)
-            refusal = {"v": 3, "t": "refuse", "reason": "authentication failed"}
+            refusal = {"v": PROTOCOL_VERSION, "t": "refuse", "reason": "authentication failed"}
             assert [msgpack.unpackb(f) for f in got] == [{**refusal, "conn": conn}, {**refusal, "conn": "c"}]
             assert prefill.stats()["sessions"] == 0 and prefill.stats()["pending_auth"] == 0
         finally:
@@ -348,7 +353,9 @@ def test_a_flood_of_strangers_keeps_no_state_and_locks_nobody_out(caplog: pytest
                 stop.set()
                 thread.join()
             assert all(c.alive for c in conns)
-            big = msgpack.packb({"v": 3, "t": "hello", "conn": "c", "hello": {"x": [[]] * (1 << 20)}, "regions": {}})
+            big = msgpack.packb(
+                {"v": PROTOCOL_VERSION, "t": "hello", "conn": "c", "hello": {"x": [[]] * (1 << 20)}, "regions": {}}
+            )
             with caplog.at_level(logging.DEBUG, logger="kvtransport"):
                 socks[0].send(big)
                 deadline = time.monotonic() + 5

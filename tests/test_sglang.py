@@ -21,6 +21,7 @@ from .conftest import require_engines
 sglang_conn = pytest.importorskip("sglang.srt.disaggregation.base.conn", reason="sglang==0.5.23 not installed")
 KVPoll = sglang_conn.KVPoll
 
+from kvtransport.errors import KVTransportError  # noqa: E402
 from kvtransport.integrations.sglang import (  # noqa: E402 - needs SGLang, checked just above
     KVTransferError,
     KVTransportKVManager,
@@ -460,4 +461,46 @@ def test_a_decode_managers_tables_are_bounded(monkeypatch: pytest.MonkeyPatch) -
         assert len(mgr._routes) <= 3 and len(mgr.prefill_info_table) <= 3
     finally:
         mgr.teardown()
+        pool.close()
+
+
+@pytest.mark.parametrize("unserved", ["dsa", "c128_state"])
+def test_a_pool_with_state_kvtransport_does_not_move_is_refused_at_start_up(unserved: str) -> None:
+    """SGLang builds KVArgs with one state group per state type (utils.py, append_state_component).
+    SWA and Mamba are served; any other type stops the manager with the reason, before an
+    endpoint exists, rather than failing every request of that model."""
+    state_type = sglang_conn.StateType
+    pool = KVPool(PAGES, LAYERS, ITEM, AUX, shared=False, state=((16, 256, 2), (8, 512, 1)))
+    try:
+        for types, error in (([state_type.SWA, state_type(unserved)], unserved), ([state_type.MAMBA], "groups")):
+            args = kv_args(pool, role="decode")
+            args.state_types = types
+            groups = pool.state_buffers
+            args.state_data_ptrs = [[b.ptr for b in g] for g in groups]
+            args.state_data_lens = [[b.size for b in g] for g in groups]
+            args.state_item_lens = [[item] * n for (_, item, n) in pool.state]
+            with pytest.raises(KVTransportError, match=error):
+                KVTransportKVManager(args, "decode", server_args(0))
+        args.state_types = [state_type.SWA, state_type.MAMBA]
+        mgr = KVTransportKVManager(args, "decode", server_args(0))
+        try:
+            assert mgr.endpoint.regions.state_groups == (2, 1)
+            assert mgr.endpoint.layout.state_types == ("swa", "mamba")
+            assert mgr.endpoint.layout.state_item_lens == ((256, 256), (512,))
+        finally:
+            mgr.teardown()
+    finally:
+        pool.close()
+
+
+def test_pipeline_parallelism_is_refused_at_start_up() -> None:
+    """PP > 1 would reach the backend as an AttributeError on the first poll
+    (poll_pp_consensus); it is refused when the manager starts, with the reason."""
+    pool = KVPool(PAGES, LAYERS, ITEM, AUX, shared=False)
+    try:
+        args = server_args(0)
+        args.pp_size = 2
+        with pytest.raises(KVTransportError, match=r"pipeline parallelism \(pp_size 2\)"):
+            KVTransportKVManager(kv_args(pool, role="decode"), "decode", args)
+    finally:
         pool.close()

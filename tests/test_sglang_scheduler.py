@@ -9,7 +9,11 @@ the tokenizer/detokenizer IPC and the CUDA-only pieces; see the worker's docstri
 
 Every byte of every request's KV (each layer's K and V, or MLA's latent) and its aux row is checked
 on the decode side against content both sides compute from the room, and both sides must hand
-every page, request row and metadata slot back.
+every page, request row and metadata slot back. Models with state buffers, built with SGLang's
+own pools: a hybrid sliding-window model (tiny gpt-oss: ``SWAKVPool``; the window SGLang's
+``_swa_payload`` names moves into decode's SWA tail pages) and a hybrid linear-attention model
+(tiny Qwen3-Next: ``HybridLinearKVPool`` over a ``MambaPool``; the request's mamba slot moves in
+every state tensor), each byte checked, and every SWA page and mamba slot handed back too.
 
 One cluster of processes per topology (TP 1, TP 2, DP attention 2) serves all the cases of that
 topology: a case reconfigures the instances (page size, MLA, driver, timeouts) without a new
@@ -62,6 +66,53 @@ TINY_LLAMA = {
     "rms_norm_eps": 1e-5,
     "torch_dtype": "float32",
 }
+#: Hybrid sliding-window attention (gpt-oss: every other layer slides; SGLang's window is
+#: ``sliding_window - 1`` tokens, GptOssForCausalLM.get_attention_sliding_window_size).
+TINY_GPT_OSS = {
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_hidden_layers": 4,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    "sliding_window": 49,
+    "num_local_experts": 2,
+    "num_experts_per_tok": 1,
+    "vocab_size": 256,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "torch_dtype": "float32",
+}
+#: Hybrid linear attention (Qwen3-Next: gated delta-net layers with mamba state, every second
+#: layer full attention).
+TINY_QWEN3_NEXT = {
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_hidden_layers": 4,
+    "full_attention_interval": 2,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "num_experts": 2,
+    "num_experts_per_tok": 1,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "vocab_size": 256,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "torch_dtype": "float32",
+}
+MODELS = {"llama": TINY_LLAMA, "swa": TINY_GPT_OSS, "mamba": TINY_QWEN3_NEXT}
 FAST = {"KVTRANSPORT_HEARTBEAT_INTERVAL": "0.2", "KVTRANSPORT_HEARTBEAT_TIMEOUT": "3"}  # 2-core CI: 4 busy ranks
 #: Timeouts for the abort cases: a failure that only the timers catch shows as a late one.
 ABORT_TIMEOUT_S = 12
@@ -162,6 +213,8 @@ class Outcome:
     longest_step_s: dict[str, float] = field(default_factory=dict)  # rank -> its slowest scheduler iteration
     #: decode rank -> (count, first few) of pages written that no delivered request was given
     stray_pages: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    #: decode rank -> state pool ("swa_pages", "mamba_slots") -> the same, for state pools
+    stray_state: dict[str, dict[str, tuple[int, list[int]]]] = field(default_factory=dict)
     wall_s: float = 0.0
     killed_at: float = 0.0  # when the prefill processes were killed (wall clock)
 
@@ -172,11 +225,15 @@ class Cluster:
     def __init__(self, tp: int, dp: int, dp_attention: bool, tmp: Path) -> None:
         self.tp, self.dp, self.dp_attention = tp, dp, dp_attention
         self.tmp = tmp
-        self.model = tmp / "tiny-llama"
-        self.model.mkdir(parents=True, exist_ok=True)
-        (self.model / "config.json").write_text(json.dumps(TINY_LLAMA))
+        self.models: dict[str, Path] = {}
+        for name, config in MODELS.items():
+            self.models[name] = tmp / f"tiny-{name}"
+            self.models[name].mkdir(parents=True, exist_ok=True)
+            (self.models[name] / "config.json").write_text(json.dumps(config))
+        self.model = self.models["llama"]
         self.ranks: list[Rank] = []
         self.config: dict[str, Any] | None = None
+        self.page_size = 16
         self.rooms = itertools.count(1_000 + random.randrange(10**6) * 100)
         self.seq = itertools.count()
         self.spawns = 0
@@ -213,12 +270,24 @@ class Cluster:
         return next(self.rooms)
 
     def configure(
-        self, *, page_size: int = 16, mla: bool = False, driver: str = DRIVER, pool_tokens: int = 16384, **env: str
+        self,
+        *,
+        page_size: int = 16,
+        mla: bool = False,
+        model: str = "llama",
+        driver: str = DRIVER,
+        pool_tokens: int = 16384,
+        registry_delay: float = 0,
+        **env: str,
     ) -> None:
+        """``model``: "llama" (MHA, or MLA with ``mla``), "swa" (hybrid sliding-window
+        attention) or "mamba" (hybrid linear attention)."""
         want = {
             "page_size": page_size,
             "mla": mla,
+            "model_path": str(self.models[model]),
             "pool_tokens": pool_tokens,
+            "registry_delay": registry_delay,
             "env": {"KVTRANSPORT_DRIVER": driver, **FAST, **env},
         }
         if any(r.proc.poll() is not None for r in self.ranks):
@@ -235,6 +304,7 @@ class Cluster:
             for r in self.ranks:
                 r.info = r.recv(deadline, seq)["info"]
         self.config = want
+        self.page_size = page_size
         self.bootstrap_port = cfg["bootstrap_port"]
 
     def run(self, requests: list[dict[str, Any]], timeout: float = 60, kill_prefill_after: float = 0) -> Outcome:
@@ -276,6 +346,7 @@ class Cluster:
                 out.longest_step_s[r.name] = answer["longest_step_s"]
                 if r.role == "decode":
                     out.stray_pages[r.name] = (answer["stray_page_count"], answer["stray_pages"])
+                    out.stray_state[r.name] = {k: tuple(v) for k, v in answer["stray_state"].items()}
         out.wall_s = time.monotonic() - t0
         if kill_prefill_after:
             self.stop()  # the next configure starts every rank afresh
@@ -347,6 +418,18 @@ def kv_bytes(tokens: int, decode_rank: Rank, mla: bool = False) -> int:
     return tokens * info["layers"] * per_token * info["element_size"]
 
 
+def state_bytes(tokens: int, decode_rank: Rank, page_size: int) -> int:
+    """Bytes of one request's state on one decode rank: the SWA window SGLang transfers (the
+    sliding-window layers' K and V of the last ``sliding_window_size`` tokens, from a page
+    boundary) and the request's mamba slot in every state tensor."""
+    info = decode_rank.info
+    window = 0
+    if info["swa_layers"]:
+        start = max(0, tokens - int(info["sliding_window_size"])) // page_size * page_size
+        window = (tokens - start) * int(info["swa_layers"]) * 2 * int(info["kv_heads"]) * 16 * int(info["element_size"])
+    return window + int(info["mamba_row_bytes"])
+
+
 def assert_all_delivered(
     cluster: Cluster,
     out: Outcome,
@@ -368,10 +451,16 @@ def assert_all_delivered(
             assert all(o["state"] == "success" for o in pre), show(rid, pre)
             assert all(o["state"] == "success" for o in dec), show(rid, dec)
             for o in dec:
-                want = kv_bytes(req["prompt_len"], next(r for r in cluster.decode if r.name == o["rank"]), mla)
+                decode_rank = next(r for r in cluster.decode if r.name == o["rank"])
+                want = kv_bytes(req["prompt_len"], decode_rank, mla)
                 assert o["tokens"] == req["prompt_len"] and o["kv_bytes"] == want, show(rid, o, want)
+                want = state_bytes(req["prompt_len"], decode_rank, cluster.page_size)
+                assert o["state_bytes"] == want, show(rid, o, want)
         for rank, (count, first) in out.stray_pages.items():
             assert count == 0, f"{rank}: {count} pages written outside every request's pages, e.g. {first}"
+        for rank, pools in out.stray_state.items():
+            for pool, (count, first) in pools.items():
+                assert count == 0, f"{rank}: {count} {pool} written outside every request's, e.g. {first}"
         assert_no_leaks(out)
 
 
@@ -380,8 +469,10 @@ def show(*items: Any) -> str:
 
 
 def assert_no_leaks(out: Outcome) -> None:
+    """Every KV page, request row and metadata slot (and SWA page, mamba slot) is back."""
     for rank, counts in out.leaks.items():
-        assert counts == {"kv_tokens": 0, "req_rows": 0, "metadata_slots": 0}, (rank, counts)
+        assert {"kv_tokens", "req_rows", "metadata_slots"} <= set(counts), (rank, counts)
+        assert not any(counts.values()), (rank, counts)
 
 
 def requests(cluster: Cluster, lengths: list[int], **extra: Any) -> list[dict[str, Any]]:
@@ -730,10 +821,134 @@ def test_decode_gets_failed_pages_back_promptly_with_tp2(tp2: Cluster) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# State buffers: hybrid SWA windows and mamba slots, built as SGLang builds them
+# ---------------------------------------------------------------------------------------------
+
+#: TINY_GPT_OSS's window as SGLang sets it (sliding_window - 1): three pages of 16.
+WINDOW = 48
+#: Shorter than the window, the window exactly, one token over, and far longer (only the last
+#: WINDOW tokens' pages, from a page boundary, move for the SWA layers).
+SWA_LENGTHS = [1, 20, 48, 49, 130]
+
+
+def state_requests(cluster: Cluster, lengths: list[int]) -> list[dict[str, Any]]:
+    """``lengths`` plus chunked requests (SWA slots slide out of the window between chunks; the
+    state goes with the last send), one whose last send carries no page, only the aux row and
+    the state."""
+    return [
+        *requests(cluster, lengths),
+        chunked(cluster, 200, [70, 140, 200]),
+        chunked(cluster, 64, [40, 64]),
+        chunked(cluster, 96, [32, 96], zero_page_last=True),
+    ]
+
+
+@pytest.mark.parametrize("driver", ["nixl-ucx", "mooncake-gdr", "mooncake-staged"])
+def test_swa_window_arrives_byte_for_byte(tp1: Cluster, driver: str) -> None:
+    """A hybrid sliding-window model (SWAKVPool, SWATokenToKVPoolAllocator): the full-attention
+    layers' KV of every token, and of the sliding-window layers only the window SGLang's
+    _swa_payload names, into the SWA pages decode's tail allocation gave; SWA pages no request
+    was given stay zero, and every SWA page goes back on both sides."""
+    tp1.configure(model="swa", driver=driver)
+    with tp1.explain():
+        for r in tp1.ranks:
+            assert r.info["state_types"] == ["SWA"] and r.info["sliding_window_size"] == WINDOW, show(r.info)
+            assert (r.info["kv_pool"], r.info["allocator"]) == ("SWAKVPool", "SWATokenToKVPoolAllocator"), show(r.info)
+    reqs = state_requests(tp1, SWA_LENGTHS)
+    out = tp1.run(reqs)
+    assert_all_delivered(tp1, out, reqs)
+
+
+@pytest.mark.parametrize("driver", ["nixl-ucx", "mooncake-gdr"])
+def test_mamba_state_arrives_byte_for_byte(tp1: Cluster, driver: str) -> None:
+    """A hybrid linear-attention model (HybridLinearKVPool over the request pool's MambaPool;
+    HybridReqToTokenPool on prefill, HybridMambaDecodeReqToTokenPool on decode), many requests at
+    once: each request's mamba slot, every conv and temporal state tensor of every mamba layer,
+    lands in the slot decode gave it (_mamba_payload on both sides), as the state after the whole
+    prompt; no other slot is written; every slot goes back on both sides."""
+    tp1.configure(model="mamba", driver=driver)
+    with tp1.explain():
+        assert [(r.info["state_types"], r.info["req_pool"]) for r in tp1.ranks] == [
+            (["MAMBA"], "HybridReqToTokenPool"),
+            (["MAMBA"], "HybridMambaDecodeReqToTokenPool"),
+        ], show([r.info for r in tp1.ranks])
+    rng = random.Random(12)
+    reqs = state_requests(tp1, [1, 16, 17, *(rng.randint(2, 300) for _ in range(13))])
+    out = tp1.run(reqs)
+    assert_all_delivered(tp1, out, reqs)
+
+
+@pytest.mark.parametrize("model", ["swa", "mamba"])
+def test_tp2_state_each_rank_gets_its_own(tp2: Cluster, model: str) -> None:
+    """TP 2 on both sides: each decode rank's SWA window holds its own KV heads, its mamba slot
+    its own share of the state (content is a function of the attention-TP rank)."""
+    tp2.configure(model=model)
+    reqs = state_requests(tp2, [20, 130])
+    out = tp2.run(reqs)
+    assert_all_delivered(tp2, out, reqs)
+
+
+@pytest.mark.parametrize(
+    ("model", "where"),
+    [pytest.param("swa", "SWA layer 2 V", id="swa"), pytest.param("mamba", "mamba temporal of layer 2", id="mamba")],
+)
+def test_the_state_checks_catch_corrupt_state_and_a_stray_write(tp1: Cluster, model: str, where: str) -> None:
+    """The controls for the state checks: a prefill forward that writes another room's content
+    into one state buffer (an SWA layer's V in the window; one mamba tensor of the slot) makes
+    decode's check fail; data in an SWA page or mamba slot no request was given counts as a stray
+    write."""
+    tp1.configure(model=model)
+    good, bad = requests(tp1, [130], stray_write="state"), requests(tp1, [130], prefill_corrupt="state")
+    out = tp1.run(good + bad)
+    pool = "swa_pages" if model == "swa" else "mamba_slots"
+    with tp1.explain():
+        assert out.decode[good[0]["rid"]][0]["state"] == "success", show(out.decode)
+        (d,) = out.decode[bad[0]["rid"]]
+        assert d["state"] == "corrupt" and where in d["error"], show(d)
+        assert out.stray_state["decode0"] == {pool: (1, [0])}, show(out.stray_state)
+        assert out.stray_pages["decode0"] == (0, []), show(out.stray_pages)
+
+
+@pytest.mark.parametrize("model", ["swa", "mamba"])
+def test_aborts_with_state_give_every_slot_back(tp1: Cluster, model: str) -> None:
+    """Aborts from both sides among requests with state that go through: decode's in its transfer
+    queue, prefill's of a bootstrapped request, and prefill's of a chunked request that holds
+    KV, SWA pages or a mamba slot, and already sent a chunk (Scheduler.process_pending_chunked_abort).
+    The aborted ones fail on both sides, promptly; the others arrive byte for byte; every SWA
+    page and mamba slot (the aborted requests' too) is back on both sides."""
+    tp1.configure(model=model, **ABORT_ENV)
+    reqs = [*requests(tp1, [20, 60, 130, 90]), chunked(tp1, 200, [70, 140, 200], prefill_abort="chunking")]
+    reqs[1].update(ABORTS["decode-transfer-queue"])
+    reqs[2].update(ABORTS["prefill-waiting-queue"])
+    out = tp1.run(reqs, timeout=ABORT_TIMEOUT_S + 15)
+    with tp1.explain():
+        assert out.wall_s < ABORT_TIMEOUT_S, f"the run waited for a timer: {out.wall_s:.1f} s"
+        assert {k for c in out.leaks.values() for k in c} >= {"swa_tokens" if model == "swa" else "mamba_slots"}
+        (p,) = out.prefill[reqs[4]["rid"]]
+        assert p["state"] == "failed" and "abort" in p and "bootstrapped" in p, show(p)
+    _failed_promptly(tp1, out.decode[reqs[4]["rid"]], p["abort"])
+    _pages_back_promptly(tp1, out.decode[reqs[4]["rid"]])
+    assert_all_delivered(tp1, out, reqs, failed=frozenset(reqs[i]["rid"] for i in (1, 2, 4)))
+
+
+# ---------------------------------------------------------------------------------------------
 # SGLang's timeouts
 # ---------------------------------------------------------------------------------------------
 
 SHORT_S = 3
+
+
+def test_ranks_that_start_before_the_bootstrap_server_serve_once_it_is_up(tp1: Cluster) -> None:
+    """SGLang starts its bootstrap server in the TokenizerManager, beside the schedulers: here it
+    comes up 8 s after every rank started, later than the prefill manager waits for it (5 s).
+    The prefill rank goes on registering in the background, decode's requests wait in SGLang's
+    pending list (try_ensure_parallel_info answers False, never blocks), and all of them arrive
+    once the server is up."""
+    tp1.configure(registry_delay=8.0)
+    reqs = requests(tp1, [40, 48, 56, 64])
+    out = tp1.run(reqs, timeout=40)
+    assert_all_delivered(tp1, out, reqs)
+    assert out.wall_s >= 1.5, f"the run took {out.wall_s:.1f} s: the requests cannot have waited for the registry"
 
 
 def test_sglang_waiting_timeout_fails_both_sides(tp1: Cluster) -> None:

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtransport.errors import MessageTooLarge, ProtocolError, VersionMismatch
+from kvtransport.hello import PROTOCOL_VERSION
 from kvtransport.wire import MAX_INT, SCHEMAS, Field, Int, Text, decode, encode
 
 
@@ -16,7 +17,7 @@ def _sample(spec: Field) -> object:
         return 7
     if isinstance(spec, Text):
         return "x"
-    return {dict: {"a": 1}, bytes: b"\x00\x01"}[spec]  # type: ignore[index]
+    return {dict: {"a": 1}, bytes: b"\x00\x01", list: [b"\x01" * 8]}[spec]  # type: ignore[index]
 
 
 def _conforms(spec: Field, value: object) -> bool:
@@ -38,12 +39,16 @@ def test_round_trip_of_every_type() -> None:
 def test_integers_outside_their_range_are_refused_at_decode(value: int) -> None:
     """An aux of 2**64-1 once reached numpy and raised OverflowError on the I/O thread."""
     with pytest.raises(ProtocolError, match="outside"):
-        decode(msgpack.packb({"v": 3, "t": "expect", "tag": "t", "pages": b"", "aux": value, "prefix": 0}))
+        decode(
+            msgpack.packb(
+                {"v": PROTOCOL_VERSION, "t": "expect", "tag": "t", "pages": b"", "aux": value, "prefix": 0, "state": []}
+            )
+        )
 
 
 def test_strings_longer_than_their_field_are_refused() -> None:
     with pytest.raises(ProtocolError, match="at most 256"):
-        decode(msgpack.packb({"v": 3, "t": "abort", "tag": "x" * 257, "reason": "r"}))
+        decode(msgpack.packb({"v": PROTOCOL_VERSION, "t": "abort", "tag": "x" * 257, "reason": "r"}))
     # encode cuts a long reason instead of failing to report the failure
     assert len(decode(encode("abort", tag="t", reason="y" * 10_000))["reason"]) <= 4096
 
@@ -59,12 +64,12 @@ def test_encode_refuses_wrong_fields() -> None:
     ("obj", "error", "words"),
     [
         ({"v": 1, "t": "ping", "seq": 1}, VersionMismatch, "version 1"),
-        ({"v": 3, "t": "launch", "seq": 1}, ProtocolError, "unknown message type"),
-        ({"v": 3, "t": "ping"}, ProtocolError, "do not match"),
-        ({"v": 3, "t": "ping", "seq": "1"}, ProtocolError, "ping.seq must be an integer"),
-        ({"v": 3, "t": "ping", "seq": True}, ProtocolError, "ping.seq must be an integer"),
-        ({"v": 3, "t": "ping", "seq": MAX_INT + 1}, ProtocolError, "outside"),
-        ({"v": 3, "t": "ping", "seq": 1, "extra": 0}, ProtocolError, "do not match"),
+        ({"v": PROTOCOL_VERSION, "t": "launch", "seq": 1}, ProtocolError, "unknown message type"),
+        ({"v": PROTOCOL_VERSION, "t": "ping"}, ProtocolError, "do not match"),
+        ({"v": PROTOCOL_VERSION, "t": "ping", "seq": "1"}, ProtocolError, "ping.seq must be an integer"),
+        ({"v": PROTOCOL_VERSION, "t": "ping", "seq": True}, ProtocolError, "ping.seq must be an integer"),
+        ({"v": PROTOCOL_VERSION, "t": "ping", "seq": MAX_INT + 1}, ProtocolError, "outside"),
+        ({"v": PROTOCOL_VERSION, "t": "ping", "seq": 1, "extra": 0}, ProtocolError, "do not match"),
         ([1, 2, 3], ProtocolError, "must be a map"),
     ],
 )

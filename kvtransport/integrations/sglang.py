@@ -9,13 +9,15 @@ What SGLang's scheduler expects of them, call by call: docs/sglang-contract.md.
 How the pieces map:
 
 - one :class:`KVTransportKVManager` per rank opens one :class:`~kvtransport.endpoint.Endpoint`
-  over the rank's ``KVArgs`` (one item = one page of one buffer; aux slots; state buffers);
+  over the rank's ``KVArgs`` (one item = one page of one buffer; aux slots; one state group
+  per ``state_types`` entry: the SWA window pool, the Mamba slots);
 - prefill ranks register their endpoint address with the :class:`KVTransportKVBootstrapServer`
   of their instance; a decode rank's receiver looks its prefill peer up there (same TP rank and
   the prefill DP rank it was given), connects once per peer and reuses the connection;
 - a request's bootstrap room is the transfer tag: the decode receiver announces the pages
   (``send_metadata``), the prefill sender finds the connection that announced its room and
-  writes each chunk as the scheduler hands it over, the aux slot with the last chunk;
+  writes each chunk as the scheduler hands it over, the aux slot and the state items (SWA
+  window pages, the Mamba slot) with the last chunk;
 - ``poll`` returns kvtransport's state, whose values are SGLang's ``KVPoll``; on failure
   ``failure_exception`` raises :class:`KVTransferError` with the typed reason (peer lost,
   abort, timeout, layout mismatch).
@@ -52,6 +54,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a process without 
     ) from exc
 
 from ..auth import RateLimitedLog
+from ..bounded import put_newest
 from ..config import env_number
 from ..endpoint import Connection, Endpoint, State, Timeouts, Transfer
 from ..errors import (
@@ -98,10 +101,7 @@ def _put(
 ) -> None:
     """``table[key] = value`` as the newest entry; the oldest beyond ``limit`` (default
     ``MAX_PREFILL_PEERS``) go (``drop`` is called on what goes, e.g. to close a connection)."""
-    table.pop(key, None)
-    table[key] = value
-    while len(table) > (MAX_PREFILL_PEERS if limit is None else limit):
-        _, old = table.popitem(last=False)
+    for _, old in put_newest(table, key, value, MAX_PREFILL_PEERS if limit is None else limit):
         if drop is not None:
             drop(old)
 
@@ -169,12 +169,52 @@ def kv_memory(args: KVArgs, server_args: Any) -> MemoryKind:
     return MemoryKind(int(args.gpu_id)) if is_device_pointer(int(args.kv_data_ptrs[0])) else HOST
 
 
+#: State types (SGLang's ``StateType`` values) moved by kvtransport: each is a set of buffers
+#: addressed by one index list that prefill and decode pair one to one (the SWA sub-pool's
+#: window pages; a request's Mamba slot in every state tensor), between equal attention TP.
+#: Pools with any other state type are refused when the manager starts (state_types_of).
+SERVED_STATE_TYPES = ("swa", "mamba")
+
+
+def state_types_of(args: KVArgs) -> tuple[str, ...]:
+    """The rank's state groups by SGLang type name; :class:`KVTransportError` at start-up for a
+    pool kvtransport cannot serve (rather than failing every request of that model)."""
+    types = tuple(str(getattr(t, "value", t)) for t in (getattr(args, "state_types", None) or []))
+    groups = list(getattr(args, "state_data_ptrs", None) or [])
+    unserved = sorted({t for t in types if t not in SERVED_STATE_TYPES})
+    if unserved:
+        raise KVTransportError(
+            f"this model's KV pool has state buffers of type {', '.join(unserved)}, which kvtransport does not "
+            f"transfer (it serves {', '.join(SERVED_STATE_TYPES)}); run it with another "
+            "--disaggregation-transfer-backend (mooncake serves it)"
+        )
+    if len(groups) != len(types):
+        raise KVTransportError(f"KVArgs lists {len(types)} state types but {len(groups)} groups of state buffers")
+    empty = [t for t, g in zip(types, groups, strict=True) if not g]
+    if empty:
+        raise KVTransportError(f"KVArgs has no buffers for state type {empty[0]}")
+    return types
+
+
+def unserved_parallelism(topology: RankTopology) -> str:
+    """What of this rank's parallel layout the backend cannot serve ('' when it serves all)."""
+    parts = []
+    if topology.pp_size > 1:
+        parts.append(f"pipeline parallelism (pp_size {topology.pp_size})")
+    if topology.attn_cp_size > 1:
+        parts.append(f"attention context parallelism (attn_cp_size {topology.attn_cp_size})")
+    return " and ".join(parts)
+
+
 def regions_of(args: KVArgs, kind: MemoryKind) -> RegionSet:
-    """``KVArgs`` as regions: KV (one item = one page), aux slots (host), state buffers."""
+    """``KVArgs`` as regions: KV (one item = one page), aux slots (host), and one state group
+    per state type (its buffers, one item = one window page or one slot)."""
 
     def flat(name: str) -> list[int]:
         value = getattr(args, name, None) or []
         return [int(x) for group in value for x in (group if isinstance(group, list | tuple) else [group])]
+
+    groups = [len(g) for g in getattr(args, "state_data_ptrs", None) or []]
 
     return RegionSet.from_kv_args(
         [int(p) for p in args.kv_data_ptrs],
@@ -187,6 +227,7 @@ def regions_of(args: KVArgs, kind: MemoryKind) -> RegionSet:
         state_data_ptrs=flat("state_data_ptrs"),
         state_data_lens=flat("state_data_lens"),
         state_item_lens=flat("state_item_lens"),
+        state_groups=groups,
     )
 
 
@@ -212,10 +253,20 @@ class KVTransportKVManager(BaseKVManager):
         #: Where this rank stands in SGLang's resolved configuration (attention-TP and DP ranks,
         #: DP routing, bootstrap and listen hosts): see docs/sglang-contract.md section 7.
         self.topology: RankTopology = rank_topology(args, server_args)
+        unserved = unserved_parallelism(self.topology)
+        if unserved:
+            # Refused here, when the scheduler starts, with the reason: at request time each
+            # would be an AttributeError (PP's poll_pp_consensus) or requests nobody announces
+            # to (CP ranks other than 0).
+            raise KVTransportError(
+                f"kvtransport's SGLang backend does not serve {unserved} yet; run this deployment with another "
+                "--disaggregation-transfer-backend (mooncake serves it)"
+            )
         self.tp_rank, self.tp_size = self.topology.attn_tp_rank, self.topology.attn_tp_size
         self.dp_rank = self.topology.dp_rank
         self.bootstrap_host, self.bootstrap_port = self.topology.bootstrap_host, self.topology.bootstrap_port
         host = self.topology.listen_host
+        state_types = state_types_of(args)
         memory = kv_memory(args, server_args)
         regions = regions_of(args, memory)
         layout = KVLayout(
@@ -229,6 +280,8 @@ class KVTransportKVManager(BaseKVManager):
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
             aux_item_lens=tuple(int(n) for n in getattr(args, "aux_item_lens", [])),
+            state_types=state_types,
+            state_item_lens=regions.state_item_lens,
         )
         self.timeouts = sglang_timeouts()
         self.enable_deferred_decode_kv_release = _env_flag("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE", True)
@@ -551,7 +604,7 @@ class KVTransportKVSender(BaseKVSender):
         self.num_kv_indices: int | None = None
         self.aux_index: int | None = None
         self.sent = 0
-        self._queued: list[tuple[np.ndarray[Any, Any], bool, int | None]] = []
+        self._queued: list[tuple[np.ndarray[Any, Any], bool, int | None, list[Any] | None]] = []
         self._created = time.monotonic()
         #: Set by SGLang's prefill (prefill.py, maybe_send_cached_prefix_chunk) under overlap
         #: scheduling: a CUDA event the previous forward records while it may still be writing
@@ -660,20 +713,15 @@ class KVTransportKVSender(BaseKVSender):
         if self.transfer is None or self.transfer.state is State.BOOTSTRAPPING or not self._prefix_written():
             return
         while self._queued and self.failure.error is None:
-            pages, last, aux = self._queued.pop(0)
+            pages, last, aux, state = self._queued.pop(0)
             try:
-                self.transfer.send(pages, last=last, aux=aux)
+                self.transfer.send(pages, last=last, aux=aux, state=state)
             except KVTransportError as exc:
                 self.failure.set(exc)
                 self.transfer.abort(f"prefill could not send: {exc}")
 
     def send(self, kv_indices: Any, state_indices: list[Any] | None = None, num_kv_tokens: int | None = None) -> None:
         if self.failure.error is not None:
-            return
-        if state_indices and any(s is not None and len(s) for s in state_indices):
-            self.failure.set(KVTransportError("state buffers (mamba, SWA, ...) are not transferred by kvtransport yet"))
-            if self.transfer is not None:
-                self.transfer.abort("prefill cannot send state buffers")
             return
         pages = np.asarray(kv_indices, dtype=np.int64)
         if self.num_kv_indices is None:
@@ -682,7 +730,7 @@ class KVTransportKVSender(BaseKVSender):
         # SGLang passes a state list (empty for a model without state buffers) with the last
         # segment of the last chunk only (prefill.py, _send_kv_chunk), and writes the aux row
         # just before that send: the aux row goes with it, even when earlier chunks already
-        # carried every page.
+        # carried every page. The state items (one list per state type) go with it too.
         last = state_indices is not None
         total = self.sent + int(pages.size)
         if total > self.num_kv_indices or (last and total != self.num_kv_indices):
@@ -700,7 +748,7 @@ class KVTransportKVSender(BaseKVSender):
         if event is not None:
             self._waiting_on = event  # holds this chunk and every later one (they stay in order)
         self.sent = total
-        self._queued.append((pages, last, self.aux_index if last else None))
+        self._queued.append((pages, last, self.aux_index if last else None, state_indices if last else None))
         self._bind()
         self._flush()
 
@@ -802,19 +850,18 @@ class KVTransportKVReceiver(BaseKVReceiver):
         if self.conn is None:
             self.failure.set(ConnectError(f"send_metadata() on room {self.room} before a successful init()"))
             return
-        unsupported = ""
-        if state_indices and any(s is not None and len(s) for s in state_indices):
-            unsupported = "state buffers (mamba, SWA, ...)"
-        elif destination is not None and str(getattr(destination, "value", destination)) == "host":
-            unsupported = "host KV destinations"
-        if unsupported:
-            self.failure.set(KVTransportError(f"kvtransport's SGLang backend does not support {unsupported} yet"))
+        if destination is not None and str(getattr(destination, "value", destination)) == "host":
+            self.failure.set(KVTransportError("kvtransport's SGLang backend does not support host KV destinations yet"))
             return
         try:
             # With decode's radix cache the pages are those after the cached prefix; prefill
             # learns its length with the announcement and sends only what follows it.
             self.transfer = self.conn.expect(
-                self.tag, np.asarray(kv_indices, dtype=np.int64), aux=aux_index, prefix=int(decode_prefix_len or 0)
+                self.tag,
+                np.asarray(kv_indices, dtype=np.int64),
+                aux=aux_index,
+                prefix=int(decode_prefix_len or 0),
+                state=state_indices,
             )
         except KVTransportError as exc:
             self.failure.set(exc)

@@ -42,6 +42,7 @@ __all__ = [
     "test_write_and_verify_bytes",
     "test_many_pages_coalesced_and_scattered",
     "test_chunked_send_with_aux",
+    "test_state_items_go_with_the_last_chunk",
     "test_concurrent_transfers",
     "test_bad_pages_submit_nothing",
     "test_abort_from_receiver_reaches_sender",
@@ -56,6 +57,9 @@ __all__ = [
 ]
 
 PAGES, LAYERS, ITEM, AUX = 512, 4, 4096, 8
+#: State groups of both sides: a window pool (64 pages of 2 KiB in 2 buffers, like SGLang's SWA
+#: sub-pool) and a slot pool (16 slots of 1.5 KiB in 3 buffers, like its Mamba state tensors).
+STATE = ((64, 2048, 2), (16, 1536, 3))
 
 
 @dataclass
@@ -92,7 +96,7 @@ def pair(conformance_driver: DriverUnderTest) -> Iterator[Pair]:
         where = "host memory" if device is None else "device memory"
         pytest.skip(f"{conformance_driver.name} does not declare {where}")
     # The fake driver maps the peer's buffers, so host KV lives in /dev/shm.
-    pool = KVPool(PAGES, LAYERS, ITEM, AUX, device=device)
+    pool = KVPool(PAGES, LAYERS, ITEM, AUX, device=device, state=STATE)
     pool.fill(seed=1234)
     local = Endpoint(
         pool.regions,
@@ -113,6 +117,8 @@ def pair(conformance_driver: DriverUnderTest) -> Iterator[Pair]:
         str(ITEM),
         "--aux-slots",
         str(AUX),
+        "--state",
+        json.dumps(STATE),
         "--name",
         "decode",
         "--options",
@@ -176,6 +182,38 @@ def test_chunked_send_with_aux(pair: Pair) -> None:
     assert pair.peer.call("wait", tags=["aux"])["states"]["aux"][0] == "SUCCESS"
     assert pair.peer.call("digests", pages=list(range(20, 60)))["digests"] == pair.pool.page_digests(list(range(40)))
     assert pair.peer.call("aux_digest", slot=5)["digest"] == pair.pool.aux_digest(2)
+
+
+def test_state_items_go_with_the_last_chunk(pair: Pair) -> None:
+    """The last chunk carries each state group's items to the items the receiver announced,
+    in every buffer of the group; nothing else of the state pools changes, and a count that
+    does not match the announcement is refused before anything is submitted."""
+    windows, slots = list(range(STATE[0][0])), list(range(STATE[1][0]))
+    pools = (windows, slots)
+    before = [pair.peer.call("state_digests", group=g, items=items)["digests"] for g, items in enumerate(pools)]
+    dst_state = [[5, 9, 10, 11], [7]]
+    pair.peer.call("expect", transfers={"st": list(range(30, 40))}, aux={"st": 1}, state={"st": dst_state})
+    t = pair.conn.sender("st")
+    while t.state is State.BOOTSTRAPPING:
+        time.sleep(0.001)
+    t.send(list(range(0, 6)), last=False)
+    for wrong in ([[1, 2, 3], [12]], [[1, 2, 3, 4]], [[1, 2, 3, 4], [12], [0]], [[1, 2, 3, STATE[0][0]], [12]]):
+        with pytest.raises(InvalidPages):
+            t.send(list(range(6, 10)), last=True, aux=3, state=wrong)
+    with pytest.raises(InvalidPages, match="last chunk"):
+        t.send([6], last=False, state=[[1], [2]])
+    t.send(list(range(6, 10)), last=True, aux=3, state=[[1, 2, 3, 4], [12]])
+    assert t.wait(30) is State.SUCCESS
+    assert pair.peer.call("wait", tags=["st"])["states"]["st"][0] == "SUCCESS"
+    assert pair.peer.call("digests", pages=list(range(30, 40)))["digests"] == pair.pool.page_digests(list(range(10)))
+    assert pair.peer.call("aux_digest", slot=1)["digest"] == pair.pool.aux_digest(3)
+    src_state = [[1, 2, 3, 4], [12]]
+    for g, items in enumerate(pools):
+        after = pair.peer.call("state_digests", group=g, items=items)["digests"]
+        want = list(before[g])
+        for d, digest in zip(dst_state[g], pair.pool.state_digests(g, src_state[g]), strict=True):
+            want[d] = digest
+        assert after == want, f"state group {g}: items changed that the transfer does not own, or wrong bytes"
 
 
 def test_concurrent_transfers(pair: Pair) -> None:

@@ -1,7 +1,9 @@
 """A small KV pool with random contents and per-page digests, so two processes can check that
 every byte arrived where it should. KV in host memory (shared in ``/dev/shm`` for the fake
 driver, or private), or in device memory on a CUDA host (``device=N``, through the CUDA driver
-API); aux slots always in host memory, as SGLang keeps them."""
+API); aux slots always in host memory, as SGLang keeps them. Optional state groups (``state``:
+per group its item count, item size and number of buffers, like an SWA window pool or a Mamba
+slot pool) live beside the KV, in the same memory."""
 
 from __future__ import annotations
 
@@ -49,6 +51,8 @@ class KVPool:
     shared: bool = True
     #: CUDA device for the KV buffers (``None``: host memory).
     device: int | None = None
+    #: State groups: ``(items, item_len, buffers)`` each.
+    state: tuple[tuple[int, int, int], ...] = ()
     _cuda: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -62,6 +66,11 @@ class KVPool:
             self._cuda = CudaDriver(self.device)
             self.buffers = [DeviceBuffer(self._cuda, size) for _ in range(self.num_layers)]
         self.aux = [allocate(self.aux_slots * self.aux_item_len)] if self.aux_slots else []
+        self.state_buffers: list[list[Any]] = [
+            [self._buffer(allocate, items * item_len) for _ in range(buffers)]
+            for items, item_len, buffers in self.state
+        ]
+        flat = [b for group in self.state_buffers for b in group]
         kind = MemoryKind(self.device)
         self.regions = RegionSet.from_kv_args(
             [b.ptr for b in self.buffers],
@@ -71,6 +80,10 @@ class KVPool:
             aux_data_ptrs=[b.ptr for b in self.aux],
             aux_data_lens=[b.size for b in self.aux],
             aux_item_lens=[self.aux_item_len] * len(self.aux),
+            state_data_ptrs=[b.ptr for b in flat],
+            state_data_lens=[b.size for b in flat],
+            state_item_lens=[item_len for _, item_len, buffers in self.state for _ in range(buffers)],
+            state_groups=[buffers for _, _, buffers in self.state],
         )
         self.layout = KVLayout(
             page_size=16,
@@ -79,12 +92,20 @@ class KVPool:
             kv_item_lens=(self.item_len,) * self.num_layers,
             aux_item_lens=(self.aux_item_len,) * len(self.aux),
             memory=kind,
+            state_types=tuple(f"group{g}" for g in range(len(self.state))),
+            state_item_lens=self.regions.state_item_lens,
         )
+
+    def _buffer(self, allocate: Any, size: int) -> Any:
+        return allocate(size) if self.device is None else DeviceBuffer(self._cuda, size)
+
+    def _all_buffers(self) -> list[Any]:
+        return self.buffers + self.aux + [b for group in self.state_buffers for b in group]
 
     def fill(self, seed: int) -> None:
         """Random bytes everywhere (eight at a time: filling a GiB takes about 2 s)."""
         rng = np.random.default_rng(seed)
-        for b in self.buffers + self.aux:
+        for b in self._all_buffers():
             data = _random_bytes(rng, b.size)
             if isinstance(b, DeviceBuffer):
                 b.write(0, data)
@@ -120,8 +141,23 @@ class KVPool:
         a = self.aux[0].array
         return zlib.crc32(a[slot * self.aux_item_len : (slot + 1) * self.aux_item_len].tobytes())
 
+    def state_digests(self, group: int, items: list[int]) -> list[int]:
+        """crc32 of each item of state group ``group`` across its buffers (order matters)."""
+        item_len = self.state[group][1]
+        out = []
+        for i in items:
+            crc = 0
+            for b in self.state_buffers[group]:
+                start = i * item_len
+                if isinstance(b, DeviceBuffer):
+                    crc = zlib.crc32(b.read(start, item_len), crc)
+                else:
+                    crc = zlib.crc32(b.array[start : start + item_len].tobytes(), crc)
+            out.append(crc)
+        return out
+
     def close(self) -> None:
-        for b in self.buffers + self.aux:
+        for b in self._all_buffers():
             b.close()
         if self._cuda is not None:
             self._cuda.release()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import ctypes
 import json
 import sys
 import time
@@ -51,8 +52,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default="peer")
     p.add_argument("--private", action="store_true", help="private memory instead of /dev/shm (real engines)")
     p.add_argument("--device", type=int, default=None, help="KV in device memory of this CUDA device")
+    p.add_argument("--state", default="[]", help="state groups, JSON [[items, item_len, buffers], ...]")
     args = p.parse_args(argv)
-    pool = KVPool(args.pages, args.layers, args.item, args.aux_slots, shared=not args.private, device=args.device)
+    pool = KVPool(
+        args.pages,
+        args.layers,
+        args.item,
+        args.aux_slots,
+        shared=not args.private,
+        device=args.device,
+        state=tuple(tuple(g) for g in json.loads(args.state)),
+    )
     if args.seed:
         pool.fill(args.seed)
     endpoint = Endpoint(
@@ -128,7 +138,9 @@ def _run(cmd: dict[str, Any], session: _Session) -> dict[str, Any]:
     if op == "expect":
         assert conn is not None
         for tag, pages in cmd["transfers"].items():
-            transfers[tag] = conn.expect(tag, pages, aux=cmd.get("aux", {}).get(tag))
+            transfers[tag] = conn.expect(
+                tag, pages, aux=cmd.get("aux", {}).get(tag), state=cmd.get("state", {}).get(tag)
+            )
         return {"ok": True}
     if op == "send":
         assert conn is not None
@@ -141,7 +153,8 @@ def _run(cmd: dict[str, Any], session: _Session) -> dict[str, Any]:
                 time.sleep(0.001)
             for i, chunk in enumerate(chunks):
                 last = i == len(chunks) - 1
-                t.send(chunk, last=last, aux=cmd.get("aux", {}).get(tag) if last else None)
+                extra = {"aux": cmd.get("aux", {}).get(tag), "state": cmd.get("state", {}).get(tag)} if last else {}
+                t.send(chunk, last=last, **extra)
         return {"ok": True}
     if op == "wait":
         deadline = time.monotonic() + cmd.get("timeout", 10)
@@ -160,12 +173,22 @@ def _run(cmd: dict[str, Any], session: _Session) -> dict[str, Any]:
         return {"digests": pool.page_digests(cmd["pages"])}
     if op == "aux_digest":
         return {"digest": pool.aux_digest(cmd["slot"])}
+    if op == "state_digests":
+        return {"digests": pool.state_digests(cmd["group"], cmd["items"])}
     if op == "abort":
         transfers[cmd["tag"]].abort(cmd.get("reason", "aborted by the peer script"))
         return {"ok": True}
     if op == "forget":
         for tag in cmd["tags"]:
             transfers.pop(tag, None)
+        return {"ok": True}
+    if op == "trim":
+        # Hand the allocator's free pages back to the OS, so RSS shows what is live rather than
+        # what zmq and msgpack buffered for a moment (glibc only; elsewhere a no-op).
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except OSError:
+            pass
         return {"ok": True}
     if op == "stats":
         return {"stats": ep.stats(), "process": process_resources()}
