@@ -317,6 +317,8 @@ class KVLayout:
     head_dim: int = 0
     tp_rank: int = 0
     tp_size: int = 1
+    #: The model's KV heads over all TP ranks (0: not stated): what unequal TP shards by.
+    total_kv_heads: int = 0
     aux_item_lens: tuple[int, ...] = ()
     #: Per state group: what it holds (the application's name, e.g. SGLang's ``swa``,
     #: ``mamba``) and the bytes of one item of each of its buffers.
@@ -336,6 +338,7 @@ class KVLayout:
             "head_dim": self.head_dim,
             "tp_rank": self.tp_rank,
             "tp_size": self.tp_size,
+            "total_kv_heads": self.total_kv_heads,
             "aux_item_lens": list(self.aux_item_lens),
             "state_types": list(self.state_types),
             "state_item_lens": [list(g) for g in self.state_item_lens],
@@ -356,6 +359,7 @@ class KVLayout:
                 head_dim=int(data.get("head_dim", 0)),
                 tp_rank=int(data.get("tp_rank", 0)),
                 tp_size=int(data.get("tp_size", 1)),
+                total_kv_heads=int(data.get("total_kv_heads", 0)),
                 aux_item_lens=tuple(int(x) for x in data.get("aux_item_lens", ())),
                 state_types=tuple(str(x)[:64] for x in data.get("state_types", ())),
                 state_item_lens=tuple(tuple(int(x) for x in g) for g in data.get("state_item_lens", ())),
@@ -367,6 +371,9 @@ class KVLayout:
     def incompatibilities(self, other: KVLayout, mine: str = "here", theirs: str = "at the peer") -> list[str]:
         """Every field that stops pages moving between the two layouts (empty: compatible)."""
         problems = []
+        # Unequal TP shards MHA heads differently on the two sides: per-rank page sizes and
+        # head counts differ, and tp_map decides what each pair of ranks moves.
+        sliced = self.tp_size != other.tp_size and self.kv_split == other.kv_split == "kv"
         for name in (
             "page_size",
             "dtype",
@@ -384,13 +391,14 @@ class KVLayout:
                 # 0 is "not stated" (SGLang's decode side never sets kv_head_num): equal page
                 # sizes (kv_item_lens, checked too) already mean the bytes line up.
                 continue
+            if sliced and name in ("num_kv_heads", "kv_item_lens"):
+                continue
             if a != b:
                 problems.append(f"{name}: {a!r} {mine}, {b!r} {theirs}")
         if self.tp_size != other.tp_size:
-            problems.append(
-                f"tp_size: {self.tp_size} {mine}, {other.tp_size} {theirs} (heterogeneous "
-                "tensor parallelism is not supported yet; run both sides with the same TP size)"
-            )
+            from .tp_map import unequal_tp_problems
+
+            problems += unequal_tp_problems(self, other, mine, theirs)
         return problems
 
     @classmethod

@@ -229,3 +229,71 @@ def check_runs_within(addrs: U64, lengths: U64, regions: Sequence[Region], what:
     if not bool(inside.all()):
         k = int(np.flatnonzero(~inside)[0])
         raise InvalidPages(f"{what}: run [{int(addrs[k]):#x}, +{int(lengths[k])}) is outside every registered region")
+
+
+def plan_heads(
+    src_regions: Sequence[Region],
+    dst_regions: Sequence[Region],
+    src_pages: Any,
+    dst_pages: Any,
+    *,
+    page_tokens: int,
+    src_heads: int,
+    dst_heads: int,
+    head_bytes: int,
+    src_head: int,
+    dst_head: int,
+    count: int,
+    max_run_bytes: int | None = None,
+) -> Runs:
+    """Runs moving ``count`` heads of every token of page ``src_pages[k]`` (local heads from
+    ``src_head`` of a page holding ``src_heads`` per token) to page ``dst_pages[k]`` (local heads
+    from ``dst_head`` of ``dst_heads``), in every region pair: the strided copy unequal tensor
+    parallelism needs (a page is ``page_tokens`` rows of ``heads * head_bytes`` bytes, SGLang's
+    ``[token, head, dim]``). A slice that is every head of both rows is a plain :func:`plan`.
+
+    Raises :class:`InvalidPages` (and plans nothing) for anything :func:`plan` refuses, for a
+    page whose size is not ``page_tokens * heads * head_bytes`` on either side, and for heads
+    outside either row.
+    """
+    if min(page_tokens, src_heads, dst_heads, head_bytes, count) <= 0 or min(src_head, dst_head) < 0:
+        raise InvalidPages("a head slice needs positive sizes and non-negative offsets")
+    if src_head + count > src_heads or dst_head + count > dst_heads:
+        raise InvalidPages(
+            f"heads [{src_head}, {src_head + count}) of {src_heads} at the source, [{dst_head}, {dst_head + count}) "
+            f"of {dst_heads} at the destination: outside a token's row"
+        )
+    src_row, dst_row = src_heads * head_bytes, dst_heads * head_bytes
+    for side, regions, row in (("source", src_regions, src_row), ("destination", dst_regions, dst_row)):
+        for i, r in enumerate(regions):
+            if r.item_len != page_tokens * row:
+                raise InvalidPages(
+                    f"{side} region {i}: pages of {r.item_len} bytes, not {page_tokens} tokens x {row // head_bytes} "
+                    f"heads x {head_bytes} bytes"
+                )
+    if count == src_heads == dst_heads:
+        return plan(src_regions, dst_regions, src_pages, dst_pages, max_run_bytes=max_run_bytes)
+    src = as_pages(src_pages, "source")
+    dst = as_pages(dst_pages, "destination")
+    if src.shape != dst.shape:
+        raise InvalidPages(f"{src.size} source pages but {dst.size} destination pages; they pair one to one")
+    if len(src_regions) != len(dst_regions):
+        raise InvalidPages(f"{len(src_regions)} source regions but {len(dst_regions)} destination regions")
+    if src.size == 0 or not src_regions:
+        return Runs.empty()
+    check_pages(src, min(r.num_items for r in src_regions), "source")
+    check_pages(dst, min(r.num_items for r in dst_regions), "destination")
+    check_unique(dst, "destination")
+    # One run per (region, page, token): rows of a page are not adjacent once sliced.
+    tokens = np.arange(page_tokens, dtype=np.uint64)
+    src_in_page = (tokens * np.uint64(src_row) + np.uint64(src_head * head_bytes))[None, :]
+    dst_in_page = (tokens * np.uint64(dst_row) + np.uint64(dst_head * head_bytes))[None, :]
+    length = np.uint64(count * head_bytes)
+    parts = []
+    for s, d in zip(src_regions, dst_regions, strict=True):
+        src_base = np.uint64(s.ptr) + src.astype(np.uint64)[:, None] * np.uint64(s.item_len)
+        dst_base = np.uint64(d.ptr) + dst.astype(np.uint64)[:, None] * np.uint64(d.item_len)
+        addrs_src = (src_base + src_in_page).reshape(-1)
+        addrs_dst = (dst_base + dst_in_page).reshape(-1)
+        parts.append(_cap(Runs(addrs_src, addrs_dst, np.full(addrs_src.size, length, dtype=np.uint64)), max_run_bytes))
+    return Runs.concat(parts)

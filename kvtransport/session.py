@@ -38,7 +38,8 @@ from .errors import (
 )
 from .inbound import Claim, InboundGuard
 from .memory import MAX_STATE_GROUPS, KVLayout, RegionSet
-from .plan import Runs, as_pages, check_pages, check_unique, plan
+from .plan import Runs, as_pages, check_pages, check_unique, plan, plan_heads
+from .tp_map import EQUAL, PairShape, pair_shape
 from .transfer import RECV, SEND, State, Transfer
 from .wire import MAX_INT, Message, encode
 
@@ -194,6 +195,7 @@ class Session:
         self.decision: Decision | None = None
         self.peer_regions: RegionSet | None = None
         self.peer_hello: Hello | None = None
+        self._shapes: dict[bool, PairShape] = {}  # True: what this side sends; False: receives
         self.driver: KVTransport | None = None
         self.peer_info = b""  # the peer's connection info for the chosen driver
         self.runner: DriverRunner | None = None
@@ -311,9 +313,11 @@ class Session:
                 f"transfer {transfer.tag!r}: the receiver announced {announced} pages; this chunk "
                 f"would make {stop}{' (the last chunk must complete them)' if last else ''}"
             )
-        runs = plan(
-            ep.regions.kv, self.peer_regions.kv, src, transfer.dst_pages[start:stop], max_run_bytes=ep.max_run_bytes
-        )
+        shape = self.shape(sending=True)
+        runs = self._plan_kv(shape, src, transfer.dst_pages[start:stop])
+        if not shape.primary:
+            # Another rank of this side sends the receiver's aux slot and state (unequal TP).
+            aux, state = None, None
         if last and aux is not None:
             if transfer.dst_aux < 0:
                 raise InvalidPages(f"transfer {transfer.tag!r}: aux sent but the receiver announced no aux slot")
@@ -336,6 +340,44 @@ class Session:
                 lambda: self._driver_submit(transfer, bid, runs),
                 lambda _, error: self.batch_failed(transfer, bid, error) if error else None,
             )
+
+    def shape(self, *, sending: bool) -> PairShape:
+        """What this side moves into the peer's pages (``sending``), or the peer into this
+        side's: all of each page, a slice of its heads, or nothing (unequal TP, ``tp_map``)."""
+        shape = self._shapes.get(sending)
+        if shape is None:
+            mine, theirs = self.endpoint.layout, self.peer_hello.layout if self.peer_hello else None
+            if theirs is None:
+                shape = EQUAL
+            else:
+                shape = pair_shape(mine, theirs) if sending else pair_shape(theirs, mine)
+            self._shapes[sending] = shape
+        return shape
+
+    def _plan_kv(self, shape: PairShape, src: Any, dst: Any) -> Runs:
+        assert self.peer_regions is not None
+        ep = self.endpoint
+        if shape.kind == "heads":
+            assert shape.slice is not None
+            return plan_heads(
+                ep.regions.kv,
+                self.peer_regions.kv,
+                src,
+                dst,
+                page_tokens=shape.page_tokens,
+                src_heads=shape.src_heads,
+                dst_heads=shape.dst_heads,
+                head_bytes=shape.head_bytes,
+                src_head=shape.slice.src_head,
+                dst_head=shape.slice.dst_head,
+                count=shape.slice.count,
+                max_run_bytes=ep.max_run_bytes,
+            )
+        if shape.kind == "none":
+            # Nothing of these pages is this side's to write; the caller's indices still must be right.
+            check_pages(as_pages(src, "source"), ep.regions.num_pages, "source")
+            return Runs.empty()
+        return plan(ep.regions.kv, self.peer_regions.kv, src, dst, max_run_bytes=ep.max_run_bytes)
 
     def _plan_state(self, transfer: Transfer, state: Sequence[Any]) -> Runs:
         """Runs moving, per state group, the source items to the items the receiver announced
@@ -697,7 +739,10 @@ class Session:
         regions, claim = self.endpoint.regions, t.announced
         if claim is None:
             return 0
-        total = int(claim.pages.size) * sum(r.item_len for r in regions.kv)
+        shape = self.shape(sending=False)
+        total = int(claim.pages.size) * shape.kv_bytes_per_page(tuple(r.item_len for r in regions.kv))
+        if not shape.primary:
+            return total  # the receiver's first source sends its aux slot and state
         if claim.aux >= 0:
             total += sum(r.item_len for r in regions.aux)
         for g, items in enumerate(claim.state):

@@ -16,6 +16,9 @@ import numpy as np
 from ..memory import KVLayout, MemoryKind, RegionSet
 from . import shm
 
+#: Tokens per page of every pool here (the layout's ``page_size``).
+PAGE_TOKENS = 16
+
 
 class DeviceBuffer:
     """``size`` bytes of device memory, read and written through host copies."""
@@ -53,6 +56,10 @@ class KVPool:
     device: int | None = None
     #: State groups: ``(items, item_len, buffers)`` each.
     state: tuple[tuple[int, int, int], ...] = ()
+    #: Unequal-TP tests: ``(total KV heads, TP size, TP rank)`` of this rank, and whether the
+    #: buffers hold MLA's latent (one replicated row per token) instead of K and V heads.
+    tp: tuple[int, int, int] | None = None
+    mla: bool = False
     _cuda: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -85,10 +92,15 @@ class KVPool:
             state_item_lens=[item_len for _, item_len, buffers in self.state for _ in range(buffers)],
             state_groups=[buffers for _, _, buffers in self.state],
         )
+        total, tp_size, tp_rank = self.tp if self.tp is not None else (0, 1, 0)
         self.layout = KVLayout(
-            page_size=16,
+            page_size=PAGE_TOKENS,
             dtype="bfloat16",
-            num_layers=self.num_layers // 2 or 1,
+            num_layers=self.num_layers if self.mla else self.num_layers // 2 or 1,
+            kv_split="mla" if self.mla else "kv",
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+            total_kv_heads=0 if self.mla else total,
             kv_item_lens=(self.item_len,) * self.num_layers,
             aux_item_lens=(self.aux_item_len,) * len(self.aux),
             memory=kind,
@@ -140,6 +152,47 @@ class KVPool:
     def aux_digest(self, slot: int) -> int:
         a = self.aux[0].array
         return zlib.crc32(a[slot * self.aux_item_len : (slot + 1) * self.aux_item_len].tobytes())
+
+    def _heads(self) -> range:
+        """The global heads this rank's rows hold (MLA: the one latent, 0)."""
+        if self.tp is None or self.mla:
+            return range(1)
+        from ..tp_map import held_heads
+
+        return held_heads(*self.tp)
+
+    def _head_rows(self, region: int, pages: np.ndarray[Any, Any], heads: range) -> np.ndarray[Any, Any]:
+        """What region ``region`` holds in ``pages`` when filled by :meth:`fill_heads`: bytes
+        that are a function of (region, page, token, global head, byte)."""
+        head_bytes = self.item_len // (PAGE_TOKENS * len(heads))
+        p = pages.astype(np.int64)[:, None, None, None]
+        t = np.arange(PAGE_TOKENS, dtype=np.int64)[None, :, None, None]
+        h = np.asarray(list(heads), dtype=np.int64)[None, None, :, None]
+        b = np.arange(head_bytes, dtype=np.int64)[None, None, None, :]
+        return ((region * 7919 + p * 104729 + t * 131 + h * 65537 + b * 31) % 251).astype(np.uint8)
+
+    def fill_heads(self) -> None:
+        """Every page of every region: rows of heads a peer can check without this pool."""
+        for i, b in enumerate(self.buffers):
+            b.array[:] = self._head_rows(i, np.arange(self.num_pages), self._heads()).reshape(-1)
+
+    def check_heads(self, src_pages: list[int], dst_pages: list[int]) -> str:
+        """'' when page ``dst_pages[k]`` holds, in every region, what :meth:`fill_heads` of a
+        rank holding any of this rank's heads wrote in its page ``src_pages[k]``; else the
+        first difference."""
+        heads = self._heads()
+        dst = np.asarray(dst_pages, dtype=np.int64)
+        for i, b in enumerate(self.buffers):
+            got = b.array.reshape(self.num_pages, -1)[dst].reshape(len(dst_pages), PAGE_TOKENS, len(heads), -1)
+            want = self._head_rows(i, np.asarray(src_pages), heads)
+            bad = np.argwhere(got != want)
+            if bad.size:
+                k, t, h, _ = (int(x) for x in bad[0])
+                return (
+                    f"region {i}: page {dst_pages[k]} (from {src_pages[k]}) token {t} local head {h} (global "
+                    f"{heads[h]}) differs; {len(bad)} bytes in all"
+                )
+        return ""
 
     def state_digests(self, group: int, items: list[int]) -> list[int]:
         """crc32 of each item of state group ``group`` across its buffers (order matters)."""

@@ -23,6 +23,7 @@ from ..baseline import RawEngine, raw_engine_of
 from ..driver import KVTransport
 from ..endpoint import Connection, Endpoint, State, Timeouts, Transfer
 from ..errors import KVTransportError
+from ..fanin import FanIn, expect_from
 from ..registry import load_driver
 from ..soak import process_resources
 from .fake import FakeDriver, FakeTwoSided
@@ -53,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--private", action="store_true", help="private memory instead of /dev/shm (real engines)")
     p.add_argument("--device", type=int, default=None, help="KV in device memory of this CUDA device")
     p.add_argument("--state", default="[]", help="state groups, JSON [[items, item_len, buffers], ...]")
+    p.add_argument("--tp", default="", help="unequal-TP rank: total KV heads, TP size, TP rank (e.g. 8,2,1)")
+    p.add_argument("--mla", action="store_true", help="the buffers hold MLA's latent")
     args = p.parse_args(argv)
     pool = KVPool(
         args.pages,
@@ -62,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         shared=not args.private,
         device=args.device,
         state=tuple(tuple(g) for g in json.loads(args.state)),
+        tp=tuple(int(x) for x in args.tp.split(",")) if args.tp else None,  # type: ignore[arg-type]
+        mla=args.mla,
     )
     if args.seed:
         pool.fill(args.seed)
@@ -102,7 +107,7 @@ class _Session:
         self.endpoint = endpoint
         self.pool = pool
         self.conns: list[Connection] = []
-        self.transfers: dict[str, Transfer] = {}
+        self.transfers: dict[str, Transfer | FanIn] = {}
         self.raw: RawEngine | None = None
 
 
@@ -111,7 +116,7 @@ def _reply(obj: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def _state(t: Transfer) -> list[Any]:
+def _state(t: Transfer | FanIn) -> list[Any]:
     """[state, error type, error, drained] (drained: a receiver's pages are free of its writes)."""
     return [t.state.name, type(t.error).__name__ if t.error else "", str(t.error or ""), t.drained.is_set()]
 
@@ -142,6 +147,17 @@ def _run(cmd: dict[str, Any], session: _Session) -> dict[str, Any]:
                 tag, pages, aux=cmd.get("aux", {}).get(tag), state=cmd.get("state", {}).get(tag)
             )
         return {"ok": True}
+    if op == "expect_from":
+        # One destination fed by several of this side's connections (unequal TP).
+        sources = [conns[i] for i in cmd["conns"]]
+        for tag, pages in cmd["transfers"].items():
+            transfers[tag] = expect_from(sources, tag, pages, aux=cmd.get("aux", {}).get(tag))
+        return {"ok": True}
+    if op == "fill_heads":
+        pool.fill_heads()
+        return {"ok": True}
+    if op == "check_heads":
+        return {"mismatch": pool.check_heads(cmd["src"], cmd["dst"])}
     if op == "send":
         assert conn is not None
         deadline = time.monotonic() + cmd.get("timeout", 10)
@@ -149,6 +165,7 @@ def _run(cmd: dict[str, Any], session: _Session) -> dict[str, Any]:
             transfers[tag] = conn.sender(tag)
         for tag, chunks in cmd["transfers"].items():
             t = transfers[tag]
+            assert isinstance(t, Transfer)
             while t.state is State.BOOTSTRAPPING and time.monotonic() < deadline:
                 time.sleep(0.001)
             for i, chunk in enumerate(chunks):
