@@ -155,7 +155,7 @@ def test_a_source_killed_mid_request_fails_the_request_and_stops_the_others(depl
     assert state[0] == "FAILED" and state[1] == "PeerLost", state
     p, k = dep.links[0][0]
     # Its sender fails as it is created (the decode side's abort came first); sending raises.
-    with pytest.raises(RuntimeError, match="another source of 'k.d0' failed"):
+    with pytest.raises(RuntimeError, match=r"another source of 'k\.d0' failed"):
         dep.prefill[p].call("send", conn=k, transfers={"k.d0": [[5, 6, 7]]}, timeout=5)
     sent = dep.prefill[p].call("wait", tags=["k.d0"], timeout=10)["states"]["k.d0"]
     assert sent[0] == "FAILED", f"prefill rank 0 went on with a request its decode rank gave up: {sent}"
