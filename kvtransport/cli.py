@@ -325,6 +325,8 @@ def _add_bench(sub: Any) -> None:
         metavar="N",
         help="instead: time N handshakes with the deployment secret and N without",
     )
+    p.add_argument("--prefill-tp", type=int, default=1, help="prefill ranks (processes), each holding its heads")
+    p.add_argument("--decode-tp", type=int, default=1, help="decode ranks (processes), each holding its heads")
     p.set_defaults(func=bench_cmd)
 
 
@@ -360,6 +362,8 @@ def bench_cmd(args: argparse.Namespace) -> int:
     # Mooncake logs every set-up step at INFO; keep the report readable (MC_LOG_LEVEL=INFO
     # in the environment brings it back).
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+    if (args.prefill_tp, args.decode_tp) != (1, 1):
+        return _bench_tp(args, workload)
     with native_stdout_to_stderr():
         report = run(
             workload,
@@ -374,6 +378,23 @@ def bench_cmd(args: argparse.Namespace) -> int:
     else:
         print(report.render())
     return 0 if report.integrity_ok else 1
+
+
+def _bench_tp(args: argparse.Namespace, workload: Any) -> int:
+    from . import bench_tp
+
+    if args.prefill_tp < 1 or args.decode_tp < 1:
+        raise KVTransportError("--prefill-tp and --decode-tp must be positive")
+    if not args.driver:
+        raise KVTransportError("--prefill-tp / --decode-tp need --driver (every rank runs the same one)")
+    if args.device is not None:
+        raise KVTransportError("the unequal-TP bench runs on host memory")
+    with native_stdout_to_stderr():
+        report = bench_tp.run(
+            workload, args.driver, args.prefill_tp, args.decode_tp, timeout=args.timeout, progress=sys.stderr
+        )
+    print(bench_tp.main_json(report) if args.json else report.render())
+    return 0 if report.ok else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

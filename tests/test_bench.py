@@ -113,3 +113,18 @@ def test_bench_compares_a_staged_driver_with_the_driver_it_stages_over() -> None
     assert (report["driver"], report["compare"]) == ("mooncake-staged", "mooncake-gdr")
     assert report["integrity"]["compare_requests_verified"] == 3
     assert report["figures"]["compare"]["median_gbps"] > 0 and report["figures"]["ratio_compare"] > 0
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "driver"), [(2, 1, "mooncake-staged"), (1, 2, "nixl-ucx")])
+def test_bench_with_unequal_tp_checks_every_head(prefill_tp: int, decode_tp: int, driver: str) -> None:
+    """``--prefill-tp P --decode-tp D``: P + D rank processes (and one pair at TP 1 for the
+    same bytes), every head of every page checked on every decode rank."""
+    require_engines()
+    args = ["bench", "--requests", "2", "--prompt-tokens", "256", "--layers", "2", "--json", "--driver", driver]
+    proc = run_cli(*args, "--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp), timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert (report["prefill_tp"], report["decode_tp"], report["requests"]) == (prefill_tp, decode_tp, 2)
+    assert report["integrity"] == {"ok": True, "mismatches": []}
+    figures = report["figures"]
+    assert figures["unequal"]["gbps"] > 0 and figures["equal"]["gbps"] > 0 and figures["ratio"] > 0

@@ -187,3 +187,26 @@ def test_pair_shapes_name_who_sends_what() -> None:
     assert [(s.kind, s.primary) for s in mla] == [("all", True), ("none", False)]
     assert mla[1].kv_bytes_per_page((4096,) * 2) == 0
     assert pair_shape(_layout(2, 1, 8), _layout(2, 1, 8)).kind == "all"
+
+
+def test_the_head_check_catches_a_wrong_head_a_wrong_page_and_a_stray_byte() -> None:
+    """Controls for the unequal-TP tests and bench: a decode pool whose pages hold exactly what
+    its heads should passes; a page from the wrong source page, the wrong rank's heads, or one
+    flipped byte does not."""
+    from kvtransport.testing.kv import KVPool
+
+    right = KVPool(8, 2, 16 * 2 * 32, 0, shared=False, tp=(4, 2, 1))  # heads 2-3
+    wrong = KVPool(8, 2, 16 * 2 * 32, 0, shared=False, tp=(4, 2, 0))  # heads 0-1
+    try:
+        right.fill_heads()
+        wrong.fill_heads()
+        assert right.check_heads([0, 1, 2], [0, 1, 2]) == ""
+        assert "page 1 (from 2)" in right.check_heads([0, 2], [0, 1])
+        right.buffers[1].array[3 * right.item_len] ^= 1
+        assert "region 1: page 3" in right.check_heads([3], [3])
+        # The other rank's content under this rank's heads: every row differs.
+        right.buffers[0].array[:] = wrong.buffers[0].array
+        assert "region 0" in right.check_heads([0], [0])
+    finally:
+        right.close()
+        wrong.close()

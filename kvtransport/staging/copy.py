@@ -23,17 +23,81 @@ class CopyEngine(Protocol):
     def close(self) -> None: ...
 
 
+#: Pieces of one strided group (equal lengths, constant steps on both sides) copied as one
+#: 2-D copy from this many on: a head slice of every token row is thousands of short pieces
+#: (unequal TP), which one ``memmove`` call each would spend in the interpreter.
+STRIDED_MIN = 4
+
+
 class MemcpyCopyEngine:
-    """Host memory to host memory with ``memmove`` (the GIL is released during each copy)."""
+    """Host memory to host memory: ``memmove`` per piece (the GIL is released during each
+    copy), and one 2-D numpy copy per strided group of pieces."""
 
     name = "memcpy"
 
     def copy(self, dst: U64, src: U64, length: U64) -> None:
-        for d, s, n in zip(dst.tolist(), src.tolist(), length.tolist(), strict=True):
-            ctypes.memmove(d, s, n)
+        if len(length) < STRIDED_MIN:
+            _memmove_each(dst, src, length)
+            return
+        start = 0
+        for first, count in strided_groups(dst, src, length):
+            if first > start:
+                _memmove_each(dst[start:first], src[start:first], length[start:first])
+            _copy_2d(int(dst[first]), int(src[first]), int(length[first]), count, dst, src, first)
+            start = first + count
+        if start < len(length):
+            _memmove_each(dst[start:], src[start:], length[start:])
 
     def close(self) -> None:
         return None
+
+
+def _memmove_each(dst: U64, src: U64, length: U64) -> None:
+    for d, s, n in zip(dst.tolist(), src.tolist(), length.tolist(), strict=True):
+        ctypes.memmove(d, s, n)
+
+
+def strided_groups(dst: U64, src: U64, length: U64) -> list[tuple[int, int]]:
+    """``(first piece, count)`` of each group of at least :data:`STRIDED_MIN` consecutive
+    pieces with one length and constant, non-overlapping forward steps on both sides; groups
+    do not share pieces."""
+    n = len(length)
+    if n < STRIDED_MIN:
+        return []
+    d, s, ln = dst.astype(np.int64), src.astype(np.int64), length.astype(np.int64)
+    dd, sd = np.diff(d), np.diff(s)
+    # Step j joins pieces j and j+1: usable when both have one length and it moves forward by
+    # at least that length on both sides; it continues step j-1's group when it is the same.
+    good = (ln[1:] == ln[:-1]) & (dd >= ln[:-1]) & (sd >= ln[:-1])
+    cont = np.zeros(n - 1, dtype=bool)
+    cont[1:] = good[1:] & good[:-1] & (dd[1:] == dd[:-1]) & (sd[1:] == sd[:-1])
+    starts = np.flatnonzero(good & ~cont)
+    stops = np.flatnonzero(~cont)  # a group's steps end before the next step that does not continue it
+    # The piece a group ends on: the step that does not continue it, or the last piece.
+    ends = np.append(stops, n - 1)[np.searchsorted(stops, starts, side="right")]
+    groups, free = [], 0
+    for a, e in zip(starts.tolist(), ends.tolist(), strict=True):
+        first = max(a, free)  # its first piece may be the previous group's last
+        count = e - first + 1  # pieces first .. e (steps first .. e-1)
+        if count >= STRIDED_MIN:
+            groups.append((first, count))
+            free = e + 1
+    return groups
+
+
+def _copy_2d(d0: int, s0: int, n: int, count: int, dst: U64, src: U64, first: int) -> None:
+    dstep = int(dst[first + 1]) - d0
+    sstep = int(src[first + 1]) - s0
+    out = _strided(d0, dstep, n, count)
+    out[...] = _strided(s0, sstep, n, count)
+
+
+def _strided(addr: int, step: int, n: int, count: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    span = step * (count - 1) + n
+    flat: np.ndarray[Any, np.dtype[np.uint8]] = np.frombuffer(
+        memoryview((ctypes.c_uint8 * span).from_address(addr)).cast("B"), dtype=np.uint8
+    )
+    return np.lib.stride_tricks.as_strided(flat, shape=(count, n), strides=(step, 1))
 
 
 class WireLink(Protocol):

@@ -165,11 +165,14 @@ class KVPool:
         """What region ``region`` holds in ``pages`` when filled by :meth:`fill_heads`: bytes
         that are a function of (region, page, token, global head, byte)."""
         head_bytes = self.item_len // (PAGE_TOKENS * len(heads))
-        p = pages.astype(np.int64)[:, None, None, None]
-        t = np.arange(PAGE_TOKENS, dtype=np.int64)[None, :, None, None]
-        h = np.asarray(list(heads), dtype=np.int64)[None, None, :, None]
-        b = np.arange(head_bytes, dtype=np.int64)[None, None, None, :]
-        return ((region * 7919 + p * 104729 + t * 131 + h * 65537 + b * 31) % 251).astype(np.uint8)
+        p = pages.astype(np.int64)[:, None, None]
+        t = np.arange(PAGE_TOKENS, dtype=np.int64)[None, :, None]
+        h = np.asarray(list(heads), dtype=np.int64)[None, None, :]
+        # The (page, token, head) part on a small array, the byte part added in 16 bits: a GiB
+        # pool fills in seconds.
+        row = ((region * 7919 + p * 104729 + t * 131 + h * 65537) % 251).astype(np.uint16)
+        byte = (np.arange(head_bytes, dtype=np.uint16) * 31 % 251).astype(np.uint16)
+        return ((row[..., None] + byte) % 251).astype(np.uint8)
 
     def fill_heads(self) -> None:
         """Every page of every region: rows of heads a peer can check without this pool."""
