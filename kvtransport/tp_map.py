@@ -136,6 +136,13 @@ def total_heads_of(a: KVLayout, b: KVLayout) -> int:
 def unequal_tp_problems(a: KVLayout, b: KVLayout, mine: str = "here", theirs: str = "at the peer") -> list[str]:
     """Why two layouts of different TP sizes cannot exchange pages (empty: they can)."""
     problems = []
+    for layout, where in ((a, mine), (b, theirs)):
+        if not (0 < layout.tp_size <= 1 << 16 and 0 <= layout.tp_rank < layout.tp_size):
+            problems.append(f"tp_rank {layout.tp_rank} of tp_size {layout.tp_size} {where}")
+        if not 0 <= layout.total_kv_heads <= 1 << 16 or layout.page_size <= 0:
+            problems.append(f"total_kv_heads {layout.total_kv_heads}, page_size {layout.page_size} {where}")
+    if problems:
+        return problems
     if a.tp_size % b.tp_size and b.tp_size % a.tp_size:
         problems.append(f"tp_size: {a.tp_size} {mine}, {b.tp_size} {theirs}: one must divide the other")
         return problems

@@ -3,6 +3,8 @@ from the right global head) and the sliced planner (against a byte-by-byte model
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -170,6 +172,11 @@ def test_unequal_tp_layouts_are_checked_at_the_handshake() -> None:
     assert any("total_kv_heads" in p for p in _layout(2, 0, 8).incompatibilities(_layout(4, 0, 16)))
     assert any("kv_item_lens" in p for p in _layout(2, 0, 8).incompatibilities(_layout(4, 0, 8, item=1000)))
     assert any("divide" in p for p in _layout(2, 0, 6).incompatibilities(_layout(3, 0, 6)))
+    # A peer's hello is not trusted: a rank outside its TP size, or absurd sizes, are refused.
+    bad_rank = dataclasses.replace(_layout(4, 3, 8), tp_rank=4)
+    assert any("tp_rank 4 of tp_size 4" in p for p in _layout(2, 0, 8).incompatibilities(bad_rank))
+    huge = dataclasses.replace(_layout(4, 3, 8), total_kv_heads=1 << 40)
+    assert any("total_kv_heads" in p for p in _layout(2, 0, 8).incompatibilities(huge))
     assert _layout(2, 0, 0, mla=True).incompatibilities(_layout(4, 1, 0, mla=True)) == []
     assert any(
         "kv_item_lens" in p for p in _layout(2, 0, 0, mla=True).incompatibilities(_layout(1, 0, 0, mla=True, item=512))
