@@ -199,6 +199,8 @@ class Endpoint:
         self._cookies = ChallengeCookies()
         self.timeouts = timeouts or Timeouts.from_env()
         self.limits = limits or Limits.from_env()
+        if max_run_bytes is not None and max_run_bytes <= 0:
+            raise ValueError(f"max_run_bytes must be positive, got {max_run_bytes}")
         self.max_run_bytes = max_run_bytes
         self.host = advertised_host(listen)
         if drivers is None:

@@ -18,6 +18,7 @@ from typing import Any
 
 from .errors import KVTransportError, TransferTimeout
 from .session import Connection
+from .tp_map import sources
 from .transfer import State, Transfer
 
 
@@ -91,10 +92,14 @@ class FanIn:
         return self.state
 
     def abort(self, reason: str = "aborted by the caller") -> None:
-        """Fail every part here and at its sender."""
+        """Fail every part here and at its sender (each one tried, even if one cannot be:
+        its endpoint closing fails it anyway)."""
         for part in self.parts:
             if not part.state.final:
-                part.abort(reason)
+                try:
+                    part.abort(reason)
+                except KVTransportError:
+                    continue
 
     def _spread_failure(self) -> None:
         with self._lock:
@@ -132,9 +137,29 @@ def expect_from(
     prefix: int = 0,
     state: Sequence[Any] | None = None,
 ) -> FanIn:
-    """Announce ``dst_pages`` for ``tag`` on every connection in ``conns`` (the sources of
-    these pages). The source of lowest TP rank gets the aux slot and the state items."""
-    ordered = sorted(conns, key=lambda c: c.peer_layout.tp_rank if c.peer_layout is not None else 0)
+    """Announce ``dst_pages`` for ``tag`` on every connection in ``conns``, which must be
+    exactly this rank's sources (``tp_map.sources``, one connection each); the first source
+    gets the aux slot and the state items. :class:`KVTransportError` otherwise, before anything
+    is announced."""
+    if not conns:
+        raise KVTransportError(f"transfer {tag!r}: no source to receive from")
+    mine = conns[0].layout
+    theirs = [c.peer_layout for c in conns]
+    if len(conns) > 1 or any(t is not None and t.tp_size != mine.tp_size for t in theirs):
+        sizes = {t.tp_size if t is not None else mine.tp_size for t in theirs}
+        if len(sizes) != 1:
+            raise KVTransportError(f"transfer {tag!r}: the connections run different TP sizes {sorted(sizes)}")
+        want = set(sources(sizes.pop(), mine.tp_size, mine.tp_rank))
+        have = [t.tp_rank if t is not None else -1 for t in theirs]
+        if sorted(have) != sorted(want):
+            raise KVTransportError(
+                f"transfer {tag!r}: this rank (TP {mine.tp_rank} of {mine.tp_size}) receives from prefill ranks "
+                f"{sorted(want)}, the connections given lead to {sorted(have)}"
+            )
+    primary = [c for c in conns if c.pair_shape(sending=False).primary]
+    if len(primary) != 1:
+        raise KVTransportError(f"transfer {tag!r}: {len(primary)} of the sources would send the aux slot, not one")
+    ordered = primary + [c for c in conns if c is not primary[0]]
     parts = [
         c.expect(tag, dst_pages, aux=aux if i == 0 else None, prefix=prefix, state=state if i == 0 else None)
         for i, c in enumerate(ordered)

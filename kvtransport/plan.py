@@ -258,6 +258,8 @@ def plan_heads(
     """
     if min(page_tokens, src_heads, dst_heads, head_bytes, count) <= 0 or min(src_head, dst_head) < 0:
         raise InvalidPages("a head slice needs positive sizes and non-negative offsets")
+    if max_run_bytes is not None and max_run_bytes <= 0:
+        raise ValueError("max_run_bytes must be positive")
     if src_head + count > src_heads or dst_head + count > dst_heads:
         raise InvalidPages(
             f"heads [{src_head}, {src_head + count}) of {src_heads} at the source, [{dst_head}, {dst_head + count}) "

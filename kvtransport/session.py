@@ -96,6 +96,16 @@ class Connection:
         return hello.endpoint if hello is not None else ""
 
     @property
+    def layout(self) -> KVLayout:
+        """This side's KV layout (its endpoint's)."""
+        return self._session.endpoint.layout
+
+    def pair_shape(self, *, sending: bool) -> PairShape:
+        """What this side writes into the peer's pages (``sending``) or the peer into this
+        side's, under unequal TP (``tp_map.pair_shape``)."""
+        return self._session.shape(sending=sending)
+
+    @property
     def peer_layout(self) -> KVLayout | None:
         """The peer's KV layout (TP rank and size among it), as its hello gives it."""
         hello = self._session.peer_hello
@@ -253,7 +263,16 @@ class Session:
         check_unique(pages, what)
         if aux is not None:
             check_aux(aux, ep.regions, f"{what} aux")
-        items = state_items(state, ep.regions, what)
+        items = tuple(a.copy() for a in state_items(state, ep.regions, what))
+        pages = pages.copy()  # the caller may reuse its array; the guard counts these later
+        shape = self.shape(sending=False)
+        if not shape.source:
+            raise KVTransportError(
+                f"{what}: {self.peer_label} is not one of this rank's sources (tensor parallelism: "
+                "kvtransport.tp_map.sources); announce to the ranks that are"
+            )
+        if not shape.primary and (aux is not None or items):
+            raise InvalidPages(f"{what}: the aux slot and state items go to this rank's first source only")
         transfer = Transfer(self, tag, RECV, State.WAITING_FOR_INPUT)
         claim = Claim(pages, -1 if aux is None else int(aux), items)
 
@@ -318,6 +337,11 @@ class Session:
         if not shape.primary:
             # Another rank of this side sends the receiver's aux slot and state (unequal TP).
             aux, state = None, None
+        elif last and aux is None and transfer.dst_aux >= 0:
+            raise InvalidPages(
+                f"transfer {transfer.tag!r}: the receiver announced aux slot {transfer.dst_aux}; the last chunk "
+                "must carry one"
+            )
         if last and aux is not None:
             if transfer.dst_aux < 0:
                 raise InvalidPages(f"transfer {transfer.tag!r}: aux sent but the receiver announced no aux slot")
@@ -325,7 +349,7 @@ class Session:
             runs = Runs.concat([runs, plan(ep.regions.aux, self.peer_regions.aux, [aux], [transfer.dst_aux])])
         if state is not None and not last:
             raise InvalidPages(f"transfer {transfer.tag!r}: state items go with the last chunk")
-        if last and (state or transfer.dst_state):
+        if last and shape.primary and (state or transfer.dst_state):
             runs = Runs.concat([runs, self._plan_state(transfer, state or ())])
         transfer.sent_pages = stop
         transfer.last_planned = last
@@ -629,6 +653,11 @@ class Session:
     def on_expect(self, msg: Message) -> None:
         tag = msg["tag"]
         t = self.transfers.get(tag)
+        if not well_formed_state(msg["state"]):
+            # Checked before anything keeps it: an entry that is not packed int64 could be any
+            # amount of memory that the early-announcement byte limit would not see. What is
+            # kept (or checked now) is a small stand-in that fails the transfer for the reason.
+            msg = Message(msg.type, {**msg.fields, "state": MALFORMED_STATE})
         if t is None:
             self._keep_early_expect(tag, msg)
             return
@@ -776,9 +805,12 @@ class Session:
             log.debug("ignoring an abort for %r from %s: another connection owns it", tag, self.peer_label)
             return
         self.claim_tag(tag)
+        dropped = put_newest(self.early_aborts, tag, str(reason), self.endpoint.limits.max_early_aborts)
+        # After the abort is recorded: dropping the announcement must not release the tag,
+        # which the abort holds (Endpoint.announced finds the connection by it).
         self.pop_early_expect(tag)
-        for dropped, _ in put_newest(self.early_aborts, tag, str(reason), self.endpoint.limits.max_early_aborts):
-            self.release_tag(dropped)
+        for old, _ in dropped:
+            self.release_tag(old)
         if tag not in self.settling:
             self.send_drained(tag)  # this side never wrote (or no longer writes) anything of it
 
@@ -914,6 +946,20 @@ class Session:
 
 
 _NO_ITEMS: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
+
+
+#: What replaces a malformed ``expect.state`` (see :meth:`Session.on_expect`): it fails the
+#: transfer with InvalidPages when checked, and costs nothing to keep.
+MALFORMED_STATE: list[Any] = [None]
+
+
+def well_formed_state(raw: Any) -> bool:
+    """A peer's ``expect.state``: at most ``MAX_STATE_GROUPS`` packed int64 arrays."""
+    return (
+        isinstance(raw, list)
+        and len(raw) <= MAX_STATE_GROUPS
+        and all(isinstance(x, bytes) and len(x) % 8 == 0 for x in raw)
+    )
 
 
 def announcement_bytes(msg: Message) -> int:

@@ -124,6 +124,13 @@ def run_soak(
             wave += 1
         result.seconds = time.monotonic() - started
         result.end = _snapshot(endpoint, peer, timeouts["retain_finished"])
+        for _ in range(SETTLE_TRIES):
+            if not result.leaks:
+                break
+            # An engine may close a connection's socket a moment after its last transfer (seen
+            # under load with Mooncake's TCP transport): look again before calling it a leak;
+            # a real leak stays.
+            result.end = _snapshot(endpoint, peer, SETTLE_S)
     finally:
         peer.close()
         endpoint.close()
@@ -209,6 +216,11 @@ def _wave(
         result.corrupt += bad
         result.succeeded += len(ok_tags)
     peer.call("forget", tags=tags, timeout=timeout)  # the test harness keeps nothing either
+
+
+#: Further looks at the end figures, ``SETTLE_S`` apart, before a counter above its start
+#: value counts as a leak.
+SETTLE_TRIES, SETTLE_S = 4, 0.5
 
 
 def _snapshot(endpoint: Endpoint, peer: PeerProcess, retain: float) -> dict[str, Any]:

@@ -110,6 +110,9 @@ class PairShape:
     kind: str
     primary: bool = True
     slice: HeadSlice | None = None
+    #: The sender is one of the receiver's sources at all (a rank that is not must not be
+    #: announced to: it would complete with nothing).
+    source: bool = True
     page_tokens: int = 0
     src_heads: int = 0
     dst_heads: int = 0
@@ -164,8 +167,15 @@ def unequal_tp_problems(a: KVLayout, b: KVLayout, mine: str = "here", theirs: st
     except MemoryLayoutError as exc:
         return [str(exc)]
     head_bytes = _head_bytes(a, total)
+    if len(a.kv_item_lens) != len(b.kv_item_lens):
+        problems.append(f"KV regions: {len(a.kv_item_lens)} {mine}, {len(b.kv_item_lens)} {theirs}")
     for layout, where in ((a, mine), (b, theirs)):
         heads = len(held_heads(total, layout.tp_size, layout.tp_rank))
+        if layout.num_kv_heads and layout.num_kv_heads != heads:
+            problems.append(
+                f"num_kv_heads {where}: {layout.num_kv_heads}, but TP rank {layout.tp_rank} of {layout.tp_size} "
+                f"holds {heads} of {total}"
+            )
         want = layout.page_size * heads * head_bytes
         if head_bytes <= 0 or any(n != want for n in layout.kv_item_lens):
             problems.append(
@@ -186,10 +196,10 @@ def pair_shape(src: KVLayout, dst: KVLayout) -> PairShape:
     announces (the two already found compatible)."""
     if src.tp_size == dst.tp_size:
         return EQUAL
-    first = sources(src.tp_size, dst.tp_size, dst.tp_rank)[0]
-    primary = src.tp_rank == first
+    feeding = sources(src.tp_size, dst.tp_size, dst.tp_rank)
+    primary, source = src.tp_rank == feeding[0], src.tp_rank in feeding
     if src.kv_split == "mla":
-        return PairShape("all" if primary else "none", primary)
+        return PairShape("all" if primary else "none", primary, source=source)
     total = total_heads_of(src, dst)
     cut = head_slice(total, src.tp_size, src.tp_rank, dst.tp_size, dst.tp_rank)
     return PairShape(
@@ -200,4 +210,5 @@ def pair_shape(src: KVLayout, dst: KVLayout) -> PairShape:
         src_heads=len(held_heads(total, src.tp_size, src.tp_rank)),
         dst_heads=len(held_heads(total, dst.tp_size, dst.tp_rank)),
         head_bytes=_head_bytes(src, total),
+        source=source,
     )

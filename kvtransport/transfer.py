@@ -125,12 +125,12 @@ class Transfer:
         """Move to ``state``; ``False`` (and nothing changes) once the transfer is final."""
         if self._state.final:
             return False  # a failed transfer is never reported as a success later
+        if error is not None:
+            self.error = error  # before the state: a caller that sees Failed finds its error
         self._state = state
         self._since = time.monotonic()
         if state is State.TRANSFERRING and not self.started:
             self.started = self._since
-        if error is not None:
-            self.error = error
         if state.final:
             self.finished = self._since
         self._session.state_changed(self)

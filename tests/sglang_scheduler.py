@@ -14,13 +14,18 @@ the original stdout out; everything else that prints goes to stderr):
   (gpt-oss) ``SWAKVPool`` with an MHA sub-pool each for the full-attention and the
   sliding-window layers, and ``SWATokenToKVPoolAllocator``; for a hybrid linear-attention model
   (Qwen3-Next) ``HybridReqToTokenPool`` with its ``MambaPool``, or decode's
-  ``HybridMambaDecodeReqToTokenPool``, under a ``HybridLinearKVPool``), a ``UnifiedRadixCache``
-  with the cache disabled and the components build_kv_cache gives it (FULL, and SWA or MAMBA),
-  which is what SGLang builds for ``--disable-radix-cache`` (0.5.23 has no ``ChunkCache``); the
-  scheduler's ``is_hybrid_swa`` / ``is_hybrid_ssm`` / ``sliding_window_size`` as build_kv_cache
-  resolves them (the window through ``resolve_sliding_window_size`` and the model class's own
-  ``get_attention_sliding_window_size``); then ``Scheduler.init_disaggregation``
-  itself, which builds ``MetadataBuffers``, ``ReqToMetadataIdxAllocator`` and the queues
+  ``HybridMambaDecodeReqToTokenPool``, under a ``HybridLinearKVPool``), the tree cache as
+  build_kv_cache has SGLang's registry build it (``create_tree_cache``: a ``UnifiedRadixCache``
+  with the FULL, and SWA or MAMBA, components), disabled as for ``--disable-radix-cache`` (0.5.23
+  has no ``ChunkCache``) unless the decode instance runs with
+  ``--disaggregation-decode-enable-radix-cache`` (config ``decode_radix_cache``: the ServerArgs
+  flag, from which SGLang's PD hook resolves ``disable_radix_cache=False``; build_kv_cache's
+  ``validate_decode_radix_cache`` checks the model first; ``disable_overlap_schedule``: both
+  instances with ``--disable-overlap-schedule``); the scheduler's ``is_hybrid_swa`` /
+  ``is_hybrid_ssm`` / ``sliding_window_size`` as build_kv_cache resolves them (the window
+  through ``resolve_sliding_window_size`` and the model class's own
+  ``get_attention_sliding_window_size``); then ``Scheduler.init_disaggregation`` itself, which
+  builds ``MetadataBuffers``, ``ReqToMetadataIdxAllocator`` and the queues
   (``PrefillBootstrapQueue``, or ``DecodeTransferQueue`` + ``DecodePreallocQueue``), and with
   them ``KVArgs`` (``setup_state_kv_args`` adds ``StateType.SWA`` or ``StateType.MAMBA``) and the
   adapter's manager. Prefill rank 0 first starts the bootstrap server
@@ -34,10 +39,23 @@ the original stdout out; everything else that prints goes to stderr):
   ``prefetch_prefill_dp_rank_queries`` and ``process_decode_queue``, i.e. ``pop_preallocated``
   with its real allocation (the SWA tail, the mamba slot) and its state payloads for
   ``_send_kv_metadata``, then ``pop_transferred`` and
-  ``_commit_transfer_to_req``; client aborts through ``Scheduler.abort_request``). It answers per
+  ``_commit_transfer_to_req``; then the prebuilt batch: ``get_new_prebuilt_batch``, i.e.
+  ``init_next_round_input``, ``ScheduleBatch.init_new``, ``prepare_for_prebuilt`` and
+  ``process_prebuilt`` (SGLang's ``FutureMap``), and ``process_batch_result_prebuilt`` of
+  SGLang's ``SchedulerBatchResultProcessor``; client aborts through ``Scheduler.abort_request``). With the
+  decode radix cache a request that finished leaves its prompt's whole pages in decode's tree
+  (``release_kv_cache(checkpoint=True)``), where ``_match_prefix_and_lock`` finds them for a
+  later request with the same leading tokens: ``_pre_alloc`` allocates only what follows,
+  ``send_metadata`` announces ``decode_prefix_len`` and prefill's ``finalize_bootstrap`` starts
+  its sends there. A request spec may say ``shared_prefix: [seed, n]`` (its first ``n`` tokens
+  are those of a prompt made from ``seed``), ``decode_after: [rid, ...]`` (it reaches decode
+  once those concluded there) and ``max_new_tokens``. It answers per
   request: ``state`` ("success"/"failed"/"corrupt"/"timeout"), the error, the KV and state bytes
-  verified (decode), when it failed and got its pages back, and what was left allocated (KV
-  pages, request rows, metadata slots, SWA pages, mamba slots).
+  verified (decode), ``decode_prefix_len`` (what decode promised; what prefill read), the bytes
+  the backend's transfer metric counts (prefill: ``get_transfer_metric().transfer_total_bytes``),
+  when it failed and got its pages back, and what was left allocated (KV pages, request rows,
+  metadata slots, SWA pages, mamba slots; what decode's tree holds unlocked is not allocated to
+  anyone, what it holds locked is: ``tree_locked_tokens``).
 * ``{"cmd": "close"}``.
 
 Stand-ins, each because it cannot run here: the model forward (it allocates with SGLang's
@@ -49,23 +67,38 @@ the memory profiler (pool sizes are small constants: the SWA pool is ``swa_full_
 of the full one, the prefill mamba pool a slot per request row where
 ``--max-mamba-cache-size`` is unset); the output streamer and
 ``send_abort_output`` (IPC to the detokenizer/tokenizer: they record what the client would be
-told); the batch-result processor's reasoning-token counter (needs a tokenizer); grammar and
-beam-search managers (unused); the running batch (no decode batches run). The process groups are
+told); the grammar, beam-search and n-gram embedding managers (unused); the running batch and
+the decode batches: none runs, so a request with tokens left to generate after its prebuilt
+batch ends as its last decode step would end it (``_handle_finish_state_updated_req``:
+``release_kv_cache(checkpoint=True)``), without the generated tokens' KV. The process groups are
 gloo groups among this side's processes, given to SGLang through ``override_permanently``.
 
-KV content is a pure function of (room, layer, token position, global KV head, dim, K/V): the
-prefill rank writes it into the pages its allocator handed out; the decode rank recomputes it
-for the heads it owns and compares the bits of every element of every layer (K and V, or MLA's
-latent), so a page sent to the wrong place, the wrong rank's heads or a stale aux row fails the
-test. State the same way: the sliding-window layers' KV of the window tokens (the same function,
-at the tokens' SWA slots), and each mamba state tensor's slot row as a function of (room,
-tensor, attention-TP rank, tokens computed, element), checked bit for bit in the slot decode
-gave the request. Pages, SWA pages and mamba slots written that no request was given as a
-destination are reported too.
+KV content is a pure function of (the prompt's tokens up to the position, layer, token position,
+global KV head, dim, K/V), the tokens through a running hash (``token_keys``), as a causal
+model's KV at a position depends on every token before it: two requests share a position's KV
+exactly when they share the tokens up to it, so the prefix pages decode's tree kept from one
+request are right for another only if the tree matched the right tokens. The prefill rank writes
+it into the pages its allocator handed out; the decode rank recomputes it from its own copy of
+the prompt for the heads it owns and compares the bits of every element of every layer (K and V,
+or MLA's latent) of the whole prompt, the prefix from its tree included, so a page sent to the
+wrong place, the wrong rank's heads or a stale aux row fails the test. State the same way: the
+sliding-window layers' KV of the window tokens (the same function, at the tokens' SWA slots),
+and each mamba state tensor's slot row as a function of (the key of the last token computed,
+tensor, attention-TP rank, tokens computed, element), checked bit for bit in the slot decode gave
+the request. Pages, SWA pages and mamba slots written that no request was given as a destination
+are reported too (what decode's tree holds keeps its content from run to run and counts as
+given, and so does a slot holding exactly a delivered request's mamba state once its tree
+forked it: SGLang's copy, not a transfer's write).
 
-Not covered: a decode-side prefix (``decode_prefix_len`` > 0 needs
-``--disaggregation-decode-enable-radix-cache``, a live decode radix tree and requests that
-share a cached prefix; this harness runs with the cache disabled).
+Not covered: a prefill-side radix cache (prefill runs with ``--disable-radix-cache``, so its
+``prefix_len`` is 0 and it computes every token); decode HiCache (``--enable-hierarchical-cache``
+on decode: a prefix matched in host memory or storage, ``decode_prefix_len`` beyond the device
+prefix, loaded back by CUDA-stream copies); the mamba radix cache's ``extra_buffer`` strategy
+(page size > 1 or overlap scheduling: SGLang refuses it without CUDA-like state snapshots, so a
+hybrid linear-attention model gets a decode prefix here only with page size 1 and
+``--disable-overlap-schedule``, SGLang's ``no_buffer``); decode's radix cache with DP attention
+(SGLang: experimental, needs prefix-aware routing); a decode prefix for a request SGLang
+retracts or rebootstraps (no decode batch runs here).
 """
 
 from __future__ import annotations
@@ -82,7 +115,7 @@ import threading
 import time
 import traceback
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -117,12 +150,18 @@ from sglang.srt.managers.disagg_service import start_disagg_service  # noqa: E40
 from sglang.srt.managers.io_struct import AbortReq  # noqa: E402
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req, ScheduleBatch  # noqa: E402
 from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
+from sglang.srt.managers.scheduler_components.batch_result_processor import (  # noqa: E402
+    SchedulerBatchResultProcessor,
+)
+from sglang.srt.managers.scheduler_components.logprob_result_processor import (  # noqa: E402
+    SchedulerLogprobResultProcessor,
+)
 from sglang.srt.mem_cache.allocation import alloc_for_extend  # noqa: E402
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
 from sglang.srt.mem_cache.common import release_kv_cache  # noqa: E402
-from sglang.srt.mem_cache.kv_cache_builder import uses_ssm_state  # noqa: E402
+from sglang.srt.mem_cache.kv_cache_builder import uses_ssm_state, validate_decode_radix_cache  # noqa: E402
 from sglang.srt.mem_cache.kv_cache_dtype import configure_kv_cache_dtype  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import (  # noqa: E402
     HybridLinearKVPool,
@@ -131,16 +170,17 @@ from sglang.srt.mem_cache.memory_pool import (  # noqa: E402
     MLATokenToKVPool,
     ReqToTokenPool,
 )
+from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache  # noqa: E402
 from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool  # noqa: E402
-from sglang.srt.mem_cache.unified_cache.components import ComponentType  # noqa: E402
-from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 from sglang.srt.model_executor.model_runner_components.load_model_utils import (  # noqa: E402
     resolve_sliding_window_size,
 )
 from sglang.srt.runtime_context import (  # noqa: E402
     SpawnRanks,
+    get_disagg,
     get_exec,
+    get_memory,
     get_model,
     get_parallel,
     get_schedule,
@@ -173,28 +213,50 @@ _INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _FINITE_BELOW = {1: 0x70, 2: 0x7800, 4: 0x7F000000, 8: 0x7FE0000000000000}
 
 
+def token_keys(ids: Sequence[int]) -> torch.Tensor:
+    """[tokens] int64: each position's key, a running hash of the prompt's token ids up to and
+    including it. What a causal model computes at a position depends on every token before it:
+    two prompts share the keys (and so the KV and state) of a position exactly when they share
+    the tokens up to it, which is what a radix cache's prefix match relies on."""
+    keys = []
+    h = 0
+    for t in ids:
+        h = (h * 1_009 + int(t) + 1) % 2_147_483_629  # a prime below 2**31
+        keys.append(h)
+    return torch.tensor(keys, dtype=torch.int64)
+
+
 def kv_content(
-    room: int, layer: int, positions: torch.Tensor, heads: torch.Tensor, dim: int, kind: int, dtype: torch.dtype
+    keys: torch.Tensor,
+    layer: int,
+    positions: torch.Tensor,
+    heads: torch.Tensor,
+    dim: int,
+    kind: int,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
-    """[tokens, heads, dim] of ``dtype``: each element's bit pattern a function of the room, layer,
-    token position, global KV head, dim and K(0)/V(1)/latent(2); all finite numbers."""
+    """[tokens, heads, dim] of ``dtype``: each element's bit pattern a function of the token's key
+    (``token_keys`` of the prompt, at ``positions``), layer, token position, global KV head, dim
+    and K(0)/V(1)/latent(2); all finite numbers."""
+    key = keys.to(torch.int64)[:, None, None]
     pos = positions.to(torch.int64)[:, None, None]
     head = heads.to(torch.int64)[None, :, None]
     d = torch.arange(dim, dtype=torch.int64)[None, None, :]
-    value = (room % 65_521) * 1_000_003 + layer * 7_919 + pos * 104_729 + head * 131 + d * 17 + kind * 65_537 + 1
+    value = key * 1_000_003 + layer * 7_919 + pos * 104_729 + head * 131 + d * 17 + kind * 65_537 + 1
     size = torch.empty((), dtype=dtype).element_size()
     return (value % _FINITE_BELOW[size]).to(_INT_OF[size]).view(dtype)
 
 
 def state_content(
-    room: int, entry: int, shard: int, tokens: int, shape: tuple[int, ...], dtype: torch.dtype
+    key: int, entry: int, shard: int, tokens: int, shape: tuple[int, ...], dtype: torch.dtype
 ) -> torch.Tensor:
     """One slot's row (``shape``, ``dtype``) of mamba state tensor number ``entry`` as the forward
-    leaves it after ``tokens`` tokens of the room's prompt on attention-TP rank ``shard`` (each
-    holds its heads' share of the state): each element's bit pattern a function of the room, the
-    tensor, the shard, the token count and the element; all finite numbers."""
+    leaves it after the first ``tokens`` tokens of a prompt (``key``: the key of the last of them)
+    on attention-TP rank ``shard`` (each holds its heads' share of the state): each element's
+    bit pattern a function of the key, the tensor, the shard, the token count and the element;
+    all finite numbers."""
     elem = torch.arange(math.prod(shape), dtype=torch.int64)
-    value = (room % 65_521) * 1_000_003 + entry * 7_919 + shard * 131 + tokens * 104_729 + elem * 17 + 3 * 65_537 + 1
+    value = key * 1_000_003 + entry * 7_919 + shard * 131 + tokens * 104_729 + elem * 17 + 3 * 65_537 + 1
     size = torch.empty((), dtype=dtype).element_size()
     return (value % _FINITE_BELOW[size]).to(_INT_OF[size]).view(dtype).reshape(shape)
 
@@ -233,6 +295,18 @@ def prompt_ids(room: int, length: int) -> array[int]:
     return array("q", ((room * 7 + i * 13) % VOCAB for i in range(length)))
 
 
+def prompt_of(spec: dict[str, Any]) -> array[int]:
+    """A request's prompt: ``prompt_ids`` of its room, or, with ``shared_prefix`` ``[seed, n]``,
+    the first ``n`` tokens of ``prompt_ids(seed, ...)`` followed by its room's tokens from there
+    on (requests with the same seed share those ``n`` tokens; a room's tokens differ from a
+    seed's at every position unless the two are equal mod ``VOCAB``)."""
+    ids = prompt_ids(spec["room"], spec["prompt_len"])
+    if spec.get("shared_prefix"):
+        seed, n = (int(x) for x in spec["shared_prefix"])
+        ids[:n] = prompt_ids(seed, min(n, len(ids)))
+    return ids
+
+
 # ---------------------------------------------------------------------------------------------
 # Stand-ins for what a scheduler process has and this one cannot run
 # ---------------------------------------------------------------------------------------------
@@ -249,14 +323,6 @@ class OutputStreamer:
         for req in reqs:
             if req.finished_reason is not None and req.rid not in self.finished:
                 self.finished[req.rid] = (req.finished_reason, time.time())
-
-
-class BatchResultProcessor:
-    """Stands in for the scheduler's batch-result processor; decode's ``_commit_transfer_to_req``
-    calls only its reasoning-token counter, which needs a tokenizer's think-end ids."""
-
-    def _maybe_update_reasoning_tokens(self, req: Req, token: int) -> None:
-        pass
 
 
 #: Where a model class of an architecture the harness serves lives (what SGLang's ModelRegistry
@@ -355,8 +421,37 @@ class _SchedulerBase:
         )
         self.metrics_reporter = SimpleNamespace(enable_metrics=False)  # SGLang's, with metrics off
         self.output_streamer = OutputStreamer()
-        self.batch_result_processor = BatchResultProcessor()
         self.beam_coordinator = _Noop()  # no beam search
+        # SGLang's batch-result processor (Scheduler.init_batch_result_processor builds it from
+        # these): decode's _commit_transfer_to_req counts reasoning tokens with it, and its
+        # process_batch_result_prebuilt concludes a prebuilt batch. What it has no use for here
+        # (metrics, HiSparse, KV offload, speculative and model workers) is None.
+        self.batch_result_processor = SchedulerBatchResultProcessor(
+            is_generation=True,
+            disaggregation_mode=inst.mode,
+            enable_overlap=False,
+            enable_overlap_mlx=False,
+            model_config=inst.model_config,
+            token_to_kv_pool_allocator=inst.allocator,
+            tree_cache=inst.tree_cache,
+            hisparse_coordinator=None,
+            req_to_token_pool=inst.req_to_token_pool,
+            decode_offload_manager=None,
+            metrics_collector=None,
+            metrics_reporter=self.metrics_reporter,
+            draft_worker=None,
+            model_worker=None,
+            logprob_result_processor=SchedulerLogprobResultProcessor(model_config=inst.model_config),
+            output_streamer=self.output_streamer,
+            beam_coordinator=self.beam_coordinator,
+            abort_request=self.abort_request,
+        )
+        # SGLang's relay of one decode step's outputs to the next (process_prebuilt stashes the
+        # first output token in it), on CPU.
+        self.future_map = self.spec_algorithm.create_future_map(
+            torch.device("cpu"), inst.req_to_token_pool, needs_cpu_seq_lens=True, needs_confidence_relay=False
+        )
+        self.ngram_embedding_manager = _Noop()  # no n-gram embedding model
         self.grammar_manager = _Noop()  # no grammar requests
         self.mm_receiver = None
         self.dllm_config = None
@@ -364,7 +459,7 @@ class _SchedulerBase:
         self._pending_chunked_abort_req: Req | None = None
         self.waiting_queue: list[Req] = []
         # Stand-in for the running ScheduleBatch: no batch runs here, so it stays empty.
-        self.running_batch = SimpleNamespace(reqs=[], batch_is_full=False)
+        self.running_batch = SimpleNamespace(reqs=[], batch_is_full=False, batch_size=lambda: 0)
         self.last_batch = None
         self.aborted_outputs: dict[str, float] = {}
 
@@ -407,8 +502,13 @@ class Instance:
             enable_dp_attention=topo["dp_attention"],
             disaggregation_bootstrap_port=int(cfg["bootstrap_port"]),
             page_size=self.page_size,
-            disable_radix_cache=True,
+            # Prefill runs without a radix cache; for decode SGLang's PD hook resolves it from
+            # --disaggregation-decode-enable-radix-cache (handle_pd_disaggregation: without it
+            # disable_radix_cache=True, with it False).
+            **({"disable_radix_cache": True} if self.role == "prefill" else {}),
+            disaggregation_decode_enable_radix_cache=self.role == "decode" and bool(cfg.get("decode_radix_cache")),
             num_reserved_decode_tokens=int(cfg.get("num_reserved_decode_tokens", 16)),
+            **({"disable_overlap_schedule": True} if cfg.get("disable_overlap_schedule") else {}),
             mem_fraction_static=0.5,
         )
         # As SGLang's launcher places a scheduler: the WORLD rank is the TP rank; under DP
@@ -450,29 +550,7 @@ class Instance:
             ratio = get_schedule().swa_full_tokens_ratio
             self.swa_tokens = int(self.pool_tokens * ratio) // self.page_size * self.page_size
         self._build_pools(par, dtype)
-        self.tree_cache = UnifiedRadixCache(
-            CacheInitParams(
-                disable=True,
-                req_to_token_pool=self.req_to_token_pool,
-                token_to_kv_pool_allocator=self.allocator,
-                page_size=self.page_size,
-                tp_cache_group=self.attn_tp_group,
-                attn_tp_cache_group=self.attn_tp_group,
-                attn_cp_cache_group=self.attn_cp_group,
-                enable_mamba_extra_buffer=get_exec().mamba.enable_mamba_extra_buffer,
-                enable_mamba_extra_buffer_lazy=get_exec().mamba.enable_mamba_extra_buffer_lazy,
-                sliding_window_size=self.sliding_window_size,
-                tree_components=tuple(
-                    c
-                    for c, on in (
-                        (ComponentType.FULL, True),
-                        (ComponentType.SWA, self.is_hybrid_swa),
-                        (ComponentType.MAMBA, self.is_hybrid_ssm),
-                    )
-                    if on
-                ),
-            )
-        )
+        self.tree_cache = self._build_tree_cache()
         self.bootstrap_server: Any = None
         self.registry_starter: threading.Thread | None = None
         delay = float(cfg.get("registry_delay", 0))
@@ -490,6 +568,51 @@ class Instance:
         self.sched.disaggregation_mode = self.mode
         self.sched.init_disaggregation()  # SGLang's own: metadata buffers, queues, KVArgs, manager
         self.free = self.free_counts()
+
+    def _build_tree_cache(self) -> Any:
+        """The tree cache as kv_cache_builder.build_kv_cache has SGLang's registry build it
+        (create_tree_cache: a UnifiedRadixCache with the FULL, and SWA or MAMBA, components),
+        disabled unless decode runs with --disaggregation-decode-enable-radix-cache, after
+        build_kv_cache's validate_decode_radix_cache in that mode."""
+        disagg, memory = get_disagg(), get_memory()
+        if disagg.disaggregation_decode_enable_radix_cache and self.mode == DisaggregationMode.DECODE:
+            validate_decode_radix_cache(
+                model_config=self.model_config,
+                token_to_kv_pool=self.kv_pool,
+                is_hybrid_swa=self.is_hybrid_swa,
+                enable_hierarchical_cache=memory.enable_hierarchical_cache,
+            )
+        params = CacheInitParams(
+            disable=memory.disable_radix_cache,
+            req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool_allocator=self.allocator,
+            page_size=self.page_size,
+            tp_cache_group=self.attn_tp_group,
+            attn_cp_cache_group=self.attn_cp_group,
+            attn_tp_cache_group=self.attn_tp_group,
+            eviction_policy=memory.radix_eviction_policy,
+            eviction_policy_config=memory.radix_eviction_policy_config,
+            enable_mamba_extra_buffer=get_exec().mamba.enable_mamba_extra_buffer,
+            enable_mamba_extra_buffer_lazy=get_exec().mamba.enable_mamba_extra_buffer_lazy,
+            chunked_prefill_size=get_schedule().chunked_prefill_size,
+            sliding_window_size=self.sliding_window_size,
+        )
+        ctx = TreeCacheBuildContext(
+            server_args=self.server_args,
+            params=params,
+            is_hybrid_swa=self.is_hybrid_swa,
+            # full-attention layers' tokens: 0 only for a pure-SWA model (PureSWARadixCache)
+            full_tokens_per_layer=self.pool_tokens,
+            is_hybrid_ssm=self.is_hybrid_ssm,
+            enable_hierarchical_cache=memory.enable_hierarchical_cache,
+            disable_radix_cache=memory.disable_radix_cache,
+            tp_worker=None,  # read only with HiCache or LMCache (neither here)
+            model_config=self.model_config,
+            tp_size=self.tp_size,
+            tp_rank=self.rank,
+            tp_group=self.world_group,
+        )
+        return create_tree_cache(ctx)
 
     def _build_pools(self, par: Any, dtype: torch.dtype) -> None:
         """The request pool, KV pool and allocator SGLang's KVCacheConfigurator builds for this
@@ -626,17 +749,22 @@ class Instance:
 
     def free_counts(self) -> dict[str, int]:
         """What is free in each pool: KV tokens (of the full-attention pool), request rows,
-        metadata slots, and SWA tokens or mamba slots where the model has them."""
-        a = self.allocator
+        metadata slots, and SWA tokens or mamba slots where the model has them. What decode's
+        radix tree holds unlocked (evictable: SGLang's allocation evicts it when it needs the
+        room) counts as free; what it holds locked does not."""
+        a, tree = self.allocator, self.tree_cache
         counts = {
-            "kv_tokens": a.full_available_size() if self.is_hybrid_swa else a.available_size(),
+            "kv_tokens": (a.full_available_size() if self.is_hybrid_swa else a.available_size())
+            + (tree.full_evictable_size() if self.is_hybrid_swa else tree.evictable_size()),
             "req_rows": self.req_to_token_pool.available_size(),
             "metadata_slots": self.sched.req_to_metadata_buffer_idx_allocator.available_size(),
         }
         if self.is_hybrid_swa:
-            counts["swa_tokens"] = a.swa_available_size()
+            counts["swa_tokens"] = a.swa_available_size() + tree.swa_evictable_size()
         if self.is_hybrid_ssm:
             counts["mamba_slots"] = self.req_to_token_pool.mamba_allocator.available_size()
+            if not tree.disable:
+                counts["mamba_slots"] += tree.mamba_evictable_size()
         return counts
 
     def _start_registry_after(self, delay: float) -> None:
@@ -693,41 +821,43 @@ class Instance:
 
     # -- content --------------------------------------------------------------------------------
 
-    def write_kv(self, room: int, locs: torch.Tensor, start: int, end: int, corrupt: str = "") -> None:
-        """What the model forward would do for tokens [start, end): write each full-attention
-        layer's KV, each sliding-window layer's KV at the tokens' SWA slots, and the request's
-        mamba state after ``end`` tokens (``corrupt``: "kv" writes another room's V into layer
-        1, "state" another room's into one state buffer, for the tests that show the checks bite)."""
+    def write_kv(self, keys: torch.Tensor, locs: torch.Tensor, start: int, end: int, corrupt: str = "") -> None:
+        """What the model forward would do for tokens [start, end) of a prompt (``keys``: its
+        ``token_keys``): write each full-attention layer's KV, and each sliding-window layer's KV
+        at the tokens' SWA slots (``corrupt``: "kv" writes another prompt's V into layer 1,
+        "state" another prompt's into one state buffer, for the tests that show the checks bite)."""
         positions = torch.arange(start, end)
+        keys = keys[start:end]
         for layer in self.kv_layers:
             if self.mla:
                 dim = KV_LORA_RANK + QK_ROPE_HEAD_DIM
                 self.kv_pool.get_key_buffer(layer)[locs] = kv_content(
-                    room, layer, positions, self.heads, dim, 2, self.dtype
+                    keys, layer, positions, self.heads, dim, 2, self.dtype
                 )
             else:
                 self.kv_pool.get_key_buffer(layer)[locs] = kv_content(
-                    room, layer, positions, self.heads, self.head_dim, 0, self.dtype
+                    keys, layer, positions, self.heads, self.head_dim, 0, self.dtype
                 )
                 bad = int(corrupt == "kv" and layer == 1)
                 self.kv_pool.get_value_buffer(layer)[locs] = kv_content(
-                    room + bad, layer, positions, self.heads, self.head_dim, 1, self.dtype
+                    keys + bad, layer, positions, self.heads, self.head_dim, 1, self.dtype
                 )
         if self.swa_layers:
             swa_locs = self.allocator.translate_loc_from_full_to_swa(locs.to(torch.int64))
             swa = self.kv_pool.swa_kv_pool
             for i, layer in enumerate(self.swa_layers):
                 k, v = swa.get_key_buffer(i), swa.get_value_buffer(i)
-                k[swa_locs] = kv_content(room, layer, positions, self.heads, self.head_dim, 0, self.dtype)
+                k[swa_locs] = kv_content(keys, layer, positions, self.heads, self.head_dim, 0, self.dtype)
                 bad = int(corrupt == "state" and i == len(self.swa_layers) - 1)
-                v[swa_locs] = kv_content(room + bad, layer, positions, self.heads, self.head_dim, 1, self.dtype)
+                v[swa_locs] = kv_content(keys + bad, layer, positions, self.heads, self.head_dim, 1, self.dtype)
 
-    def write_mamba(self, room: int, slot: int, tokens: int, corrupt: str = "") -> None:
+    def write_mamba(self, keys: torch.Tensor, slot: int, tokens: int, corrupt: str = "") -> None:
         """The state the forward leaves in the request's mamba slot after ``tokens`` tokens."""
         entries = self.mamba_entries()
+        key = int(keys[tokens - 1])
         for n, (_, t) in enumerate(entries):
             bad = int(corrupt == "state" and n == len(entries) - 1)
-            t[slot] = state_content(room + bad, n, self.shard, tokens, tuple(t.shape[1:]), t.dtype)
+            t[slot] = state_content(key + bad, n, self.shard, tokens, tuple(t.shape[1:]), t.dtype)
 
     def mamba_entries(self) -> list[tuple[str, torch.Tensor]]:
         """Every per-slot tensor of the mamba pool's state ([slots, ...] for one layer): each conv
@@ -749,10 +879,11 @@ class Instance:
         pool = self.req_to_token_pool
         return int(pool.translate_mamba_indices(pool.req_index_to_mamba_index_mapping[req.kv.req_pool_idx]))
 
-    def window_start(self, tokens: int) -> int:
-        """The first token of the SWA window SGLang transfers (page-aligned; no decode prefix)."""
+    def window_start(self, tokens: int, prefix: int = 0) -> int:
+        """The first token of the SWA window SGLang transfers (page-aligned; not before the
+        ``prefix`` decode holds already: _swa_payload on both sides)."""
         assert self.sliding_window_size is not None
-        return max(0, tokens - self.sliding_window_size) // self.page_size * self.page_size
+        return max(prefix, tokens - self.sliding_window_size) // self.page_size * self.page_size
 
     def kv_buffers(self) -> list[torch.Tensor]:
         if self.mla:
@@ -777,6 +908,40 @@ class Instance:
             pages |= {int(p) for p in (rows.nonzero().flatten() // self.page_size).unique().tolist()}
         return pages
 
+    def tree_held(self) -> dict[str, set[int]]:
+        """The pages (and SWA pages, mamba slots) decode's radix tree holds: what requests that
+        finished left cached (nothing while the cache is disabled)."""
+        tree = self.tree_cache
+        if tree.disable:
+            return {}
+        full = tree.all_values_flatten().to(torch.int64)
+        out = {"kv": {int(p) for p in (full // self.page_size).unique().tolist()}}
+        if self.swa_layers:
+            # The tree's SWA values are the full indices' SWA slots (0: outside the window kept).
+            swa = self.allocator.translate_swa_indices_for_transfer(full)
+            out["swa"] = {int(p) for p in (swa[swa > 0] // self.page_size).unique().tolist()}
+        if self.is_hybrid_ssm:
+            slots = self.req_to_token_pool.translate_mamba_indices(tree.all_mamba_values_flatten())
+            out["mamba"] = {int(x) for x in slots.tolist()}
+        return out
+
+    def zero_pools(self, keep: dict[str, set[int]]) -> None:
+        """Zero every KV page, SWA page and mamba slot but those in ``keep``."""
+
+        def page_rows(pages: set[int]) -> torch.Tensor:
+            first = torch.tensor(sorted(pages), dtype=torch.int64)[:, None] * self.page_size
+            return (first + torch.arange(self.page_size)[None, :]).flatten()
+
+        for buffers, kept in (
+            (self.kv_buffers(), page_rows(keep.get("kv", set()))),
+            (self.swa_buffers(), page_rows(keep.get("swa", set()))),
+            ([t for _, t in self.mamba_entries()], torch.tensor(sorted(keep.get("mamba", ())), dtype=torch.int64)),
+        ):
+            for buf in buffers:
+                saved = buf[kept].clone()
+                buf.zero_()
+                buf[kept] = saved
+
     def written_mamba_slots(self) -> set[int]:
         slots: set[int] = set()
         for _, t in self.mamba_entries():
@@ -795,8 +960,9 @@ class Instance:
             out["mamba"] = {self.mamba_slot(req)}
         return out
 
-    def verify_kv(self, room: int, locs: torch.Tensor) -> tuple[int, str]:
-        """Compare every element of the request's full-attention KV with the content prefill wrote."""
+    def verify_kv(self, keys: torch.Tensor, locs: torch.Tensor) -> tuple[int, str]:
+        """Compare every element of the request's full-attention KV (``keys``: its prompt's
+        ``token_keys``) with the content a prefill forward of the prompt writes."""
         positions = torch.arange(len(locs))
         checked = 0
         for layer in self.kv_layers:
@@ -810,16 +976,17 @@ class Instance:
                 ]
             for buf, kind, dim in parts:
                 got = buf[locs]
-                error = compare(got, kv_content(room, layer, positions, self.heads, dim, kind, self.dtype))
+                error = compare(got, kv_content(keys, layer, positions, self.heads, dim, kind, self.dtype))
                 if error:
                     return checked, f"layer {layer} {'KVL'[kind]}: {error}"
                 checked += got.numel() * got.element_size()
         return checked, ""
 
-    def verify_swa(self, room: int, locs: torch.Tensor) -> tuple[int, str]:
+    def verify_swa(self, keys: torch.Tensor, locs: torch.Tensor, prefix: int = 0) -> tuple[int, str]:
         """Every element of the request's SWA window (the sliding-window layers' K and V of the
-        last window tokens, page-aligned) at the SWA slots decode's allocator mapped them to."""
-        start = self.window_start(len(locs))
+        last window tokens, page-aligned, after decode's ``prefix``) at the SWA slots decode's
+        allocator mapped them to."""
+        start = self.window_start(len(locs), prefix)
         swa_locs = self.allocator.translate_swa_indices_for_transfer(locs[start:])
         if bool((swa_locs <= 0).any()):
             return 0, f"SWA window [{start}, {len(locs)}) not allocated: {swa_locs.tolist()[:8]}"
@@ -829,19 +996,19 @@ class Instance:
         for i, layer in enumerate(self.swa_layers):
             for buf, kind in ((swa.get_key_buffer(i), 0), (swa.get_value_buffer(i), 1)):
                 got = buf[swa_locs]
-                want = kv_content(room, layer, positions, self.heads, self.head_dim, kind, self.dtype)
+                want = kv_content(keys[start:], layer, positions, self.heads, self.head_dim, kind, self.dtype)
                 error = compare(got, want, first=start)
                 if error:
                     return checked, f"SWA layer {layer} {'KV'[kind]} (window from {start}): {error}"
                 checked += got.numel() * got.element_size()
         return checked, ""
 
-    def verify_mamba(self, room: int, slot: int, tokens: int) -> tuple[int, str]:
+    def verify_mamba(self, keys: torch.Tensor, slot: int, tokens: int) -> tuple[int, str]:
         """Every byte of the request's mamba slot, in every state tensor."""
         checked = 0
         for n, (label, t) in enumerate(self.mamba_entries()):
             got = t[slot]
-            want = state_content(room, n, self.shard, tokens, tuple(t.shape[1:]), t.dtype)
+            want = state_content(int(keys[tokens - 1]), n, self.shard, tokens, tuple(t.shape[1:]), t.dtype)
             error = compare(got.reshape(-1, 1), want.reshape(-1, 1), rows="elements", row="element")
             if error:
                 return checked, f"mamba {label} (slot {slot}): {error}"
@@ -862,7 +1029,7 @@ def new_req(spec: dict[str, Any], mode: DisaggregationMode, bootstrap_port: int)
     req = Req(
         spec["rid"],
         "",
-        prompt_ids(spec["room"], spec["prompt_len"]),
+        prompt_of(spec),
         params,
         return_logprob=True,
         top_logprobs_num=TOP_LOGPROBS,
@@ -1029,8 +1196,15 @@ def run_prefill(inst: Instance, specs: list[dict[str, Any]], timeout: float) -> 
             reason, at = FINISH_ABORT("aborted by the client (send_abort_output)"), s.aborted_outputs[rid]
         state, error = outcome_of(reason)
         results[rid] = {"state": state, "error": error, "at": at, **events[rid]}
-        if state == "timeout" and getattr(req, "disagg_kv_sender", None) is not None:
-            results[rid]["poll"] = int(req.disagg_kv_sender.poll())
+        sender = getattr(req, "disagg_kv_sender", None)
+        if state == "timeout" and sender is not None:
+            results[rid]["poll"] = int(sender.poll())
+        # What decode said it holds (finalize_bootstrap: the sends start there), and what the
+        # backend says went over the wire (SGLang's transfer metric, read as
+        # process_disagg_prefill_inflight_queue reads it).
+        results[rid]["decode_prefix_len"] = int(req.disagg_decode_prefix_len)
+        metric = sender.get_transfer_metric() if sender is not None else None
+        results[rid]["sent_bytes"] = metric.transfer_total_bytes if metric is not None else None
     return {"outcomes": results, "leaks": leaks(inst), "t0": t0, "longest_step_s": longest_step}
 
 
@@ -1069,9 +1243,10 @@ def forward_chunk(inst: Instance, req: Req, start: int, end: int, corrupt: str =
     batch._swa_eviction_trigger = lambda *args: ScheduleBatch._swa_eviction_trigger(batch, *args)
     batch._evict_swa = lambda *args, **kwargs: ScheduleBatch._evict_swa(batch, *args, **kwargs)
     out_cache_loc, _, _ = alloc_for_extend(batch)
-    inst.write_kv(req.bootstrap_room, out_cache_loc, start, end, corrupt)
+    keys = token_keys(req.origin_input_ids)
+    inst.write_kv(keys, out_cache_loc, start, end, corrupt)
     if inst.is_hybrid_ssm:
-        inst.write_mamba(req.bootstrap_room, inst.mamba_slot(req), end, corrupt)
+        inst.write_mamba(keys, inst.mamba_slot(req), end, corrupt)
 
 
 def finish_prefill(inst: Instance, req: Req) -> None:
@@ -1108,9 +1283,10 @@ def run_decode(inst: Instance, specs: list[dict[str, Any]], timeout: float) -> d
         events[spec["rid"]] = {}
     # A clean pool: afterwards, any page (or SWA page, or mamba slot) that holds data and was not
     # announced as a request's destination is a write that landed where no request of this run
-    # was told to expect it.
-    for buf in inst.kv_buffers() + inst.swa_buffers() + [t for _, t in inst.mamba_entries()]:
-        buf.zero_()
+    # was told to expect it. What decode's radix tree holds (what earlier requests left cached,
+    # with --disaggregation-decode-enable-radix-cache) keeps its content: a request may reuse it.
+    held = inst.tree_held()
+    inst.zero_pools(keep=held)
     for spec in specs:  # the controls for the check above
         if spec.get("stray_write") is True:
             inst.kv_buffers()[-1][0] = 1  # slot 0: the padding page, never handed to a request
@@ -1118,7 +1294,7 @@ def run_decode(inst: Instance, specs: list[dict[str, Any]], timeout: float) -> d
             # SWA slot 0 (the padding page) or mamba slot 0 (the dummy slot): never a request's
             for buf in inst.swa_buffers()[-1:] + [t for _, t in inst.mamba_entries()[-1:]]:
                 buf[0] = 1
-    given: dict[str, set[int]] = {"kv": set(), "swa": set(), "mamba": set()}
+    given: dict[str, set[int]] = {pool: set(held.get(pool, ())) for pool in ("kv", "swa", "mamba")}
 
     def announced(req: Req) -> None:
         for pool, where in inst.destinations(req).items():
@@ -1131,7 +1307,12 @@ def run_decode(inst: Instance, specs: list[dict[str, Any]], timeout: float) -> d
         # -- event_loop_normal_disagg_decode, one iteration (decode.py:3123) --------------------
         pq.prefetch_prefill_dp_rank_queries()
         # ingest_requests: what the router sent this rank (a request may arrive late).
-        due_in = [time.time() - t0 >= float(spec.get("decode_delay", 0)) for spec in arriving]
+        # ``decode_after``: only once those requests concluded here (their KV is in decode's tree).
+        due_in = [
+            time.time() - t0 >= float(spec.get("decode_delay", 0))
+            and all(rid in results or rid in streamer.finished for rid in spec.get("decode_after", ()))
+            for spec in arriving
+        ]
         for spec, ok in zip(list(arriving), consensus.all(due_in), strict=True):
             if ok:
                 arriving.remove(spec)
@@ -1159,14 +1340,11 @@ def run_decode(inst: Instance, specs: list[dict[str, Any]], timeout: float) -> d
         s.process_decode_queue()  # SGLang's: pop_preallocated -> transfer queue -> pop_transferred
         for decode_req in tq.queue:  # pages announced (a request that fails later got writes too)
             announced(decode_req.req)
-        # Transferred requests wait for a prebuilt batch; this harness checks them instead.
+        # Transferred requests wait for a prebuilt batch: checked here first, then run through it.
         for req in s.waiting_queue:
             results[req.rid] = verify_decode(inst, req)
             announced(req)
-            # What the end of the request does (process_batch_result_decode -> release_kv_cache).
-            req.finished_reason = FINISH_LENGTH(length=0)
-            release_kv_cache(req, inst.tree_cache, checkpoint=False)
-        s.waiting_queue = []
+        run_prebuilt(inst)
         # When a failed request's pages went back (at once, or after SGLang's deferred release).
         for rid, req in reqs.items():
             if rid in streamer.finished and "released" not in events[rid] and not req.kv.holds_kv:
@@ -1193,12 +1371,25 @@ def run_decode(inst: Instance, specs: list[dict[str, Any]], timeout: float) -> d
                 if d.metadata_buffer_index >= 0:
                     results[rid]["aux_room"] = int(tq.metadata_buffers.bootstrap_room[d.metadata_buffer_index, 0])
         results[rid].update(events[rid])
+    # What the tree holds now was a request's (KV, SWA pages), or is the tree's own copy of a
+    # request's mamba state (its insert forks the slot): SGLang wrote it, not a transfer.
+    for pool, cached in inst.tree_held().items():
+        given[pool] |= cached
     stray = sorted(inst.written_pages() - given["kv"])
     stray_state = {}
     if inst.swa_layers:
         stray_state["swa_pages"] = sorted(inst.written_pages(inst.swa_buffers()) - given["swa"])
     if inst.is_hybrid_ssm:
-        stray_state["mamba_slots"] = sorted(inst.written_mamba_slots() - given["mamba"])
+        dirty = inst.written_mamba_slots() - given["mamba"]
+        if not inst.tree_cache.disable:
+            # The tree forks an unfinished request's state into a slot of its own (its checkpoint
+            # from process_prebuilt) and frees the fork when the finished request's own slot, or
+            # another node, supersedes it: a slot holding exactly the state a delivered request
+            # ended with is such a copy, made by SGLang on this side.
+            delivered = [r for rid, r in reqs.items() if results.get(rid, {}).get("state") == "success"]
+            states = [(token_keys(r.origin_input_ids), len(r.origin_input_ids)) for r in delivered]
+            dirty = {slot for slot in dirty if all(inst.verify_mamba(k, slot, n)[1] for k, n in states)}
+        stray_state["mamba_slots"] = sorted(dirty)
     return {
         "outcomes": results,
         "leaks": leaks(inst),
@@ -1206,24 +1397,52 @@ def run_decode(inst: Instance, specs: list[dict[str, Any]], timeout: float) -> d
         "longest_step_s": longest_step,
         "stray_pages": stray[:20],
         "stray_page_count": len(stray),
+        # what decode's radix tree holds (unlocked, so not counted by ``leaks``) after the run
+        "tree_tokens": 0 if inst.tree_cache.disable else int(inst.tree_cache.evictable_size()),
         # pages/slots of the state pools written that no request was given
         "stray_state": {k: (len(v), v[:20]) for k, v in stray_state.items()},
     }
 
 
+def run_prebuilt(inst: Instance) -> None:
+    """What decode's event loop does with the transferred requests in its waiting queue, SGLang's
+    own code but for the forward: get_new_prebuilt_batch (_get_new_prebuilt_batch:
+    init_next_round_input, ScheduleBatch.init_new, prepare_for_prebuilt; then process_prebuilt,
+    which with the radix cache checkpoints each prompt into decode's tree), run_batch (a
+    PREBUILT batch runs no forward), and process_batch_result_prebuilt: a request whose
+    max_new_tokens the token from prefill reached finishes there (release_kv_cache with
+    checkpoint=True: the tree keeps its prompt's whole pages). No decode batch runs here: a
+    request with tokens left to generate ends as its last decode step would end it
+    (_handle_finish_state_updated_req -> release_kv_cache(checkpoint=True)), without them."""
+    s: DecodeScheduler = inst.sched
+    while s.waiting_queue:
+        batch = s.get_new_prebuilt_batch(s.running_batch)
+        if batch is None:
+            break
+        s.batch_result_processor.process_batch_result_prebuilt(batch)
+        for req in batch.reqs:
+            if not req.finished():
+                req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
+                release_kv_cache(req, inst.tree_cache, checkpoint=True)
+
+
 def verify_decode(inst: Instance, req: Req) -> dict[str, Any]:
-    """Every KV byte of the request, every byte of its state (the SWA window, the mamba slot),
-    and what _commit_transfer_to_req read from its aux row."""
+    """Every KV byte of the request's whole prompt (with a decode-side prefix: the prefix pages
+    its radix tree gave, and the pages that came over the wire), every byte of its state (the
+    SWA window, the mamba slot), and what _commit_transfer_to_req read from its aux row."""
     room = req.bootstrap_room
     n = len(req.origin_input_ids)
+    # What decode's DecodePreallocQueue promised prefill as decode_prefix_len (its tree's match).
+    prefix = int(req.kv.cache_protected_len or 0)
+    keys = token_keys(req.origin_input_ids)
     locs = inst.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n].to(torch.int64)
-    kv_bytes, error = inst.verify_kv(room, locs)
+    kv_bytes, error = inst.verify_kv(keys, locs)
     state_bytes = 0
     if inst.swa_layers:
-        state_bytes, state_error = inst.verify_swa(room, locs)
+        state_bytes, state_error = inst.verify_swa(keys, locs, prefix)
         error = error or state_error
     if inst.is_hybrid_ssm:
-        state_bytes, state_error = inst.verify_mamba(room, inst.mamba_slot(req), n)
+        state_bytes, state_error = inst.verify_mamba(keys, inst.mamba_slot(req), n)
         error = error or state_error
     aux = {
         "output_id": int(req.output_ids[-1]) if req.output_ids else None,
@@ -1251,14 +1470,23 @@ def verify_decode(inst: Instance, req: Req) -> dict[str, Any]:
         "kv_bytes": kv_bytes,
         "state_bytes": state_bytes,
         "tokens": n,
+        "decode_prefix_len": prefix,
         "aux": aux,
         "at": time.time(),
     }
 
 
 def leaks(inst: Instance) -> dict[str, int]:
-    """What is still allocated once every request concluded (all of it must be back)."""
-    return {k: inst.free[k] - n for k, n in inst.free_counts().items()}
+    """What is still allocated once every request concluded (all of it must be back; what
+    decode's radix tree holds unlocked is not allocated to anyone, what it holds locked, a
+    request's lock never released, is a leak: ``tree_locked_tokens``)."""
+    out = {k: inst.free[k] - n for k, n in inst.free_counts().items()}
+    tree = inst.tree_cache
+    if not tree.disable:
+        out["tree_locked_tokens"] = int(tree.protected_size()) + (
+            int(tree.swa_protected_size()) if inst.swa_layers else 0
+        )
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1064,6 +1064,22 @@ def test_expect_state_items_malformed_or_unregistered_fail_only_their_transfer(r
     rig.check("bad state items")
 
 
+def test_an_announcement_whose_state_is_not_packed_arrays_is_refused_not_kept(rig_factory: Callable[..., Rig]) -> None:
+    """A state entry that is not packed int64 could be any amount of memory (a list of half a
+    million integers fits a 4 MiB frame): what the victim keeps of such an early announcement
+    is a few bytes, and the sender that registers later fails with the reason."""
+    rig = rig_factory("fake", private=False)
+    s = rig.session("hoarder")
+    rig.send(s.attacker, [message("expect", tag="lists", pages=u64s(1), aux=-1, prefix=0, state=[[0] * 500_000])])
+    rig.sync(s.attacker, "an expect with a list of integers as state", timeout=30)
+    stats = rig.victim.ok("stats")["stats"]
+    assert stats["early_expects"] == 1 and stats["early_expect_bytes"] < 1024, stats
+    rig.victim.call("send", conn=s.index, transfers={"lists": [[]]}, timeout=1)
+    state = rig.victim.ok("state", tags=["lists"])["states"]["lists"]
+    assert state[:2] == ["FAILED", "InvalidPages"] and "packed int64" in state[2], state
+    rig.check("an expect with a list of integers as state")
+
+
 @pytest.mark.parametrize("aux", [AUX, 2**62 - 1, 2**64 - 1])
 def test_early_expect_with_a_bad_aux_does_not_hang_the_victims_sender(
     aux: int, rig_factory: Callable[..., Rig]

@@ -8,12 +8,19 @@ SGLang's MIN all-reduce. The only stand-ins are the model forward (it writes det
 the tokenizer/detokenizer IPC and the CUDA-only pieces; see the worker's docstring.
 
 Every byte of every request's KV (each layer's K and V, or MLA's latent) and its aux row is checked
-on the decode side against content both sides compute from the room, and both sides must hand
-every page, request row and metadata slot back. Models with state buffers, built with SGLang's
-own pools: a hybrid sliding-window model (tiny gpt-oss: ``SWAKVPool``; the window SGLang's
+on the decode side against content both sides compute from the prompt's tokens, and both sides
+must hand every page, request row and metadata slot back. Models with state buffers, built with
+SGLang's own pools: a hybrid sliding-window model (tiny gpt-oss: ``SWAKVPool``; the window SGLang's
 ``_swa_payload`` names moves into decode's SWA tail pages) and a hybrid linear-attention model
 (tiny Qwen3-Next: ``HybridLinearKVPool`` over a ``MambaPool``; the request's mamba slot moves in
 every state tensor), each byte checked, and every SWA page and mamba slot handed back too.
+
+With decode's radix cache (``--disaggregation-decode-enable-radix-cache``, SGLang's enabled
+``UnifiedRadixCache`` on decode) a request that finished leaves its prompt in decode's tree, and a
+later request that starts with the same tokens gets those pages from it: decode announces
+``decode_prefix_len``, prefill sends only what follows (checked with the backend's transfer
+metric), and decode checks every byte of the whole prompt, the cached prefix included; what the
+tree keeps unlocked is not a leak, anything else is.
 
 One cluster of processes per topology (TP 1, TP 2, DP attention 2) serves all the cases of that
 topology: a case reconfigures the instances (page size, MLA, driver, timeouts) without a new
@@ -215,6 +222,8 @@ class Outcome:
     stray_pages: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
     #: decode rank -> state pool ("swa_pages", "mamba_slots") -> the same, for state pools
     stray_state: dict[str, dict[str, tuple[int, list[int]]]] = field(default_factory=dict)
+    #: decode rank -> tokens its radix tree holds after the run (with decode_radix_cache)
+    tree_tokens: dict[str, int] = field(default_factory=dict)
     wall_s: float = 0.0
     killed_at: float = 0.0  # when the prefill processes were killed (wall clock)
 
@@ -278,16 +287,23 @@ class Cluster:
         driver: str = DRIVER,
         pool_tokens: int = 16384,
         registry_delay: float = 0,
+        decode_radix_cache: bool = False,
+        disable_overlap_schedule: bool = False,
         **env: str,
     ) -> None:
         """``model``: "llama" (MHA, or MLA with ``mla``), "swa" (hybrid sliding-window
-        attention) or "mamba" (hybrid linear attention)."""
+        attention) or "mamba" (hybrid linear attention). ``decode_radix_cache``: the decode
+        instance runs with ``--disaggregation-decode-enable-radix-cache``;
+        ``disable_overlap_schedule``: both with ``--disable-overlap-schedule``. The other
+        keywords are environment variables of every rank."""
         want = {
             "page_size": page_size,
             "mla": mla,
             "model_path": str(self.models[model]),
             "pool_tokens": pool_tokens,
             "registry_delay": registry_delay,
+            "decode_radix_cache": decode_radix_cache,
+            "disable_overlap_schedule": disable_overlap_schedule,
             "env": {"KVTRANSPORT_DRIVER": driver, **FAST, **env},
         }
         if any(r.proc.poll() is not None for r in self.ranks):
@@ -347,6 +363,7 @@ class Cluster:
                 if r.role == "decode":
                     out.stray_pages[r.name] = (answer["stray_page_count"], answer["stray_pages"])
                     out.stray_state[r.name] = {k: tuple(v) for k, v in answer["stray_state"].items()}
+                    out.tree_tokens[r.name] = answer["tree_tokens"]
         out.wall_s = time.monotonic() - t0
         if kill_prefill_after:
             self.stop()  # the next configure starts every rank afresh
@@ -929,6 +946,196 @@ def test_aborts_with_state_give_every_slot_back(tp1: Cluster, model: str) -> Non
     _failed_promptly(tp1, out.decode[reqs[4]["rid"]], p["abort"])
     _pages_back_promptly(tp1, out.decode[reqs[4]["rid"]])
     assert_all_delivered(tp1, out, reqs, failed=frozenset(reqs[i]["rid"] for i in (1, 2, 4)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode-side radix cache (--disaggregation-decode-enable-radix-cache): decode_prefix_len > 0
+# ---------------------------------------------------------------------------------------------
+
+
+def prefix_requests(
+    cluster: Cluster, seed_len: int, cases: list[tuple[int, int]], **extra: Any
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A request that leaves ``seed_len`` tokens of a fresh prompt in decode's radix tree (it
+    finishes on decode with the token prefill sampled: max_new_tokens 1), and for each case
+    ``(prompt_len, shared)`` a request whose prompt starts with the first ``shared`` tokens of
+    it, sent to decode once the first one concluded there (so its prefix is in the tree)."""
+    seed = cluster.room()
+    first = {"rid": f"p{seed}", "room": cluster.room(), "prompt_len": seed_len, "shared_prefix": [seed, seed_len]}
+    first["max_new_tokens"] = 1
+    followers = []
+    for i, (n, shared) in enumerate(cases):
+        room = cluster.room()
+        spec = {"rid": f"s{room}-{n}-{shared}", "room": room, "prompt_len": n, "shared_prefix": [seed, shared]}
+        # Alternately finished by process_batch_result_prebuilt and as a last decode step would.
+        followers.append({**spec, "max_new_tokens": 1 + 3 * (i % 2), "decode_after": [first["rid"]], **extra})
+    return first, followers
+
+
+def wire_bytes(tokens: int, prefix: int, prefill_rank: Rank, page_size: int) -> int:
+    """What prefill's transfer metric must count for a request after decode's ``prefix``: the
+    whole pages from the prefix on in every KV buffer (item lengths are a page's), the aux row,
+    and the state: the pages of the SWA window (from max(prefix, tokens - window),
+    page-aligned), or the request's mamba slot (all of it, whatever decode holds)."""
+    info = prefill_rank.info
+    pages = -(-(tokens - prefix) // page_size)
+    total = pages * sum(info["kv_item_lens"]) + sum(info["aux_item_lens"])
+    for kind, lens in zip(info["state_types"], info["state_item_lens"], strict=True):
+        if kind == "SWA":
+            start = max(prefix, tokens - int(info["sliding_window_size"])) // page_size * page_size
+            total += -(-(tokens - start) // page_size) * sum(lens)
+        else:
+            assert kind == "MAMBA", kind
+            total += sum(lens)
+    return int(total)
+
+
+def assert_prefix_reused(
+    cluster: Cluster, out: Outcome, first: dict[str, Any], followers: list[dict[str, Any]], want: list[int]
+) -> None:
+    """Everything arrived byte for byte, the whole prompt of every request (the prefix pages
+    decode's tree gave, filled by the first request, and the pages prefill sent); decode
+    promised prefill ``want[i]`` tokens for follower i (none for the first), prefill read that
+    as decode_prefix_len and its transfer carried only the pages after it; nothing stray,
+    nothing leaked (what the tree keeps unlocked aside), and the tree holds the prompts."""
+    reqs = [first, *followers]
+    assert_all_delivered(cluster, out, reqs)
+    with cluster.explain():
+        for req, prefix in zip(reqs, [0, *want], strict=True):
+            for side in (out.prefill, out.decode):
+                got = [o["decode_prefix_len"] for o in side[req["rid"]]]
+                assert got == [prefix] * len(got), show(req, side[req["rid"]], prefix)
+            for o in out.prefill[req["rid"]]:
+                rank = next(r for r in cluster.prefill if r.name == o["rank"])
+                expected = wire_bytes(req["prompt_len"], prefix, rank, cluster.page_size)
+                assert o["sent_bytes"] == expected, show(req, o, expected)
+        cached = first["prompt_len"] // cluster.page_size * cluster.page_size
+        assert all(n >= cached for n in out.tree_tokens.values()), show(out.tree_tokens)
+
+
+CACHED_LEN = 160
+#: (prompt length, tokens shared with the cached prompt) and the prefix decode's tree matches: a
+#: prefix of whole pages, a prompt that shares a non page-aligned 40 or 100 tokens (SGLang's tree
+#: matches whole pages: 32, 96, and prefill sends from the page the shared tokens end in), a
+#: prompt of exactly the cached pages (decode holds all of it: prefill sends no page, only the
+#: aux row), one that is all cached but for its last, partial page, and a chunked one (below).
+PREFIX_CASES = [(200, 160), (100, 40), (140, 100), (96, 96), (170, 160), (230, 160)]
+PREFIX_WANT = [160, 32, 96, 96, 160, 160]
+
+
+@pytest.mark.parametrize("driver", ["nixl-ucx", "mooncake-gdr"])
+def test_decode_radix_cache_prefix_is_not_sent_again(tp1: Cluster, driver: str) -> None:
+    """Decode's radix tree (SGLang's UnifiedRadixCache, enabled) holds the prompt of a request it
+    finished (release_kv_cache -> tree insert). Requests whose prompts start with it are matched
+    by DecodePreallocQueue (_match_prefix_and_lock), get pages only after the prefix
+    (_pre_alloc), and announce decode_prefix_len; SGLang's prefill sends only what follows it
+    (finalize_bootstrap -> start_send_idx), also chunked (the chunks before the prefix send
+    nothing). Decode then checks every byte of each whole prompt."""
+    tp1.configure(driver=driver, decode_radix_cache=True)
+    first, followers = prefix_requests(tp1, CACHED_LEN, PREFIX_CASES)
+    followers[-1]["chunks"] = [60, 170, 230]  # the first chunk ends inside the prefix, the second a page after it
+    out = tp1.run([first, *followers])
+    assert_prefix_reused(tp1, out, first, followers, PREFIX_WANT)
+
+
+def test_decode_radix_cache_prefix_with_page_size_1(tp1: Cluster) -> None:
+    """Page size 1: decode's tree matches to the token, so decode_prefix_len need not be a
+    multiple of anything (37, 101), and a prompt decode holds whole leaves prefill nothing to
+    send but the aux row."""
+    tp1.configure(page_size=1, decode_radix_cache=True)
+    first, followers = prefix_requests(tp1, 120, [(90, 37), (150, 101), (120, 120), (64, 64)])
+    out = tp1.run([first, *followers])
+    assert_prefix_reused(tp1, out, first, followers, [37, 101, 120, 64])
+
+
+#: TINY_GPT_OSS (window 48): decode allocates the SWA tail fresh and matches only what lies
+#: before it (_match_prefix_and_lock's max_prefix_len: with the radix cache the tail starts at
+#: page_floor(len - 1 - window), _swa_tail_len), and SGLang's unified tree takes a match point only
+#: where the sliding-window KV of the window before it is still in the tree (the first request's
+#: decode held SWA KV only for its tail, [96, 160)).
+SWA_PREFIX_CASES = [(200, 160), (220, 160), (220, 150), (100, 40), (160, 160)]
+#: 200: capped at 144 (its tail starts there); 220: capped at 160; 150 shared: page floor 144;
+#: 40 shared: a match at 32 would need SWA KV of [0, 32), never held: none; 160 of 160: capped
+#: at 96, whose window [48, 96) was never held either: none.
+SWA_PREFIX_WANT = [144, 160, 144, 0, 0]
+
+
+def test_decode_radix_cache_prefix_with_hybrid_swa(tp1: Cluster) -> None:
+    """A hybrid sliding-window model (gpt-oss) with decode's radix cache (SGLang allows it:
+    validate_decode_radix_cache; the tree gets the FULL and SWA components): the full-attention
+    prefix comes from the tree, the SWA window is transferred fresh into newly allocated tail
+    pages (_swa_payload on both sides starts it at max(decode_prefix_len, len - window))."""
+    tp1.configure(model="swa", decode_radix_cache=True)
+    first, followers = prefix_requests(tp1, CACHED_LEN, SWA_PREFIX_CASES)
+    out = tp1.run([first, *followers])
+    assert_prefix_reused(tp1, out, first, followers, SWA_PREFIX_WANT)
+
+
+#: A hybrid linear-attention model's tree matches only where it holds a mamba state: the end of
+#: the cached prompt (with SGLang's no_buffer strategy, no state is kept inside a prompt).
+MAMBA_PREFIX_CASES = [(90, 37), (150, 101), (120, 120), (150, 120)]
+MAMBA_PREFIX_WANT = [0, 0, 120, 120]
+
+
+def test_decode_radix_cache_prefix_with_mamba(tp1: Cluster) -> None:
+    """A hybrid linear-attention model (Qwen3-Next) with decode's radix cache, as SGLang allows
+    it on this platform: its mamba radix cache resolves to the no_buffer strategy only with
+    page size 1 and --disable-overlap-schedule (extra_buffer needs CUDA-like state snapshots).
+    A prefix match copies the tree's state into the request's slot (copy-on-write); prefill
+    still sends the whole state after the last token, and only the KV after the prefix."""
+    tp1.configure(model="mamba", page_size=1, decode_radix_cache=True, disable_overlap_schedule=True)
+    first, followers = prefix_requests(tp1, 120, MAMBA_PREFIX_CASES)
+    out = tp1.run([first, *followers])
+    assert_prefix_reused(tp1, out, first, followers, MAMBA_PREFIX_WANT)
+
+
+def test_decode_radix_cache_evicts_for_room(tp1: Cluster) -> None:
+    """Decode's tree gives pages back when decode needs the room: three prompts in turn leave
+    288 tokens each in the tree of a 1024-token pool; a fourth request of 300 tokens does not
+    fit beside them, and SGLang's _pre_alloc evicts (evict_for_alloc) the least recently used
+    one. A request sharing that evicted prompt then gets no prefix, one sharing the last
+    prompt gets its 288 tokens; every byte arrives and the accounting holds (evicted pages are
+    the allocator's again, nothing leaked)."""
+    tp1.configure(pool_tokens=SMALL_POOL, decode_radix_cache=True)
+    cached = [prefix_requests(tp1, 300, [])[0] for _ in range(3)]
+    for before, after in itertools.pairwise(cached):
+        after["decode_after"] = [before["rid"]]
+    (needs_room,) = requests(tp1, [300], decode_after=[cached[-1]["rid"]], max_new_tokens=1)
+    late = []
+    for source in (cached[0], cached[-1]):
+        room = tp1.room()
+        spec = {"rid": f"l{room}", "room": room, "prompt_len": 320, "shared_prefix": source["shared_prefix"]}
+        late.append({**spec, "decode_after": [needs_room["rid"]]})
+    out = tp1.run([*cached, needs_room, *late])
+    assert_prefix_reused(tp1, out, cached[0], [*cached[1:], needs_room, *late], [0, 0, 0, 0, 288])
+
+
+def test_decode_radix_cache_prefix_with_tp2(tp2: Cluster) -> None:
+    """TP 2 on both sides: each decode rank's own tree holds its heads of the cached prompt,
+    both match the same prefix (SGLang's tree calls are rank-consensus), and each prefill rank
+    sends its heads of the pages after it."""
+    tp2.configure(decode_radix_cache=True)
+    first, followers = prefix_requests(tp2, CACHED_LEN, PREFIX_CASES[:3])
+    out = tp2.run([first, *followers])
+    assert_prefix_reused(tp2, out, first, followers, PREFIX_WANT[:3])
+
+
+def test_decode_radix_cache_the_prefix_bytes_are_checked(tp1: Cluster) -> None:
+    """The control: the request whose prompt decode's tree keeps had another prompt's V written
+    into layer 1 by its prefill forward; the request that reuses its prefix from the tree must
+    fail decode's check within that prefix (pages prefill never sent it)."""
+    tp1.configure(decode_radix_cache=True)
+    first, (follower,) = prefix_requests(tp1, 64, [(100, 64)])
+    first["prefill_corrupt"] = True
+    out = tp1.run([first, follower])
+    with tp1.explain():
+        (d,), (f,) = out.decode[first["rid"]], out.decode[follower["rid"]]
+        assert d["state"] == "corrupt" and "layer 1 V" in d["error"], show(d)
+        assert f["state"] == "corrupt" and f["decode_prefix_len"] == 64, show(f)
+        where = re.search(r"first at position (\d+)", f["error"])
+        assert where is not None and "layer 1 V" in f["error"] and int(where.group(1)) < 64, show(f)
+        assert out.prefill[follower["rid"]][0]["decode_prefix_len"] == 64, show(out.prefill)
+    assert_no_leaks(out)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -182,3 +182,24 @@ def test_an_abort_of_one_part_fails_every_source(deployments: list[Deployment]) 
     dep.prefill[p0].call("send", conn=k0, transfers={"a.d0": []}, timeout=5)
     other = dep.prefill[p0].call("wait", tags=["a.d0"], timeout=10)["states"]["a.d0"]
     assert other[0] == "FAILED", f"prefill rank 0's part of a failed request: {other}"
+
+
+@pytest.mark.engines
+def test_a_destination_announced_to_the_wrong_ranks_is_refused_before_anything_moves(
+    deployments: list[Deployment],
+) -> None:
+    """Decode rank 0 of TP 2 is fed by prefill ranks 0 and 1 of TP 4: announcing to only one of
+    them, to prefill rank 3 (which feeds decode rank 1), or giving the aux slot to a source that
+    does not send it is refused at once, so no request can succeed with heads or aux missing."""
+    require_engines()
+    dep = deploy("nixl-ucx", 4, 2, 4, False)
+    deployments.append(dep)
+    decode = dep.decode[0]
+    with pytest.raises(RuntimeError, match=r"receives from prefill ranks \[0, 1\]"):
+        decode.call("expect_from", conns=[1], transfers={"x.d0": [1]})
+    decode.call("connect", address=dep.prefill[3].address, timeout=20)
+    dep.prefill[3].call("accept", timeout=20)
+    with pytest.raises(RuntimeError, match="not one of this rank's sources"):
+        decode.call("expect", conn=2, transfers={"y.d0": [1]})
+    with pytest.raises(RuntimeError, match="first source only"):
+        decode.call("expect", conn=1, transfers={"z.d0": [1]}, aux={"z.d0": 0})

@@ -214,7 +214,7 @@ def regions_of(args: KVArgs, kind: MemoryKind) -> RegionSet:
         value = getattr(args, name, None) or []
         return [int(x) for group in value for x in (group if isinstance(group, list | tuple) else [group])]
 
-    groups = [len(g) for g in getattr(args, "state_data_ptrs", None) or []]
+    groups = [len(g) if isinstance(g, list | tuple) else 1 for g in getattr(args, "state_data_ptrs", None) or []]
 
     return RegionSet.from_kv_args(
         [int(p) for p in args.kv_data_ptrs],

@@ -14,7 +14,9 @@ U64 = npt.NDArray[np.uint64]
 
 class CopyEngine(Protocol):
     """Copies pieces between KV memory and the host ring; ``copy`` returns when every byte is
-    in place (for device copies: when the stream's work has completed)."""
+    in place (for device copies: when the stream's work has completed). No piece's
+    destination overlaps another piece's source (KV memory to ring, or ring to KV memory), so
+    the pieces may be copied in any order or together."""
 
     name: str
 

@@ -177,6 +177,8 @@ def test_chunked_send_with_aux(pair: Pair) -> None:
         time.sleep(0.001)
     t.send(list(range(0, 15)), last=False)
     t.send(list(range(15, 30)), last=False)
+    with pytest.raises(InvalidPages, match="must carry one"):
+        t.send(list(range(30, 40)), last=True)  # the receiver announced an aux slot
     t.send(list(range(30, 40)), last=True, aux=2)
     assert t.wait(30) is State.SUCCESS
     assert pair.peer.call("wait", tags=["aux"])["states"]["aux"][0] == "SUCCESS"
