@@ -121,22 +121,12 @@ def plan(
     Raises :class:`InvalidPages` (and plans nothing) for mismatched lengths, indices outside
     either side's regions, duplicate destination pages, or region pairs whose page sizes differ.
     """
-    src = as_pages(src_pages, "source")
-    dst = as_pages(dst_pages, "destination")
-    if src.shape != dst.shape:
-        raise InvalidPages(f"{src.size} source pages but {dst.size} destination pages; they pair one to one")
-    if len(src_regions) != len(dst_regions):
-        raise InvalidPages(f"{len(src_regions)} source regions but {len(dst_regions)} destination regions")
     if max_run_bytes is not None and max_run_bytes <= 0:
         raise ValueError("max_run_bytes must be positive")
-    if src.size == 0 or not src_regions:
+    pair = _checked_pairs(src_regions, dst_regions, src_pages, dst_pages, same_pages=True)
+    if pair is None:
         return Runs.empty()
-    for i, (s, d) in enumerate(zip(src_regions, dst_regions, strict=True)):
-        if s.item_len != d.item_len:
-            raise InvalidPages(f"region {i}: page of {s.item_len} bytes at the source, {d.item_len} at the destination")
-    check_pages(src, min(r.num_items for r in src_regions), "source")
-    check_pages(dst, min(r.num_items for r in dst_regions), "destination")
-    check_unique(dst, "destination")
+    src, dst = pair
 
     if src.size <= SMALL:
         return _plan_small(src_regions, dst_regions, src.tolist(), dst.tolist(), max_run_bytes)
@@ -162,6 +152,37 @@ def plan(
             )
         )
     return Runs.concat(parts)
+
+
+def _checked_pairs(
+    src_regions: Sequence[Region],
+    dst_regions: Sequence[Region],
+    src_pages: Any,
+    dst_pages: Any,
+    *,
+    same_pages: bool,
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None:
+    """Both sides' page indices, checked (one to one, inside both sides' regions, no
+    destination twice, and with ``same_pages`` equal page sizes region by region); ``None``
+    when there is nothing to plan."""
+    src = as_pages(src_pages, "source")
+    dst = as_pages(dst_pages, "destination")
+    if src.shape != dst.shape:
+        raise InvalidPages(f"{src.size} source pages but {dst.size} destination pages; they pair one to one")
+    if len(src_regions) != len(dst_regions):
+        raise InvalidPages(f"{len(src_regions)} source regions but {len(dst_regions)} destination regions")
+    if src.size == 0 or not src_regions:
+        return None
+    if same_pages:
+        for i, (s, d) in enumerate(zip(src_regions, dst_regions, strict=True)):
+            if s.item_len != d.item_len:
+                raise InvalidPages(
+                    f"region {i}: page of {s.item_len} bytes at the source, {d.item_len} at the destination"
+                )
+    check_pages(src, min(r.num_items for r in src_regions), "source")
+    check_pages(dst, min(r.num_items for r in dst_regions), "destination")
+    check_unique(dst, "destination")
+    return src, dst
 
 
 def _plan_small(
@@ -275,17 +296,10 @@ def plan_heads(
                 )
     if count == src_heads == dst_heads:
         return plan(src_regions, dst_regions, src_pages, dst_pages, max_run_bytes=max_run_bytes)
-    src = as_pages(src_pages, "source")
-    dst = as_pages(dst_pages, "destination")
-    if src.shape != dst.shape:
-        raise InvalidPages(f"{src.size} source pages but {dst.size} destination pages; they pair one to one")
-    if len(src_regions) != len(dst_regions):
-        raise InvalidPages(f"{len(src_regions)} source regions but {len(dst_regions)} destination regions")
-    if src.size == 0 or not src_regions:
+    pair = _checked_pairs(src_regions, dst_regions, src_pages, dst_pages, same_pages=False)
+    if pair is None:
         return Runs.empty()
-    check_pages(src, min(r.num_items for r in src_regions), "source")
-    check_pages(dst, min(r.num_items for r in dst_regions), "destination")
-    check_unique(dst, "destination")
+    src, dst = pair
     # One run per (region, page, token): rows of a page are not adjacent once sliced.
     tokens = np.arange(page_tokens, dtype=np.uint64)
     src_in_page = (tokens * np.uint64(src_row) + np.uint64(src_head * head_bytes))[None, :]
