@@ -70,13 +70,17 @@ class Capabilities:
     ``reads`` and ``writes`` are memory families (``host``, ``cuda``) the driver can move
     bytes from and into. ``same_host_only``: the peer must share this host's host id.
     ``two_sided``: the receiver must act on each arrival (``on_notice``) before pages are in
-    place, so the core waits for it before reporting success.
+    place, so the core waits for it before reporting success. ``gathers``: the driver moves a
+    batch's runs through a staging ring as large chunks, so its cost hardly grows with the
+    number of runs (pages sliced by KV head, unequal TP, are 16 short runs a page where a
+    direct driver pays per descriptor); the negotiation prefers such a driver for sliced pages.
     """
 
     reads: frozenset[str]
     writes: frozenset[str]
     same_host_only: bool = False
     two_sided: bool = False
+    gathers: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -84,6 +88,7 @@ class Capabilities:
             "writes": sorted(self.writes),
             "same_host_only": self.same_host_only,
             "two_sided": self.two_sided,
+            "gathers": self.gathers,
         }
 
 

@@ -73,6 +73,7 @@ class DriverHello:
                     writes=frozenset(str(x) for x in caps["writes"]),
                     same_host_only=bool(caps.get("same_host_only", False)),
                     two_sided=bool(caps.get("two_sided", False)),
+                    gathers=bool(caps.get("gathers", False)),
                 )
                 if caps
                 else None

@@ -6,8 +6,12 @@ acceptor compute the same :class:`Decision`; the acceptor recomputes and compare
 difference is a handshake error, never a silent pick.
 
 Ranking among the drivers both sides can use: the users' ``KVTRANSPORT_DRIVERS`` preference
-order first (initiator's list, then acceptor's), then the highest estimated bandwidth, then
-the fixed :data:`BUILTIN_PREFERENCE` list, then the name.
+order first (initiator's list, then acceptor's); then, for pages sliced by KV head (the two
+sides run different TP sizes, MHA), the drivers that gather runs into large chunks
+(``Capabilities.gathers``: each page is 16 short runs, which a direct driver pays per
+descriptor: 0.13x of its own equal-TP bandwidth for nixl-ucx, 0.04x for mooncake-gdr, against
+0.64-0.69x for the staged drivers, docs/performance.md); then the highest estimated bandwidth,
+then the fixed :data:`BUILTIN_PREFERENCE` list, then the name.
 """
 
 from __future__ import annotations
@@ -107,6 +111,20 @@ def check_layouts(initiator: Hello, acceptor: Hello) -> None:
         )
 
 
+def sliced_pages(initiator: Hello, acceptor: Hello) -> str:
+    """Why the pair's pages move as slices of KV heads ('' when they move whole): the two
+    layouts shard an MHA model's heads over different TP sizes."""
+    a, b = initiator.layout, acceptor.layout
+    if a is None or b is None or a.tp_size == b.tp_size or a.kv_split == "mla":
+        return ""
+    return f"pages sliced by KV head (TP {a.tp_size} and {b.tp_size})"
+
+
+def _gathers(hello: Hello, name: str) -> bool:
+    entry = hello.drivers.get(name)
+    return bool(entry is not None and entry.capabilities is not None and entry.capabilities.gathers)
+
+
 def _screen(
     name: str,
     initiator: Hello,
@@ -180,10 +198,14 @@ def negotiate(
                 f"{ENV_DRIVER}={force} cannot be used between {initiator.label()} and {acceptor.label()}: {reason}"
             )
 
-    def key(name: str) -> tuple[int, int, float, int, str]:
+    sliced = sliced_pages(initiator, acceptor)
+
+    def key(name: str) -> tuple[int, int, int, float, int, str]:
         return (
             initiator.policy.rank(name),
             acceptor.policy.rank(name),
+            # Both hellos carry the capabilities: each side ranks by the same facts.
+            0 if not sliced or (_gathers(initiator, name) and _gathers(acceptor, name)) else 1,
             -offers[name].gbps,
             _preference_index(name),
             name,
@@ -199,7 +221,7 @@ def negotiate(
         Candidate(
             best,
             "chosen",
-            _why_chosen(best, chosen, ranked, offers, initiator, acceptor),
+            _why_chosen(best, chosen, ranked, offers, initiator, acceptor, sliced),
             chosen.path.value,
             chosen.gbps,
         )
@@ -210,7 +232,8 @@ def negotiate(
             Candidate(
                 name,
                 "lost",
-                f"offers {offer.path.value} at ~{offer.gbps:g} GB/s; {best} ranks higher",
+                f"offers {offer.path.value} at ~{offer.gbps:g} GB/s; {best} ranks higher"
+                + (f" ({sliced}: {best} gathers them)" if sliced and key(name)[2] > key(best)[2] else ""),
                 offer.path.value,
                 offer.gbps,
             )
@@ -234,6 +257,7 @@ def _why_chosen(
     offers: Mapping[str, Offer],
     initiator: Hello,
     acceptor: Hello,
+    sliced: str = "",
 ) -> str:
     parts = [f"{offer.path.value} at ~{offer.gbps:g} GB/s"]
     if offer.note:
@@ -242,6 +266,8 @@ def _why_chosen(
         parts.append(f"forced by {ENV_DRIVER}")
     elif initiator.policy.allow or acceptor.policy.allow:
         parts.append("first allowed driver in KVTRANSPORT_DRIVERS order")
+    elif sliced and any(offers[n].gbps > offer.gbps for n in ranked[1:]) and _gathers(initiator, best):
+        parts.append(f"{sliced}: a driver that gathers them into large chunks first")
     elif len(ranked) > 1 and offers[ranked[1]].gbps == offer.gbps:
         parts.append(f"ties with {ranked[1]} on bandwidth; preferred by the built-in order")
     elif len(ranked) > 1:

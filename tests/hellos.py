@@ -3,6 +3,8 @@ and the driver statuses such hosts report."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from kvtransport.driver import DriverStatus
 from kvtransport.hello import DriverHello, Hello
 from kvtransport.memory import KVLayout, MemoryKind
@@ -96,6 +98,19 @@ def statuses(
         )
         for name, status in out.items()
     }
+
+
+def sliced_layout(memory: str = "host", tp_size: int = 2, tp_rank: int = 0) -> KVLayout:
+    """Llama-3-8B's layout on TP rank ``tp_rank`` of ``tp_size`` (its share of the 8 KV heads)."""
+    heads = 8 // tp_size
+    return dataclasses.replace(
+        KVLayout.llama3_8b(MemoryKind.parse(memory)),
+        kv_item_lens=(16 * heads * 128 * 2,) * 64,
+        num_kv_heads=heads,
+        total_kv_heads=8,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+    )
 
 
 def hello(

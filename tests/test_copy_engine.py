@@ -1,13 +1,14 @@
-"""The host copy engine of the staged path: strided groups of pieces copied as one 2-D copy
-must write exactly what one ``memmove`` per piece writes (hypothesis, on real memory)."""
+"""The host copy engine of the staged path: merged pieces, rows of one indexed copy and strided
+groups copied as one 2-D copy must write exactly what one ``memmove`` per piece writes
+(hypothesis, on real memory)."""
 
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtransport.staging.copy import STRIDED_MIN, MemcpyCopyEngine, strided_groups
+from kvtransport.staging.copy import ROWS_MIN, STRIDED_MIN, MemcpyCopyEngine, coalesce, strided_groups
 
 SIZE = 1 << 16
 
@@ -40,9 +41,30 @@ def pieces(draw: st.DrawFn) -> list[tuple[int, int, int]]:
     return [p for p in out if p[1] + p[2] <= SIZE]
 
 
-@settings(max_examples=300, deadline=None)
-@given(ps=pieces())
-def test_grouped_copies_equal_one_memmove_per_piece(ps: list[tuple[int, int, int]]) -> None:
+@st.composite
+def rows(draw: st.DrawFn) -> list[tuple[int, int, int]]:
+    """Many pieces of one length at addresses that line up on it (a head slice of token rows,
+    scattered pages, into or out of a ring chunk), some runs of them adjacent on both sides,
+    shuffled, with a few odd pieces among them."""
+    n = draw(st.sampled_from([16, 64, 128]))
+    cells = SIZE // n
+    count = draw(st.integers(ROWS_MIN - 2, 2 * ROWS_MIN))
+    dst_cells = draw(st.lists(st.integers(0, cells - 1), min_size=count, max_size=count, unique=True))
+    if draw(st.booleans()):  # back to back at the source, like a ring chunk
+        first = draw(st.integers(0, cells - count))
+        src_cells = list(range(first, first + count))
+    else:
+        src_cells = draw(st.lists(st.integers(0, cells - 1), min_size=count, max_size=count))
+    shift_s = draw(st.integers(0, n - 1)) if draw(st.booleans()) else 0
+    out = [(min(c * n + shift_s, SIZE - n), d * n, n) for c, d in zip(src_cells, dst_cells, strict=True)]
+    if draw(st.booleans()):  # an odd piece in a free cell
+        free = sorted(set(range(cells)) - set(dst_cells))
+        if free:
+            out.append((draw(st.integers(0, SIZE - n)), free[0] * n, draw(st.integers(1, n))))
+    return out
+
+
+def _copy_like_memmove(ps: list[tuple[int, int, int]]) -> None:
     rng = np.random.default_rng(1)
     src = rng.integers(0, 256, SIZE, dtype=np.uint8)
     got, want = np.zeros(SIZE, dtype=np.uint8), np.zeros(SIZE, dtype=np.uint8)
@@ -55,6 +77,27 @@ def test_grouped_copies_equal_one_memmove_per_piece(ps: list[tuple[int, int, int
         np.array([n for _, _, n in ps], dtype=np.uint64),
     )
     assert np.array_equal(got, want)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ps=pieces())
+def test_grouped_copies_equal_one_memmove_per_piece(ps: list[tuple[int, int, int]]) -> None:
+    _copy_like_memmove(ps)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.large_base_example])
+@given(ps=rows())
+def test_row_copies_equal_one_memmove_per_piece(ps: list[tuple[int, int, int]]) -> None:
+    _copy_like_memmove(ps)
+
+
+def test_pieces_that_follow_one_another_on_both_sides_merge() -> None:
+    """A page's 16 token rows gathered into a ring chunk: one piece; a gap on either side
+    keeps pieces apart."""
+    dst = np.array([0, 8, 16, 100, 108], np.uint64)
+    src = np.array([50, 58, 66, 74, 200], np.uint64)
+    d, s, n = coalesce(dst, src, np.full(5, 8, np.uint64))
+    assert d.tolist() == [0, 100, 108] and s.tolist() == [50, 74, 200] and n.tolist() == [24, 8, 8]
 
 
 def test_token_rows_of_a_head_slice_form_one_group_per_page() -> None:

@@ -18,10 +18,10 @@ from kvtransport.errors import (
 )
 from kvtransport.hello import Hello
 from kvtransport.memory import KVLayout, MemoryKind
-from kvtransport.negotiate import negotiate
+from kvtransport.negotiate import negotiate, sliced_pages
 from kvtransport.registry import Policy
 
-from .hellos import FIRST_PARTY, hello, host
+from .hellos import FIRST_PARTY, hello, host, sliced_layout
 
 
 def decide(a: Hello, b: Hello):  # type: ignore[no-untyped-def]
@@ -111,6 +111,26 @@ def test_cpu_only_peers_on_one_host_use_shared_memory() -> None:
     assert (d.driver, d.path) == ("nixl-ucx", TransferPath.SHM)
 
 
+def test_pages_sliced_by_head_go_to_a_driver_that_gathers_them() -> None:
+    """Prefill TP 2 -> decode TP 1 (MHA): each page is 16 short runs, so a staged driver ranks
+    above the direct ones whatever their nominal bandwidth, and the decision says why; a
+    forced direct driver is still used, and an MLA pair (whole latent pages) is not sliced."""
+    h = host("box")
+    d = decide(
+        hello(h, endpoint="p", layout=sliced_layout(tp_size=2)), hello(h, endpoint="d", layout=sliced_layout(tp_size=1))
+    )
+    assert d.driver in ("mooncake-staged", "nixl-staged") and "sliced by KV head (TP 2 and 1)" in d.reason, d.reason
+    lost = {c.driver: c.reason for c in d.candidates if c.outcome == "lost"}
+    assert "gathers them" in lost["nixl-ucx"] and "gathers them" in lost["mooncake-gdr"], lost
+    forced = decide(
+        hello(h, endpoint="p", layout=sliced_layout(tp_size=2), policy=Policy(force="nixl-ucx")),
+        hello(h, endpoint="d", layout=sliced_layout(tp_size=1)),
+    )
+    assert forced.driver == "nixl-ucx"
+    whole = decide(hello(h, endpoint="p"), hello(h, endpoint="d"))
+    assert whole.driver == "nixl-ucx" and "sliced" not in whole.reason
+
+
 def test_ucx_tls_restricted_to_tcp_is_reported_as_tcp() -> None:
     h = host("box")
     d = decide(hello(h, endpoint="p", ucx_tls="tcp,self"), hello(h, endpoint="d"))
@@ -194,6 +214,7 @@ def policies(draw: st.DrawFn) -> Policy:
 @st.composite
 def pairs(draw: st.DrawFn) -> tuple[Hello, Hello]:
     def one(host_id: str, endpoint: str) -> Hello:
+        tp = tps.pop()
         gpus = draw(st.integers(0, 2))
         h = host(host_id, gpus=gpus, gdr=draw(st.booleans()), rdma=draw(st.booleans()))
         memory = "host" if not gpus or draw(st.booleans()) else f"cuda:{draw(st.integers(0, gpus - 1))}"
@@ -205,8 +226,11 @@ def pairs(draw: st.DrawFn) -> tuple[Hello, Hello]:
             mooncake=draw(st.booleans()),
             nixl=draw(st.booleans()),
             ucx_tls=draw(st.sampled_from(["", "tcp,self", "shm,self", "^tcp", "rc,cuda_copy"])),
+            layout=sliced_layout(memory, tp) if tp else None,
         )
 
+    # Whole pages (TP unstated), or an MHA model on TP sizes that may differ (sliced pages).
+    tps = [0, 0] if draw(st.booleans()) else [draw(st.sampled_from([1, 2, 4])) for _ in range(2)]
     same_host = draw(st.booleans())
     return one("h1", "initiator"), one("h1" if same_host else "h2", "acceptor")
 
@@ -252,9 +276,14 @@ def test_chosen_driver_is_offered_by_both_and_respects_both_policies(pair: tuple
     chosen = [c for c in d.candidates if c.outcome == "chosen"]
     assert [c.driver for c in chosen] == [d.driver]
     assert {c.driver for c in d.candidates} == set(FIRST_PARTY)
-    # No driver that lost offers more bandwidth unless a preference list or force put it lower.
+    # No driver that lost offers more bandwidth unless a preference list or force put it lower,
+    # or the pages are sliced by head and it does not gather them while the chosen one does.
+    gathers = {n: bool(c and c.gathers) for n, c in ((n, e.capabilities) for n, e in a.drivers.items())}
     if not any(s.policy.allow or s.policy.force for s in (a, b)):
-        assert all(c.gbps <= d.gbps for c in d.candidates if c.outcome == "lost")
+        sliced = bool(sliced_pages(a, b))
+        for c in d.candidates:
+            if c.outcome == "lost" and not (sliced and gathers[d.driver] and not gathers[c.driver]):
+                assert c.gbps <= d.gbps, (c, d.reason)
 
 
 @settings(max_examples=200)

@@ -34,7 +34,11 @@ def chunk_runs(runs: Runs, chunk_bytes: int) -> list[Chunk]:
     start = end - length
     total = int(end[-1])
     borders = np.arange(chunk_bytes, total, chunk_bytes, dtype=np.uint64)
-    cuts = np.union1d(start, borders)  # sorted piece starts in the packed stream
+    # Sorted piece starts in the packed stream: the run starts (sorted, distinct) with the chunk
+    # borders that fall inside runs merged in, in one pass (a sort of 500k starts cost 30 ms).
+    at = np.searchsorted(start, borders)
+    inside = start[np.minimum(at, len(start) - 1)] != borders
+    cuts = np.insert(start, at[inside], borders[inside])
     piece_end = np.append(cuts[1:], np.uint64(total))
     run_of = np.searchsorted(start, cuts, side="right") - 1
     skew = cuts - start[run_of]

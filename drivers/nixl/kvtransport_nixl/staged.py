@@ -44,7 +44,7 @@ class NixlStaged(StagedTransport, NixlDataPath):
     name: ClassVar[str] = "nixl-staged"
     api_version: ClassVar[int] = DRIVER_API_VERSION
     capabilities: ClassVar[Capabilities] = Capabilities(
-        reads=frozenset({"host", "cuda"}), writes=frozenset({"host", "cuda"}), two_sided=True
+        reads=frozenset({"host", "cuda"}), writes=frozenset({"host", "cuda"}), two_sided=True, gathers=True
     )
     env_vars: ClassVar[tuple[str, ...]] = (*ENV_VARS, ENV_RING_BYTES, ENV_CHUNK_BYTES)
     raw_engine: ClassVar[str] = "kvtransport_nixl.raw:RawNixl"
