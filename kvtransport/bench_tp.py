@@ -34,6 +34,8 @@ class Ranks:
     decode: list[PeerProcess] = field(default_factory=list)
     #: decode rank -> [(prefill rank, that prefill rank's connection index for it)]
     links: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    #: Each connection's negotiated driver and the decision's reason.
+    decisions: list[tuple[str, str]] = field(default_factory=list)
 
     def close(self) -> None:
         for p in self.prefill + self.decode:
@@ -44,7 +46,7 @@ def _rank(workload: Workload, driver: str, name: str, tp: int, rank: int, timeou
     heads = len(held_heads(workload.kv_heads, tp, rank))
     item = workload.page_tokens * heads * workload.head_dim * workload.dtype_bytes
     return PeerProcess(
-        *("--driver", driver, "--pages", str(workload.pool_pages), "--layers", str(workload.regions)),
+        *("--driver", driver or "auto", "--pages", str(workload.pool_pages), "--layers", str(workload.regions)),
         *("--item", str(item), "--aux-slots", "0", "--private", "--name", name),
         *("--tp", f"{workload.kv_heads},{tp},{rank}"),
         timeout=timeout,
@@ -64,7 +66,10 @@ def deploy(workload: Workload, driver: str, prefill_tp: int, decode_tp: int, tim
             ranks.decode.append(_rank(workload, driver, f"decode{d}", decode_tp, d, timeout))
             ranks.links[d] = []
             for p in sources(prefill_tp, decode_tp, d):
-                ranks.decode[d].call("connect", address=ranks.prefill[p].address, timeout=timeout)
+                answer = ranks.decode[d].call("connect", address=ranks.prefill[p].address, timeout=timeout)
+                decision = answer["decision"]
+                if decision:
+                    ranks.decisions.append((str(decision["driver"]), str(decision["reason"])))
                 ranks.prefill[p].call("accept", timeout=timeout)
                 ranks.links[d].append((p, accepted[p]))
                 accepted[p] += 1
@@ -105,6 +110,8 @@ class TPReport:
     driver: str
     prefill_tp: int
     decode_tp: int
+    #: Why the negotiation chose ``driver`` ('' when it was forced with ``--driver``).
+    negotiated: str = ""
     unequal_s: list[float] = field(default_factory=list)
     equal_s: list[float] = field(default_factory=list)
     mismatches: list[str] = field(default_factory=list)
@@ -127,6 +134,7 @@ class TPReport:
     def to_dict(self) -> dict[str, Any]:
         return {
             "driver": self.driver,
+            "negotiated": self.negotiated,
             "prefill_tp": self.prefill_tp,
             "decode_tp": self.decode_tp,
             "workload": self.workload.describe(),
@@ -141,6 +149,8 @@ class TPReport:
             f"kvtransport bench, prefill TP {self.prefill_tp} -> decode TP {self.decode_tp}, driver {self.driver}",
             f"  workload    {self.workload.describe()}",
         ]
+        if self.negotiated:
+            lines.append(f"  chosen      {self.driver} by the negotiation: {self.negotiated}")
         if "unequal" in f:
             u = f["unequal"]
             lines.append(
@@ -172,6 +182,12 @@ def run(
     deployments: dict[str, Ranks] = {}
     try:
         deployments["unequal"] = deploy(workload, driver, prefill_tp, decode_tp, timeout)
+        if not driver:  # negotiated: the equal-TP comparison runs on the driver it chose
+            chosen = sorted(set(deployments["unequal"].decisions))
+            if len({name for name, _ in chosen}) != 1:
+                raise KVTransportError(f"the ranks' connections negotiated different drivers: {chosen}")
+            report.driver, report.negotiated = chosen[0]
+            driver = report.driver
         if compare_equal:
             deployments["equal"] = deploy(workload, driver, 1, 1, timeout)
         rng = np.random.default_rng(workload.seed)

@@ -385,8 +385,6 @@ def _bench_tp(args: argparse.Namespace, workload: Any) -> int:
 
     if args.prefill_tp < 1 or args.decode_tp < 1:
         raise KVTransportError("--prefill-tp and --decode-tp must be positive")
-    if not args.driver:
-        raise KVTransportError("--prefill-tp / --decode-tp need --driver (every rank runs the same one)")
     if args.device is not None:
         raise KVTransportError("the unequal-TP bench runs on host memory")
     with native_stdout_to_stderr():

@@ -7,6 +7,8 @@ and returns a :class:`FanIn`, which reads like one :class:`~kvtransport.transfer
 Success once every part succeeded, Failed as soon as one failed. The first failure aborts the
 other parts (so their senders stop too and confirm their drain); the caller's ``poll``/``wait``
 carries it out, as SGLang polls its receivers every scheduler loop.
+
+:class:`FanOut` is the other direction: one source feeding several receivers (decode wider).
 """
 
 from __future__ import annotations
@@ -108,6 +110,25 @@ class FanIn:
             self._failed = next(p for p in self.parts if p.state is State.FAILED)
         reason = f"another source of {self.tag!r} failed: {self._failed.error}"
         self.abort(reason[:1000])
+
+
+class FanOut(FanIn):
+    """One request sent to several receivers: a prefill rank feeding every decode rank of a
+    wider decode TP (each gets its slice of this rank's heads). Each chunk goes to every part;
+    it reads like one sending :class:`~kvtransport.transfer.Transfer` (and fails as one)."""
+
+    def send(
+        self, src_pages: Any, *, last: bool = True, aux: int | None = None, state: Sequence[Any] | None = None
+    ) -> None:
+        """:meth:`Transfer.send <kvtransport.transfer.Transfer.send>` on every part (the core
+        drops the aux slot and state items for a part whose receiver gets them elsewhere)."""
+        for part in self.parts:
+            part.send(src_pages, last=last, aux=aux, state=state)
+
+    @property
+    def peer_prefix(self) -> int:
+        """The tokens the receivers hold already (each announced the same)."""
+        return max(p.peer_prefix for p in self.parts)
 
 
 class _AllSet:

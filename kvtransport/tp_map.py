@@ -69,6 +69,18 @@ def sources(prefill_tp: int, decode_tp: int, decode_rank: int) -> range:
     return range(decode_rank * ratio, (decode_rank + 1) * ratio)
 
 
+def targets(prefill_tp: int, prefill_rank: int, decode_tp: int) -> range:
+    """The decode ranks prefill rank ``prefill_rank`` feeds: those whose :func:`sources` hold it
+    (several when decode is wider, one otherwise)."""
+    if prefill_tp % decode_tp and decode_tp % prefill_tp:
+        raise MemoryLayoutError(f"prefill TP {prefill_tp} and decode TP {decode_tp}: one must divide the other")
+    if decode_tp >= prefill_tp:
+        ratio = decode_tp // prefill_tp
+        return range(prefill_rank * ratio, (prefill_rank + 1) * ratio)
+    d = prefill_rank // (prefill_tp // decode_tp)
+    return range(d, d + 1)
+
+
 def head_slice(
     total_heads: int, prefill_tp: int, prefill_rank: int, decode_tp: int, decode_rank: int
 ) -> HeadSlice | None:
@@ -148,6 +160,15 @@ def unequal_tp_problems(a: KVLayout, b: KVLayout, mine: str = "here", theirs: st
         return problems
     if a.tp_size % b.tp_size and b.tp_size % a.tp_size:
         problems.append(f"tp_size: {a.tp_size} {mine}, {b.tp_size} {theirs}: one must divide the other")
+        return problems
+    if a.state_types or b.state_types:
+        # Each rank's SWA window pages and Mamba state hold its own heads' share: moving them
+        # between TP sizes needs their slicing too, which kvtransport does not do yet.
+        types = sorted(set(a.state_types) | set(b.state_types))
+        problems.append(
+            f"tp_size: {a.tp_size} {mine}, {b.tp_size} {theirs}, with state buffers ({', '.join(types)}): "
+            "kvtransport moves state between equal TP sizes only"
+        )
         return problems
     if a.kv_split == "mla":
         return problems  # one replicated latent: equal pages (kv_item_lens, compared already)

@@ -49,13 +49,17 @@ the original stdout out; everything else that prints goes to stderr):
   ``send_metadata`` announces ``decode_prefix_len`` and prefill's ``finalize_bootstrap`` starts
   its sends there. A request spec may say ``shared_prefix: [seed, n]`` (its first ``n`` tokens
   are those of a prompt made from ``seed``), ``decode_after: [rid, ...]`` (it reaches decode
-  once those concluded there) and ``max_new_tokens``. It answers per
-  request: ``state`` ("success"/"failed"/"corrupt"/"timeout"), the error, the KV and state bytes
-  verified (decode), ``decode_prefix_len`` (what decode promised; what prefill read), the bytes
-  the backend's transfer metric counts (prefill: ``get_transfer_metric().transfer_total_bytes``),
-  when it failed and got its pages back, and what was left allocated (KV pages, request rows,
-  metadata slots, SWA pages, mamba slots; what decode's tree holds unlocked is not allocated to
-  anyone, what it holds locked is: ``tree_locked_tokens``).
+  once those concluded there), ``max_new_tokens`` and ``corrupt_rank`` (with
+  ``prefill_corrupt``: only that attention-TP rank's forward writes the wrong content). It
+  answers per request: ``state`` ("success"/"failed"/"corrupt"/"timeout"), the error, the KV and
+  state bytes verified (decode), ``decode_prefix_len`` (what decode promised; what prefill
+  read), the bytes the backend's transfer metric counts (prefill:
+  ``get_transfer_metric().transfer_total_bytes``), how many prefill ranks the receiver lists in
+  ``bootstrap_infos`` while the request waits in the transfer queue (decode: ``sources``;
+  SGLang's deferred release waits for each one's drain), when it failed and got its pages back,
+  and what was left allocated (KV pages, request rows, metadata slots, SWA pages, mamba slots;
+  what decode's tree holds unlocked is not allocated to anyone, what it holds locked is:
+  ``tree_locked_tokens``).
 * ``{"cmd": "close"}``.
 
 Stand-ins, each because it cannot run here: the model forward (it allocates with SGLang's
@@ -81,7 +85,10 @@ request are right for another only if the tree matched the right tokens. The pre
 it into the pages its allocator handed out; the decode rank recomputes it from its own copy of
 the prompt for the heads it owns and compares the bits of every element of every layer (K and V,
 or MLA's latent) of the whole prompt, the prefix from its tree included, so a page sent to the
-wrong place, the wrong rank's heads or a stale aux row fails the test. State the same way: the
+wrong place, the wrong rank's heads or a stale aux row fails the test. As the content names the
+global head, the two sides agree on it whatever attention-TP size each runs (``--tp-size``,
+``--dp-size``, ``--dp-attention`` are per process: prefill and decode may differ), and a decode
+rank fed by several prefill ranks checks each one's heads in every token. State the same way: the
 sliding-window layers' KV of the window tokens (the same function, at the tokens' SWA slots),
 and each mamba state tensor's slot row as a function of (the key of the last token computed,
 tensor, attention-TP rank, tokens computed, element), checked bit for bit in the slot decode gave
@@ -1162,6 +1169,8 @@ def run_prefill(inst: Instance, specs: list[dict[str, Any]], timeout: float) -> 
             end = plan["chunks"].pop(0)
             if end > start:
                 corrupt = plan["spec"].get("prefill_corrupt") or ""
+                if plan["spec"].get("corrupt_rank", inst.shard) != inst.shard:
+                    corrupt = ""  # only that attention-TP rank's forward writes the wrong content
                 forward_chunk(inst, req, start, end, corrupt="kv" if corrupt is True else corrupt)
             if plan["chunks"]:
                 s.chunked_req = req  # still chunking: sent next iteration by process_prefill_chunk
@@ -1281,6 +1290,7 @@ def run_decode(inst: Instance, specs: list[dict[str, Any]], timeout: float) -> d
     arriving = list(specs)
     for spec in specs:
         events[spec["rid"]] = {}
+    sources: dict[str, int] = {}  # rid -> most prefill ranks its receiver listed (bootstrap_infos)
     # A clean pool: afterwards, any page (or SWA page, or mamba slot) that holds data and was not
     # announced as a request's destination is a write that landed where no request of this run
     # was told to expect it. What decode's radix tree holds (what earlier requests left cached,
@@ -1340,6 +1350,10 @@ def run_decode(inst: Instance, specs: list[dict[str, Any]], timeout: float) -> d
         s.process_decode_queue()  # SGLang's: pop_preallocated -> transfer queue -> pop_transferred
         for decode_req in tq.queue:  # pages announced (a request that fails later got writes too)
             announced(decode_req.req)
+            if decode_req.kv_receiver is not None:
+                # The prefill ranks whose drain SGLang waits for (_defer_release's required_acks).
+                rid = decode_req.req.rid
+                sources[rid] = max(sources.get(rid, 0), len(decode_req.kv_receiver.bootstrap_infos))
         # Transferred requests wait for a prebuilt batch: checked here first, then run through it.
         for req in s.waiting_queue:
             results[req.rid] = verify_decode(inst, req)
@@ -1371,6 +1385,8 @@ def run_decode(inst: Instance, specs: list[dict[str, Any]], timeout: float) -> d
                 if d.metadata_buffer_index >= 0:
                     results[rid]["aux_room"] = int(tq.metadata_buffers.bootstrap_room[d.metadata_buffer_index, 0])
         results[rid].update(events[rid])
+        if rid in sources:
+            results[rid]["sources"] = sources[rid]
     # What the tree holds now was a request's (KV, SWA pages), or is the tree's own copy of a
     # request's mamba state (its insert forks the slot): SGLang wrote it, not a transfer.
     for pool, cached in inst.tree_held().items():

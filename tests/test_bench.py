@@ -115,16 +115,23 @@ def test_bench_compares_a_staged_driver_with_the_driver_it_stages_over() -> None
     assert report["figures"]["compare"]["median_gbps"] > 0 and report["figures"]["ratio_compare"] > 0
 
 
-@pytest.mark.parametrize(("prefill_tp", "decode_tp", "driver"), [(2, 1, "mooncake-staged"), (1, 2, "nixl-ucx")])
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "driver"), [(2, 1, "nixl-ucx"), (1, 2, "")])
 def test_bench_with_unequal_tp_checks_every_head(prefill_tp: int, decode_tp: int, driver: str) -> None:
     """``--prefill-tp P --decode-tp D``: P + D rank processes (and one pair at TP 1 for the
-    same bytes), every head of every page checked on every decode rank."""
+    same bytes, on the same driver), every head of every page checked on every decode rank.
+    Without ``--driver`` the negotiation picks a driver that gathers sliced pages, and says so."""
     require_engines()
-    args = ["bench", "--requests", "2", "--prompt-tokens", "256", "--layers", "2", "--json", "--driver", driver]
+    args = ["bench", "--requests", "2", "--prompt-tokens", "256", "--layers", "2", "--json"]
+    args += ["--driver", driver] if driver else []
     proc = run_cli(*args, "--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp), timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     assert (report["prefill_tp"], report["decode_tp"], report["requests"]) == (prefill_tp, decode_tp, 2)
+    if driver:
+        assert (report["driver"], report["negotiated"]) == (driver, "")
+    else:
+        assert report["driver"] in ("mooncake-staged", "nixl-staged"), report
+        assert "sliced by KV head (TP 1 and 2)" in report["negotiated"], report
     assert report["integrity"] == {"ok": True, "mismatches": []}
     figures = report["figures"]
     assert figures["unequal"]["gbps"] > 0 and figures["equal"]["gbps"] > 0 and figures["ratio"] > 0

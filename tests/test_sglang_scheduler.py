@@ -22,10 +22,21 @@ later request that starts with the same tokens gets those pages from it: decode 
 metric), and decode checks every byte of the whole prompt, the cached prefix included; what the
 tree keeps unlocked is not a leak, anything else is.
 
-One cluster of processes per topology (TP 1, TP 2, DP attention 2) serves all the cases of that
-topology: a case reconfigures the instances (page size, MLA, driver, timeouts) without a new
-process. The driver is ``KVTRANSPORT_DRIVER`` (nixl-ucx by default); the base case runs over
-nixl-ucx and mooncake-gdr (and mooncake-staged) whatever it says.
+Prefill and decode may run different attention-TP sizes (each side's topology is its own; the
+content names the global KV head, so it does not depend on how a side shards the heads): prefill
+TP 2 into decode TP 1 (the decode rank gets one head from each prefill rank, MLA's replicated
+latent from one of them), and prefill DP attention (attention TP 1 a DP rank) into decode TP 2
+(the room's one prefill rank feeds both decode ranks, each its own head). There the checks
+also ask that prefill's transfer metric, summed over a request's prefill ranks, is what its
+decode ranks hold (each byte sent once), that the receiver lists every source it announced to
+(what SGLang's deferred release waits for), and that aborts from either side fail every rank of
+both.
+
+One cluster of processes per pair of topologies (TP 1, TP 2, DP attention 2 on both sides; the
+two unequal pairs) serves all the cases of that pair: a case reconfigures the instances (page
+size, MLA, driver, timeouts) without a new process. The driver is ``KVTRANSPORT_DRIVER``
+(nixl-ucx by default); the base case runs over nixl-ucx and mooncake-gdr (and mooncake-staged)
+whatever it says.
 """
 
 from __future__ import annotations
@@ -228,11 +239,36 @@ class Outcome:
     killed_at: float = 0.0  # when the prefill processes were killed (wall clock)
 
 
-class Cluster:
-    """A prefill instance and a decode instance of the same topology, one process per rank."""
+@dataclass(frozen=True)
+class Topo:
+    """One instance's parallelism, as its launcher gets it: ``--tp-size``, ``--dp-size`` and
+    ``--enable-dp-attention``."""
 
-    def __init__(self, tp: int, dp: int, dp_attention: bool, tmp: Path) -> None:
-        self.tp, self.dp, self.dp_attention = tp, dp, dp_attention
+    tp: int = 1
+    dp: int = 1
+    dp_attention: bool = False
+
+    @property
+    def attn_tp(self) -> int:
+        """The ranks of one attention-TP group: those that serve one request."""
+        return self.tp // self.dp if self.dp_attention else self.tp
+
+    @property
+    def attn_dp(self) -> int:
+        """The attention-DP groups (DP ranks a request is routed among)."""
+        return self.dp if self.dp_attention else 1
+
+    def args(self) -> list[str]:
+        flags = ["--dp-attention"] if self.dp_attention else []
+        return ["--tp-size", str(self.tp), "--dp-size", str(self.dp), *flags]
+
+
+class Cluster:
+    """A prefill instance and a decode instance, one process per rank; each side its own
+    topology (``decode`` defaults to ``prefill``'s)."""
+
+    def __init__(self, tmp: Path, prefill: Topo, decode: Topo | None = None) -> None:
+        self.topo = {"prefill": prefill, "decode": decode or prefill}
         self.tmp = tmp
         self.models: dict[str, Path] = {}
         for name, config in MODELS.items():
@@ -257,10 +293,9 @@ class Cluster:
         logs = self.tmp / f"spawn{self.spawns}"
         logs.mkdir()
         self.ranks = []
-        for role in ("prefill", "decode"):
-            args = ["--tp-size", str(self.tp), "--dp-size", str(self.dp), "--master-port", str(free_port())]
-            args += ["--model-path", str(self.model), *(["--dp-attention"] if self.dp_attention else [])]
-            self.ranks += [Rank(role, r, args, env, logs) for r in range(self.tp)]
+        for role, topo in self.topo.items():
+            args = [*topo.args(), "--master-port", str(free_port()), "--model-path", str(self.model)]
+            self.ranks += [Rank(role, r, args, env, logs) for r in range(topo.tp)]
         self.config = None
         with self.explain():
             deadline = time.monotonic() + START_S
@@ -277,6 +312,14 @@ class Cluster:
 
     def room(self) -> int:
         return next(self.rooms)
+
+    @property
+    def sources(self) -> int:
+        """How many prefill ranks feed each decode rank (within the prefill DP rank a request
+        goes to): SGLang's target ranks, one when decode's attention TP is as wide or wider,
+        prefill's attention TP over decode's when prefill's is wider."""
+        p, d = self.topo["prefill"].attn_tp, self.topo["decode"].attn_tp
+        return p // d if p > d else 1
 
     def configure(
         self,
@@ -330,18 +373,18 @@ class Cluster:
         prefill processes are killed that many seconds in (and every process restarts for the
         next case)."""
         assert self.config is not None, "configure first"
+        prefill_dp, decode_dp = self.topo["prefill"].attn_dp, self.topo["decode"].attn_dp
         for i, req in enumerate(requests):
-            req.setdefault("decode_dp", i % self.dp if self.dp_attention else 0)
+            req.setdefault("decode_dp", i % decode_dp)
             req["bootstrap_port"] = self.bootstrap_port
         decoded = [q for q in requests if not q.get("prefill_only")]
-        dp = self.dp if self.dp_attention else 1
         t0 = time.monotonic()
         seq = next(self.seq)
         for r in self.ranks:
             if r.role == "prefill":
-                mine = [q for q in requests if q.get("prefill_dp", q["room"]) % dp == r.info["attn_dp_rank"]]
+                mine = [q for q in requests if q.get("prefill_dp", q["room"]) % prefill_dp == r.info["attn_dp_rank"]]
             else:
-                mine = [q for q in decoded if q["decode_dp"] % dp == r.info["attn_dp_rank"]]
+                mine = [q for q in decoded if q["decode_dp"] % decode_dp == r.info["attn_dp_rank"]]
             r.send({"cmd": "run", "requests": mine, "timeout": timeout, "seq": seq})
         deadline = time.monotonic() + timeout + 60
         out = Outcome()
@@ -395,31 +438,44 @@ class Cluster:
             r.close()
 
 
-def spawn(tp: int, dp: int, dp_attention: bool, tmp: Path) -> Iterator[Cluster]:
+def spawn(name: str, prefill: Topo, decode: Topo | None = None) -> Iterator[Cluster]:
     require_engines()
-    cluster = Cluster(tp, dp, dp_attention, tmp)
-    try:
-        yield cluster
-    finally:
-        cluster.close()
+    with tempfile.TemporaryDirectory(prefix=f"sglang-{name}-") as tmp:
+        cluster = Cluster(Path(tmp), prefill, decode)
+        try:
+            yield cluster
+        finally:
+            cluster.close()
 
 
 @pytest.fixture(scope="module")
 def tp1() -> Iterator[Cluster]:
-    with tempfile.TemporaryDirectory(prefix="sglang-tp1-") as tmp:
-        yield from spawn(1, 1, False, Path(tmp))
+    yield from spawn("tp1", Topo(tp=1))
 
 
 @pytest.fixture(scope="module")
 def tp2() -> Iterator[Cluster]:
-    with tempfile.TemporaryDirectory(prefix="sglang-tp2-") as tmp:
-        yield from spawn(2, 1, False, Path(tmp))
+    yield from spawn("tp2", Topo(tp=2))
 
 
 @pytest.fixture(scope="module")
 def dpa2() -> Iterator[Cluster]:
-    with tempfile.TemporaryDirectory(prefix="sglang-dpa2-") as tmp:
-        yield from spawn(2, 2, True, Path(tmp))
+    yield from spawn("dpa2", Topo(tp=2, dp=2, dp_attention=True))
+
+
+@pytest.fixture(scope="module")
+def p2d1() -> Iterator[Cluster]:
+    """Prefill TP 2, decode TP 1: the decode rank gets its two KV heads from two prefill ranks."""
+    yield from spawn("p2d1", Topo(tp=2), Topo(tp=1))
+
+
+@pytest.fixture(scope="module")
+def dpa2d2() -> Iterator[Cluster]:
+    """Prefill tp 2, dp 2 with DP attention (attention TP 1: each DP rank one rank holding both KV
+    heads), decode TP 2 (attention TP 2, one head a rank): prefill's narrower attention TP,
+    DP attention included; each prefill DP rank feeds both decode ranks. (Prefill TP 1 into
+    decode TP 2 is what each of its DP ranks does: no cluster of its own, for CI's time.)"""
+    yield from spawn("dpa2d2", Topo(tp=2, dp=2, dp_attention=True), Topo(tp=2))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -457,17 +513,19 @@ def assert_all_delivered(
     """Every request but those in ``failed`` succeeded on every rank of both sides, every byte
     right; those in ``failed`` failed on both sides; nothing stray, nothing left allocated."""
     with cluster.explain():
-        ranks_per_req = 1 if cluster.dp_attention else cluster.tp
+        ranks = {side: topo.attn_tp for side, topo in cluster.topo.items()}  # a request's ranks per side
         for req in requests:
             rid = req["rid"]
             pre, dec = out.prefill.get(rid, []), out.decode.get(rid, [])
-            assert len(pre) == ranks_per_req and len(dec) == ranks_per_req, show(rid, pre, dec)
+            assert (len(pre), len(dec)) == (ranks["prefill"], ranks["decode"]), show(rid, ranks, pre, dec)
             if rid in failed:
                 assert all(o["state"] == "failed" for o in pre + dec), show(rid, pre, dec)
                 continue
             assert all(o["state"] == "success" for o in pre), show(rid, pre)
             assert all(o["state"] == "success" for o in dec), show(rid, dec)
             for o in dec:
+                # What SGLang's deferred release would wait for (where the harness saw it)
+                assert o.get("sources", cluster.sources) == cluster.sources, show(rid, o, cluster.sources)
                 decode_rank = next(r for r in cluster.decode if r.name == o["rank"])
                 want = kv_bytes(req["prompt_len"], decode_rank, mla)
                 assert o["tokens"] == req["prompt_len"] and o["kv_bytes"] == want, show(rid, o, want)
@@ -972,12 +1030,14 @@ def prefix_requests(
     return first, followers
 
 
-def wire_bytes(tokens: int, prefix: int, prefill_rank: Rank, page_size: int) -> int:
-    """What prefill's transfer metric must count for a request after decode's ``prefix``: the
-    whole pages from the prefix on in every KV buffer (item lengths are a page's), the aux row,
-    and the state: the pages of the SWA window (from max(prefix, tokens - window),
-    page-aligned), or the request's mamba slot (all of it, whatever decode holds)."""
-    info = prefill_rank.info
+def wire_bytes(tokens: int, prefix: int, rank: Rank, page_size: int) -> int:
+    """What prefill's transfer metric must count for a request after decode's ``prefix`` (with
+    ``rank`` a prefill rank, under equal TP; with a decode rank: what it receives, from all its
+    sources together): the whole pages from the prefix on in every KV buffer (item lengths are
+    a page's), the aux row, and the state: the pages of the SWA window (from max(prefix,
+    tokens - window), page-aligned), or the request's mamba slot (all of it, whatever decode
+    holds)."""
+    info = rank.info
     pages = -(-(tokens - prefix) // page_size)
     total = pages * sum(info["kv_item_lens"]) + sum(info["aux_item_lens"])
     for kind, lens in zip(info["state_types"], info["state_item_lens"], strict=True):
@@ -1136,6 +1196,164 @@ def test_decode_radix_cache_the_prefix_bytes_are_checked(tp1: Cluster) -> None:
         assert where is not None and "layer 1 V" in f["error"] and int(where.group(1)) < 64, show(f)
         assert out.prefill[follower["rid"]][0]["decode_prefix_len"] == 64, show(out.prefill)
     assert_no_leaks(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Unequal attention TP: prefill and decode shard the KV heads differently
+# ---------------------------------------------------------------------------------------------
+
+
+def assert_sent_once(cluster: Cluster, out: Outcome, requests: list[dict[str, Any]], mla: bool = False) -> None:
+    """What the request's prefill ranks say they sent (SGLang's transfer metric, summed over
+    them) is what its decode ranks hold, each byte once: a head (or MLA's replicated latent)
+    that two sources both wrote, or one a source left out, shows here even when the content
+    checks pass. With MLA and a wider prefill exactly one prefill rank sends anything."""
+    with cluster.explain():
+        for req in requests:
+            pre, dec = out.prefill[req["rid"]], out.decode[req["rid"]]
+            decode_ranks = [next(r for r in cluster.decode if r.name == o["rank"]) for o in dec]
+            want = sum(wire_bytes(req["prompt_len"], 0, r, cluster.page_size) for r in decode_ranks)
+            sent = [int(o["sent_bytes"] or 0) for o in pre]
+            assert sum(sent) == want, show(req["rid"], pre, want)
+            if mla and len(pre) > len(dec):
+                assert len([n for n in sent if n]) == len(dec), show(req["rid"], pre)
+
+
+def unequal_requests(cluster: Cluster, lengths: list[int]) -> list[dict[str, Any]]:
+    """``lengths`` and chunked requests (boundaries on and off pages, one whose last send
+    carries no page, only the aux row)."""
+    return [
+        *requests(cluster, lengths),
+        chunked(cluster, 100, [16, 40, 64, 100]),
+        chunked(cluster, 33, [5, 21, 33]),
+        chunked(cluster, 64, [32, 64], zero_page_last=True),
+    ]
+
+
+def assert_aborts_fail_every_rank(
+    cluster: Cluster, out: Outcome, reqs: list[dict[str, Any]], aborted: dict[int, str]
+) -> None:
+    """The requests of ``aborted`` (index -> the side that aborted) failed on every rank of
+    both sides, the other side's promptly; decode held each announced one's pages for the
+    drain of every source it has, and got them back promptly; the rest arrived byte for byte,
+    nothing stray, nothing leaked."""
+    with cluster.explain():
+        assert out.wall_s < ABORT_TIMEOUT_S, f"the run waited for a timer: {out.wall_s:.1f} s"
+    for i, side in aborted.items():
+        rid = reqs[i]["rid"]
+        pre, dec = out.prefill[rid], out.decode[rid]
+        mine, theirs = (pre, dec) if side == "prefill" else (dec, pre)
+        with cluster.explain():
+            assert all(o["state"] == "failed" and "abort" in o for o in mine), show(rid, mine)
+            assert all(o.get("sources") == cluster.sources for o in dec), show(rid, dec, cluster.sources)
+        _failed_promptly(cluster, theirs, min(o["abort"] for o in mine))
+        _pages_back_promptly(cluster, dec)
+    assert_all_delivered(cluster, out, reqs, failed=frozenset(reqs[i]["rid"] for i in aborted))
+
+
+def unequal_abort_run(cluster: Cluster, model: str = "llama") -> tuple[list[dict[str, Any]], Outcome]:
+    """Requests that go through, and aborts: decode's of a request in its transfer queue (pages
+    announced to every source), prefill's of a bootstrapped one, and prefill's of a chunked one
+    whose first chunk went out (mid-transfer)."""
+    cluster.configure(model=model, **ABORT_ENV)
+    reqs = [*requests(cluster, [20, 60, 90, 130]), chunked(cluster, 200, [70, 140, 200], prefill_abort="chunking")]
+    reqs[1].update(ABORTS["decode-transfer-queue"])
+    reqs[2].update(ABORTS["prefill-waiting-queue"])
+    return reqs, cluster.run(reqs, timeout=ABORT_TIMEOUT_S + 15)
+
+
+UNEQUAL_ABORTED = {1: "decode", 2: "prefill", 4: "prefill"}
+
+
+@pytest.mark.parametrize("page_size", [16, 1])
+def test_prefill_tp2_decode_tp1_heads_from_both_ranks(p2d1: Cluster, page_size: int) -> None:
+    """Prefill TP 2 (one KV head a rank), decode TP 1 (both): the decode rank announces its pages
+    to both prefill ranks (SGLang's target ranks of a wider prefill), each writes its head into
+    every token, and the request succeeds once both finished; every byte of both heads checked,
+    sent once (the transfer metric), the receiver lists both ranks."""
+    p2d1.configure(page_size=page_size)
+    with p2d1.explain():
+        assert [r.info["kv_heads"] for r in p2d1.ranks] == [1, 1, 2], show([r.info for r in p2d1.ranks])
+    reqs = unequal_requests(p2d1, LENGTHS)
+    # The control: prefill rank 1's forward writes another prompt's V of its head into layer 1.
+    (bad,) = requests(p2d1, [40], prefill_corrupt=True, corrupt_rank=1)
+    out = p2d1.run([*reqs, bad])
+    with p2d1.explain():
+        (d,) = out.decode[bad["rid"]]
+        assert d["state"] == "corrupt" and "layer 1 V" in d["error"], show(d)
+    assert_all_delivered(p2d1, out, reqs)
+    assert_sent_once(p2d1, out, reqs)
+
+
+def test_prefill_tp2_decode_tp1_mla_latent_from_one_rank(p2d1: Cluster) -> None:
+    """MLA: the latent is replicated on both prefill ranks; decode gets it from one of them, the
+    other sends nothing and still completes its part (decode counts both)."""
+    p2d1.configure(mla=True)
+    reqs = unequal_requests(p2d1, [1, 16, 40])
+    out = p2d1.run(reqs)
+    assert_all_delivered(p2d1, out, reqs, mla=True)
+    assert_sent_once(p2d1, out, reqs, mla=True)
+
+
+def test_prefill_tp2_decode_tp1_state_buffers_are_refused_with_the_reason(p2d1: Cluster) -> None:
+    """A hybrid sliding-window model: each rank's SWA window pages hold its own heads, which
+    kvtransport does not slice yet. Decode fails the request at the handshake with the reason
+    (not a timeout, not wrong bytes); prefill, which no decode rank could announce to, fails it
+    at SGLang's bootstrap timeout; nothing leaks on either side."""
+    p2d1.configure(model="swa", SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT=str(SHORT_S))
+    reqs = state_requests(p2d1, [20])
+    out = p2d1.run(reqs, timeout=30)
+    with p2d1.explain():
+        for req in reqs:
+            pre, dec = out.prefill.get(req["rid"], []), out.decode.get(req["rid"], [])
+            assert len(pre) == 2 and len(dec) == 1, show(pre, dec)
+            assert all(o["state"] == "failed" for o in pre + dec), show(pre, dec)
+            assert "state buffers (swa)" in dec[0]["error"] and "equal TP sizes only" in dec[0]["error"], show(dec)
+            assert all("bootstrap" in o["error"].lower() for o in pre), show(pre)
+    assert_no_leaks(out)
+
+
+def test_prefill_tp2_decode_tp1_aborts_fail_every_rank(p2d1: Cluster) -> None:
+    """Decode's abort reaches both prefill ranks; either prefill abort (bootstrapped, and
+    mid-transfer of a chunked request) fails decode promptly, though the other source's part
+    is alive; decode holds the pages until both sources drained; every page, row and slot is
+    back on both sides."""
+    reqs, out = unequal_abort_run(p2d1)
+    assert_aborts_fail_every_rank(p2d1, out, reqs, UNEQUAL_ABORTED)
+
+
+def test_prefill_dpa_into_decode_tp2_each_rank_gets_its_head(dpa2d2: Cluster) -> None:
+    """Prefill under DP attention (attention TP 1 a DP rank, both KV heads) and decode TP 2 (one
+    head a rank): a room goes to prefill DP rank room % 2; both decode ranks find that DP rank's
+    one attention-TP rank, announce to it, and get their own head from it (each its aux row);
+    both prefill DP ranks serve requests."""
+    dpa2d2.configure()
+    with dpa2d2.explain():
+        assert [r.info["kv_heads"] for r in dpa2d2.ranks] == [2, 2, 1, 1], show([r.info for r in dpa2d2.ranks])
+        assert [r.info["attn_dp_rank"] for r in dpa2d2.prefill] == [0, 1], show([r.info for r in dpa2d2.ranks])
+    reqs = unequal_requests(dpa2d2, LENGTHS)
+    out = dpa2d2.run(reqs)
+    with dpa2d2.explain():
+        assert {o[0]["rank"] for o in out.prefill.values()} == {"prefill0", "prefill1"}, show(out.prefill)
+    assert_all_delivered(dpa2d2, out, reqs)
+    assert_sent_once(dpa2d2, out, reqs)
+
+
+def test_prefill_dpa_into_decode_tp2_mla_latent_on_every_rank(dpa2d2: Cluster) -> None:
+    """MLA: the one prefill rank of the room's DP rank sends each decode rank the whole latent."""
+    dpa2d2.configure(mla=True)
+    reqs = unequal_requests(dpa2d2, [1, 16, 40])
+    out = dpa2d2.run(reqs)
+    assert_all_delivered(dpa2d2, out, reqs, mla=True)
+    assert_sent_once(dpa2d2, out, reqs, mla=True)
+
+
+def test_prefill_dpa_into_decode_tp2_aborts_fail_every_rank(dpa2d2: Cluster) -> None:
+    """Decode's abort (on both decode ranks) reaches the room's prefill rank; that rank's aborts
+    (bootstrapped, and mid-transfer) reach both decode ranks it feeds, promptly; every page,
+    row and slot is back on both sides."""
+    reqs, out = unequal_abort_run(dpa2d2)
+    assert_aborts_fail_every_rank(dpa2d2, out, reqs, UNEQUAL_ABORTED)
 
 
 # ---------------------------------------------------------------------------------------------

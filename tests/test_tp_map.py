@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from kvtransport.errors import InvalidPages, MemoryLayoutError
 from kvtransport.memory import HOST, KVLayout, Region
 from kvtransport.plan import plan_heads
-from kvtransport.tp_map import HeadSlice, head_slice, held_heads, latent_source, pair_shape, sources
+from kvtransport.tp_map import HeadSlice, head_slice, held_heads, latent_source, pair_shape, sources, targets
 
 SIZES = [1, 2, 4, 8]
 HEADS = [1, 2, 4, 8, 16]
@@ -58,11 +58,21 @@ def test_sources_follow_sglangs_rank_arithmetic_and_each_latent_has_one_sender(p
     assert all(n >= 1 for n in fed), "a prefill rank feeds nobody"
 
 
+@pytest.mark.parametrize("prefill_tp", SIZES)
+@pytest.mark.parametrize("decode_tp", SIZES)
+def test_a_prefill_ranks_targets_are_the_decode_ranks_it_is_a_source_of(prefill_tp: int, decode_tp: int) -> None:
+    for p in range(prefill_tp):
+        fed = [d for d in range(decode_tp) if p in sources(prefill_tp, decode_tp, d)]
+        assert list(targets(prefill_tp, p, decode_tp)) == fed
+
+
 def test_shapes_that_do_not_divide_are_refused() -> None:
     with pytest.raises(MemoryLayoutError, match="cannot be sharded"):
         head_slice(6, 4, 0, 2, 0)
     with pytest.raises(MemoryLayoutError, match="one must divide the other"):
         sources(3, 2, 0)
+    with pytest.raises(MemoryLayoutError, match="one must divide the other"):
+        targets(2, 0, 3)
 
 
 def _regions(base: int, pages: int, item: int, layers: int) -> tuple[Region, ...]:
@@ -178,6 +188,10 @@ def test_unequal_tp_layouts_are_checked_at_the_handshake() -> None:
     huge = dataclasses.replace(_layout(4, 3, 8), total_kv_heads=1 << 40)
     assert any("total_kv_heads" in p for p in _layout(2, 0, 8).incompatibilities(huge))
     assert _layout(2, 0, 0, mla=True).incompatibilities(_layout(4, 1, 0, mla=True)) == []
+    # Each rank's state (SWA window pages, Mamba) holds its own heads' share: refused, named.
+    swa = dataclasses.replace(_layout(2, 1, 8), state_types=("swa",), state_item_lens=(64,))
+    problems = swa.incompatibilities(dataclasses.replace(_layout(4, 3, 8), state_types=("swa",), state_item_lens=(32,)))
+    assert any("state buffers (swa)" in p and "equal TP sizes only" in p for p in problems), problems
     assert any(
         "kv_item_lens" in p for p in _layout(2, 0, 0, mla=True).incompatibilities(_layout(1, 0, 0, mla=True, item=512))
     )

@@ -62,10 +62,13 @@ from ..errors import (
     InvalidPages,
     KVTransportError,
     LayoutMismatch,
+    MemoryLayoutError,
     TransferAborted,
     TransferTimeout,
 )
+from ..fanin import FanIn, FanOut, expect_from
 from ..memory import HOST, KVLayout, MemoryKind, RegionSet
+from ..tp_map import sources, targets
 from .bootstrap import BootstrapClient, BootstrapServer
 from .sglang_topology import RankTopology, rank_topology
 
@@ -141,6 +144,25 @@ __all__ = [
     "KVTransportKVReceiver",
     "KVTransportKVSender",
 ]
+
+
+def room_tag(room: int, prefill_tp: int, decode_tp: int, decode_rank: int) -> str:
+    """The transfer tag decode rank ``decode_rank`` announces ``room`` under. The room number,
+    except when decode runs the wider TP: a prefill rank then hears from several decode ranks
+    for one room, and each but the first of them (the one whose announcement tells the prefill
+    rank decode's TP size) adds its rank, ``room@rank`` (a tag names one announcer per endpoint)."""
+    fed = targets(prefill_tp, sources(prefill_tp, decode_tp, decode_rank)[0], decode_tp)
+    return str(room) if decode_rank == fed[0] else f"{room}@{decode_rank}"
+
+
+def tp_pairing_problem(prefill_tp: int, decode_tp: int) -> str:
+    """Why prefill and decode ranks of these attention-TP sizes cannot pair ('' when they can)."""
+    if prefill_tp <= 0 or decode_tp <= 0 or (prefill_tp % decode_tp and decode_tp % prefill_tp):
+        return (
+            f"prefill runs attention TP={prefill_tp}, this decode rank TP={decode_tp}: kvtransport pairs TP sizes "
+            "of which one divides the other"
+        )
+    return ""
 
 
 class KVTransferError(KVTransportError):
@@ -277,6 +299,9 @@ class KVTransportKVManager(BaseKVManager):
             memory=memory,
             kv_split="mla" if is_mla_backend else "kv",
             num_kv_heads=int(getattr(args, "kv_head_num", 0) or 0),
+            # Prefill's KVArgs carry the model's KV heads (decode's only with SGLang's staging):
+            # what unequal TP shards by, and either side stating it is enough.
+            total_kv_heads=int(getattr(args, "total_kv_head_num", 0) or 0),
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
             aux_item_lens=tuple(int(n) for n in getattr(args, "aux_item_lens", [])),
@@ -287,7 +312,7 @@ class KVTransportKVManager(BaseKVManager):
         self.enable_deferred_decode_kv_release = _env_flag("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE", True)
         #: Decode: rooms SGLang holds for a drain confirmation (bounded: SGLang releases each
         #: within its deferred-release timeout, 30 s by default, and clears it here).
-        self._aborted_rooms: collections.OrderedDict[int, Transfer] = collections.OrderedDict()
+        self._aborted_rooms: collections.OrderedDict[int, Transfer | FanIn] = collections.OrderedDict()
         self.endpoint = Endpoint(
             regions,
             layout,
@@ -299,14 +324,14 @@ class KVTransportKVManager(BaseKVManager):
         )
         # Keyed by prefill instance (bootstrap address) and DP rank: as many as the deployment
         # has, bounded (MAX_PREFILL_PEERS, oldest first) against a router that names endless ones.
-        self._peers: collections.OrderedDict[tuple[str, int], Connection] = collections.OrderedDict()
+        self._peers: collections.OrderedDict[tuple[str, int, int], Connection] = collections.OrderedDict()
         self._peers_lock = threading.Lock()
         #: Decode: bootstrap address -> what the prefill instance there looks like (filled in
         #: the background by :meth:`try_ensure_parallel_info`; SGLang reads it every loop).
         self.prefill_info_table: collections.OrderedDict[str, PrefillInfo] = collections.OrderedDict()
-        self._routes: collections.OrderedDict[tuple[str, int], dict[str, Any]] = collections.OrderedDict()
+        self._routes: collections.OrderedDict[tuple[str, int, int], dict[str, Any]] = collections.OrderedDict()
         self._lookups: collections.OrderedDict[str, concurrent.futures.Future[None]] = collections.OrderedDict()
-        self._connects: collections.OrderedDict[tuple[str, int], concurrent.futures.Future[Connection]] = (
+        self._connects: collections.OrderedDict[tuple[str, int], concurrent.futures.Future[tuple[Connection, ...]]] = (
             collections.OrderedDict()
         )
         self._publishing = 0  # prefill: room publications queued or running
@@ -356,24 +381,54 @@ class KVTransportKVManager(BaseKVManager):
             first_wait=REGISTER_FIRST_WAIT_S,
         )
 
-    def connection_to(self, bootstrap_addr: str, prefill_dp_rank: int) -> Connection:
-        """Decode: the connection to the prefill rank serving this rank, made once and reused."""
-        key = (bootstrap_addr, prefill_dp_rank)
+    def sources_of(self, bootstrap_addr: str, prefill_dp_rank: int) -> tuple[Connection, ...]:
+        """Decode: the connections to every prefill rank this rank receives from (one with
+        equal TP; with prefill TP P and decode TP D, ``tp_map.sources(P, D, rank)``), each made
+        once and reused."""
+        info = self.prefill_info_table.get(bootstrap_addr)
+        if info is not None:
+            prefill_tp = info.tp_size
+        else:
+            prefill_tp = int(self._route(bootstrap_addr, prefill_dp_rank, 0)["tp_size"])
+        problem = tp_pairing_problem(prefill_tp, self.tp_size)
+        if problem:
+            raise LayoutMismatch(problem)
+        return tuple(
+            self.connection_to(bootstrap_addr, prefill_dp_rank, p, prefill_tp)
+            for p in sources(prefill_tp, self.tp_size, self.tp_rank)
+        )
+
+    def _route(self, bootstrap_addr: str, prefill_dp_rank: int, prefill_tp_rank: int) -> dict[str, Any]:
+        """Decode: where prefill rank (dp, tp) of the instance at ``bootstrap_addr`` listens."""
+        key = (bootstrap_addr, prefill_dp_rank, prefill_tp_rank)
         with self._peers_lock:  # held for table look-ups only, never across the network
-            conn = self._peers.get(key)
             route = self._routes.get(key)
-        if conn is not None and conn.alive:
-            return conn
         if route is None:
             # Bounded well below the bootstrap timeout: a dead registry must not hold one of the
             # few workers for minutes (the receiver fails, SGLang may retry the request).
             route = BootstrapClient(bootstrap_addr).lookup(
-                prefill_dp_rank, self.tp_rank, min(self.timeouts.bootstrap, ROUTE_LOOKUP_S), stop=self._closing
+                prefill_dp_rank, prefill_tp_rank, min(self.timeouts.bootstrap, ROUTE_LOOKUP_S), stop=self._closing
             )
-        if route["tp_size"] != self.tp_size:
+            with self._peers_lock:
+                _put(self._routes, key, route)
+        return route
+
+    def connection_to(
+        self, bootstrap_addr: str, prefill_dp_rank: int, prefill_tp_rank: int, prefill_tp: int
+    ) -> Connection:
+        """Decode: the connection to prefill rank (dp, tp) at ``bootstrap_addr``."""
+        key = (bootstrap_addr, prefill_dp_rank, prefill_tp_rank)
+        with self._peers_lock:
+            conn = self._peers.get(key)
+        if conn is not None and conn.alive:
+            return conn
+        route = self._route(*key)
+        if int(route["tp_size"]) != prefill_tp:
+            with self._peers_lock:
+                self._routes.pop(key, None)
             raise LayoutMismatch(
-                f"prefill runs TP={route['tp_size']}, this decode rank TP={self.tp_size}: kvtransport's "
-                "SGLang backend needs equal TP sizes on both sides (heterogeneous TP is not supported yet)"
+                f"prefill rank dp={prefill_dp_rank} tp={prefill_tp_rank} at {bootstrap_addr} registers TP="
+                f"{route['tp_size']}, its instance TP={prefill_tp}: a prefill instance restarted with another TP size?"
             )
         try:
             conn = self.endpoint.connect(route["address"], self.timeouts.connect)
@@ -390,7 +445,7 @@ class KVTransportKVManager(BaseKVManager):
             raise ConnectError(
                 f"the endpoint at {route['address']} is {conn.peer_endpoint!r}; the bootstrap server at "
                 f"{bootstrap_addr} registers {route['endpoint']!r} for prefill rank dp={prefill_dp_rank} "
-                f"tp={self.tp_rank}"
+                f"tp={prefill_tp_rank}"
             )
         with self._peers_lock:
             old = self._peers.get(key)
@@ -400,19 +455,19 @@ class KVTransportKVManager(BaseKVManager):
             _put(self._peers, key, conn, drop=lambda c: c.close("too many prefill peers; the oldest goes"))
         return conn
 
-    def connect_soon(self, bootstrap_addr: str, prefill_dp_rank: int) -> concurrent.futures.Future[Connection]:
-        """Decode: :meth:`connection_to` on a worker thread (a receiver's ``init`` must not block
-        the scheduler loop); one connect per peer at a time, its result shared."""
+    def connect_soon(
+        self, bootstrap_addr: str, prefill_dp_rank: int
+    ) -> concurrent.futures.Future[tuple[Connection, ...]]:
+        """Decode: :meth:`sources_of` on a worker thread (a receiver's ``init`` must not block
+        the scheduler loop); one connect per prefill DP rank at a time, its result shared."""
         key = (bootstrap_addr, prefill_dp_rank)
         with self._peers_lock:
-            conn = self._peers.get(key)
             pending = self._connects.get(key)
-            if conn is not None and conn.alive:
-                done: concurrent.futures.Future[Connection] = concurrent.futures.Future()
-                done.set_result(conn)
-                return done
+            if pending is not None and pending.done() and pending.exception() is None:
+                if all(c.alive for c in pending.result()):
+                    return pending
             if pending is None or pending.done():
-                pending = self._workers.submit(self.connection_to, *key)
+                pending = self._workers.submit(self.sources_of, *key)
                 _put(self._connects, key, pending)
             return pending
 
@@ -432,10 +487,10 @@ class KVTransportKVManager(BaseKVManager):
         return bootstrap_addr in self.prefill_info_table
 
     def _fetch_prefill_info(self, bootstrap_addr: str) -> None:
-        # Every prefill rank publishes its instance's DP layout; DP rank 0 always exists.
-        route = BootstrapClient(bootstrap_addr).lookup(0, self.tp_rank, PARALLEL_INFO_LOOKUP_S, stop=self._closing)
+        # Every prefill rank publishes its instance's DP and TP layout; rank (0, 0) always exists.
+        route = BootstrapClient(bootstrap_addr).lookup(0, 0, PARALLEL_INFO_LOOKUP_S, stop=self._closing)
         with self._peers_lock:
-            _put(self._routes, (bootstrap_addr, 0), route)
+            _put(self._routes, (bootstrap_addr, 0, 0), route)
         info = PrefillInfo(int(route["dp_size"]), bool(route["follow_bootstrap_room"]), int(route["tp_size"]))
         log.info(
             "prefill instance at %s: %d DP rank(s), attn_tp=%d, DP routing %s",
@@ -491,22 +546,33 @@ class KVTransportKVManager(BaseKVManager):
             with self._peers_lock:
                 self._publishing -= 1
 
-    def paired_with(self, conn: Connection) -> str:
-        """Prefill: "" when ``conn``'s peer is a decode rank the registry pairs with this rank
-        (equal TP: the same TP rank and size), else why not. A room is sent only to the decode
-        rank it is paired with, whoever announced it."""
+    def paired_with(self, conn: Connection, tag: str) -> str:
+        """Prefill: "" when ``conn``'s peer is a decode rank this rank feeds (``tp_map.targets``)
+        and ``tag`` is the tag that rank announces this room under, else why not. A room is
+        sent only to the decode ranks the registry pairs with this rank, whoever announced it."""
         layout = conn.peer_layout
         if layout is None:
             return f"{conn.peer_label} sent no KV layout"
-        if (layout.tp_rank, layout.tp_size) != (self.tp_rank, self.tp_size):
+        problem = tp_pairing_problem(self.tp_size, layout.tp_size)
+        if problem or not 0 <= layout.tp_rank < layout.tp_size:
+            return f"{conn.peer_label} is decode rank tp={layout.tp_rank}/{layout.tp_size}: {problem or 'no such rank'}"
+        fed = targets(self.tp_size, self.tp_rank, layout.tp_size)
+        if layout.tp_rank not in fed:
             return (
                 f"{conn.peer_label} is decode rank tp={layout.tp_rank}/{layout.tp_size}; this prefill rank is "
-                f"tp={self.tp_rank}/{self.tp_size}, which the bootstrap server pairs with decode rank "
-                f"tp={self.tp_rank} only"
+                f"tp={self.tp_rank}/{self.tp_size}, which feeds decode rank(s) tp={list(fed)} only"
             )
+        room = tag.split("@", 1)[0]
+        want = room_tag(int(room), self.tp_size, layout.tp_size, layout.tp_rank) if room.isdigit() else ""
+        if tag != want:
+            return f"{conn.peer_label} (decode rank tp={layout.tp_rank}) announced tag {tag!r}, not {want!r}"
         return ""
 
-    def note_aborted(self, room: int, transfer: Transfer) -> None:
+    def decode_tp_sizes(self) -> set[int]:
+        """Prefill: the attention-TP sizes of the decode ranks connected now."""
+        return {c.peer_layout.tp_size for c in self.endpoint.connections.values() if c.peer_layout is not None}
+
+    def note_aborted(self, room: int, transfer: Transfer | FanIn) -> None:
         """Decode: SGLang will hold ``room``'s pages until :meth:`is_abort_release_safe`."""
         _put(self._aborted_rooms, room, transfer, MAX_HELD_ROOMS)
 
@@ -563,7 +629,7 @@ def _env_flag(name: str, default: bool = False) -> bool:
     return default if not value else value in ("1", "true", "yes", "on")
 
 
-def _poll_of(transfer: Transfer | None, failure: _Failure, before: int) -> int:
+def _poll_of(transfer: Transfer | FanIn | None, failure: _Failure, before: int) -> int:
     if failure.error is not None:
         return int(KVPoll.Failed)
     if transfer is None:
@@ -573,13 +639,13 @@ def _poll_of(transfer: Transfer | None, failure: _Failure, before: int) -> int:
     return int(transfer.state)
 
 
-def _stop(transfer: Transfer | None, reason: str) -> None:
+def _stop(transfer: Transfer | FanIn | None, reason: str) -> None:
     """Abort ``transfer`` if it still runs (the peer hears of it)."""
     if transfer is not None and not transfer.state.final:
         transfer.abort(reason)
 
 
-def _raise(room: int, failure: _Failure, transfer: Transfer | None) -> None:
+def _raise(room: int, failure: _Failure, transfer: Transfer | FanIn | None) -> None:
     error = failure.error or (transfer.error if transfer is not None else None)
     reason = f"{type(error).__name__}: {error}" if error else "the transfer failed"
     raise KVTransferError(room, reason, error)
@@ -599,7 +665,13 @@ class KVTransportKVSender(BaseKVSender):
         self.bootstrap_addr = bootstrap_addr
         self.room = int(bootstrap_room)
         self.tag = str(self.room)
-        self.transfer: Transfer | None = None
+        #: The room's transfer once every decode rank this rank feeds announced it: one
+        #: Transfer, or a FanOut over several when decode runs the wider TP.
+        self.transfer: Transfer | FanOut | None = None
+        #: Announced so far, by tag: this rank's room tag first (its announcer's layout says
+        #: which decode ranks to wait for, ``_targets``), then each ``room@rank``.
+        self._parts: dict[str, Transfer] = {}
+        self._targets: list[str] = []
         self.failure = _Failure()
         self.num_kv_indices: int | None = None
         self.aux_index: int | None = None
@@ -647,53 +719,109 @@ class KVTransportKVSender(BaseKVSender):
         if t is None or self._prefix_read:
             return 0
         self._prefix_read = True
+        prefixes = {p.peer_prefix for p in self._parts.values()}
+        if len(prefixes) > 1:
+            self.failure.set(
+                InvalidPages(
+                    f"room {self.room}: the decode ranks announced different cached prefixes {sorted(prefixes)}"
+                )
+            )
+            self._refuse(f"room {self.room}: decode ranks disagree on the cached prefix")
         return int(t.peer_prefix)
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         self.num_kv_indices = int(num_kv_indices)
         self.aux_index = None if aux_index is None else int(aux_index)
-        t = self.transfer
-        announced = None if t is None or t.dst_pages is None else int(t.dst_pages.size)
-        if self.num_kv_indices < 0 or (announced is not None and announced != self.num_kv_indices):
+        announced = sorted({int(p.dst_pages.size) for p in self._parts.values() if p.dst_pages is not None})
+        prefix = max((p.peer_prefix for p in self._parts.values()), default=0)
+        if self.num_kv_indices < 0 or any(n != self.num_kv_indices for n in announced):
             # A prefix longer than the prompt, or decode and prefill disagreeing on the page
             # count: SGLang would send nothing (or too much); fail now, with both numbers.
             self.failure.set(
                 InvalidPages(
                     f"room {self.room}: prefill has {self.num_kv_indices} pages to send after decode's prefix of "
-                    f"{t.peer_prefix if t else 0} tokens, decode announced {announced}"
+                    f"{prefix} tokens, decode announced {announced[0] if len(announced) == 1 else announced}"
                 )
             )
             self._refuse(f"room {self.room}: prefill and decode disagree on the pages to send")
 
     def _bind(self) -> None:
-        if self.transfer is None and self.failure.error is None:
-            conn = self.mgr.endpoint.announced(self.tag)
-            if conn is not None:
-                unpaired = self.mgr.paired_with(conn)
-                if unpaired:
-                    self.failure.set(ConnectError(f"room {self.room} was announced by the wrong rank: {unpaired}"))
-                    # Its announcer learns at once that nothing comes (not at its timeout).
-                    conn.sender(self.tag).abort(f"room {self.room} is not paired with this rank: {unpaired}")
-                    return
-                self.transfer = conn.sender(self.tag)
-            elif time.monotonic() - self._created > self.mgr.timeouts.bootstrap:
-                self.failure.set(
-                    TransferTimeout(
-                        f"no decode rank announced room {self.room} within {self.mgr.timeouts.bootstrap:g} s"
-                    )
+        """Take the announcements of the decode ranks this rank feeds, as they arrive: the
+        room is sent once all are in (a bootstrap timeout for any that never comes)."""
+        if self.transfer is not None or self.failure.error is not None:
+            return
+        ep = self.mgr.endpoint
+        for tag in self._targets or [self.tag]:
+            if tag in self._parts:
+                continue
+            conn = ep.announced(tag)
+            if conn is None:
+                continue
+            unpaired = self.mgr.paired_with(conn, tag)
+            if unpaired:
+                self.failure.set(ConnectError(f"room {self.room} was announced by the wrong rank: {unpaired}"))
+                # Its announcer learns at once that nothing comes (not at its timeout).
+                conn.sender(tag).abort(f"room {self.room} is not paired with this rank: {unpaired}")
+                self._refuse(f"room {self.room} failed on the prefill side: {unpaired}")
+                return
+            self._parts[tag] = conn.sender(tag)
+            if not self._targets:
+                layout = conn.peer_layout
+                assert layout is not None  # paired_with checked it
+                decode_tp = layout.tp_size
+                self._targets = [
+                    room_tag(self.room, self.tp_size, decode_tp, d)
+                    for d in targets(self.tp_size, self.tp_rank, decode_tp)
+                ]
+        failed = next((p for p in self._parts.values() if p.state is State.FAILED), None)
+        if failed is not None:
+            self.failure.set(failed.error or KVTransportError(f"room {self.room}: a decode rank's transfer failed"))
+            self._refuse(f"room {self.room}: another decode rank's transfer failed")
+        elif self._targets and len(self._parts) == len(self._targets):
+            parts = [self._parts[t] for t in self._targets]
+            self.transfer = parts[0] if len(parts) == 1 else FanOut(self.tag, parts)
+        elif time.monotonic() - self._created > self.mgr.timeouts.bootstrap:
+            missing = [t for t in self._targets or [self.tag] if t not in self._parts]
+            self.failure.set(
+                TransferTimeout(
+                    f"no decode rank announced room {self.room} (tags {missing}) within "
+                    f"{self.mgr.timeouts.bootstrap:g} s"
                 )
-                # An announcement still on its way hears at once that nothing comes.
-                self._refuse(f"room {self.room} timed out on the prefill side")
+            )
+            # An announcement still on its way hears at once that nothing comes.
+            self._refuse(f"room {self.room} timed out on the prefill side")
+
+    @property
+    def tp_rank(self) -> int:
+        return self.mgr.tp_rank
+
+    @property
+    def tp_size(self) -> int:
+        return self.mgr.tp_size
 
     def _refuse(self, reason: str) -> None:
-        """Nothing of this room will be sent: its announcer learns so now or on arrival."""
+        """Nothing of this room will be sent: each decode rank it feeds learns so now (its
+        transfer is aborted) or when its announcement arrives (its tag is refused)."""
         if self.transfer is not None:
             _stop(self.transfer, reason)
             return
-        try:
-            self.mgr.endpoint.refuse(self.tag, reason)
-        except KVTransportError as exc:  # the endpoint is closing: its peers hear "bye"
-            log.debug("room %d: refusing its tag failed: %s", self.room, exc)
+        for part in self._parts.values():
+            _stop(part, reason)
+        if self._targets:
+            unbound = [t for t in self._targets if t not in self._parts]
+        else:
+            # Decode's TP size is not known before its first announcement: every tag a decode
+            # rank of a TP size connected now would use.
+            unbound = [self.tag]
+            for decode_tp in sorted(self.mgr.decode_tp_sizes()):
+                if decode_tp > self.tp_size and not tp_pairing_problem(self.tp_size, decode_tp):
+                    fed = targets(self.tp_size, self.tp_rank, decode_tp)
+                    unbound += [room_tag(self.room, self.tp_size, decode_tp, d) for d in fed[1:]]
+        for tag in unbound:
+            try:
+                self.mgr.endpoint.refuse(tag, reason)
+            except KVTransportError as exc:  # the endpoint is closing: its peers hear "bye"
+                log.debug("room %d: refusing tag %s failed: %s", self.room, tag, exc)
 
     def _prefix_written(self) -> bool:
         """Whether the forward SGLang asked this sender to wait for (see ``__init__``) is done."""
@@ -793,9 +921,11 @@ class KVTransportKVReceiver(BaseKVReceiver):
         self.bootstrap_addr = bootstrap_addr
         self.room = int(bootstrap_room or 0)
         self.tag = str(self.room)
-        self.conn: Connection | None = None
-        self._connecting: concurrent.futures.Future[Connection] | None = None
-        self.transfer: Transfer | None = None
+        #: The prefill ranks this rank receives from (one with equal TP), once connected.
+        self.conns: tuple[Connection, ...] = ()
+        self._connecting: concurrent.futures.Future[tuple[Connection, ...]] | None = None
+        #: One Transfer, or a FanIn over the sources when prefill runs the wider TP.
+        self.transfer: Transfer | FanIn | None = None
         self.failure = _Failure()
         #: SGLang's deferred release (decode.py, pop_transferred): whether the prefill rank was
         #: told this room failed and the manager waits for its drain confirmation.
@@ -803,14 +933,19 @@ class KVTransportKVReceiver(BaseKVReceiver):
         self._told_prefill = False
 
     @property
+    def conn(self) -> Connection | None:
+        """The (first) prefill rank's connection."""
+        return self.conns[0] if self.conns else None
+
+    @property
     def bootstrap_infos(self) -> list[Connection]:
-        """The prefill ranks whose drain confirmation SGLang waits for (equal TP: the one this
-        room's pages were announced to, once they were)."""
-        return [self.conn] if self.transfer is not None and self.conn is not None else []
+        """The prefill ranks whose drain confirmation SGLang waits for: every source this
+        room's pages were announced to, once they were."""
+        return list(self.conns) if self.transfer is not None else []
 
     def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
-        """Tell the prefill rank (once) that the room failed here, and hold the room until it
-        confirms its writes stopped. Before ``send_metadata`` nothing can be written: nothing
+        """Tell the prefill ranks (once) that the room failed here, and hold the room until they
+        confirm their writes stopped. Before ``send_metadata`` nothing can be written: nothing
         is held."""
         if self.abort_notified or self.transfer is None:
             return
@@ -819,22 +954,32 @@ class KVTransportKVReceiver(BaseKVReceiver):
         self.abort_notified = True
 
     def init(self, prefill_dp_rank: int = 0) -> None:
-        """Starts the connection to the prefill rank and returns: ``poll`` says Bootstrapping
-        until it is up (the decode scheduler loop never waits for a handshake here)."""
+        """Starts the connections to the prefill ranks and returns: ``poll`` says Bootstrapping
+        until they are up (the decode scheduler loop never waits for a handshake here)."""
         self._connecting = self.mgr.connect_soon(self.bootstrap_addr, int(prefill_dp_rank or 0))
         self._connected()
 
     def _connected(self) -> None:
         fut = self._connecting
-        if self.conn is not None or fut is None or not fut.done():
+        if self.conns or fut is None or not fut.done():
             return
         self._connecting = None
         try:
-            self.conn = fut.result()
+            conns = fut.result()
         except KVTransportError as exc:
             self.failure.set(exc)
+            return
         except Exception as exc:  # noqa: BLE001 - a bug below must fail this request, not the scheduler
             self.failure.set(ConnectError(f"connecting for room {self.room} failed: {type(exc).__name__}: {exc}"))
+            return
+        layout = conns[0].peer_layout
+        prefill_tp = layout.tp_size if layout is not None else self.mgr.tp_size
+        try:
+            self.tag = room_tag(self.room, prefill_tp, self.mgr.tp_size, self.mgr.tp_rank)
+        except MemoryLayoutError as exc:
+            self.failure.set(LayoutMismatch(str(exc)))
+            return
+        self.conns = conns
 
     def send_metadata(
         self,
@@ -847,7 +992,7 @@ class KVTransportKVReceiver(BaseKVReceiver):
         if self.failure.error is not None:
             return
         self._connected()
-        if self.conn is None:
+        if not self.conns:
             self.failure.set(ConnectError(f"send_metadata() on room {self.room} before a successful init()"))
             return
         if destination is not None and str(getattr(destination, "value", destination)) == "host":
@@ -856,23 +1001,27 @@ class KVTransportKVReceiver(BaseKVReceiver):
         try:
             # With decode's radix cache the pages are those after the cached prefix; prefill
             # learns its length with the announcement and sends only what follows it.
-            self.transfer = self.conn.expect(
-                self.tag,
-                np.asarray(kv_indices, dtype=np.int64),
-                aux=aux_index,
-                prefix=int(decode_prefix_len or 0),
-                state=state_indices,
-            )
+            pages = np.asarray(kv_indices, dtype=np.int64)
+            prefix = int(decode_prefix_len or 0)
+            if len(self.conns) == 1:
+                self.transfer = self.conns[0].expect(self.tag, pages, aux=aux_index, prefix=prefix, state=state_indices)
+            else:  # several prefill ranks each write their heads (the first the aux slot and state)
+                self.transfer = expect_from(
+                    self.conns, self.tag, pages, aux=aux_index, prefix=prefix, state=state_indices
+                )
         except KVTransportError as exc:
             self.failure.set(exc)
 
     def poll(self) -> int:
         self._connected()
         if self.transfer is None and self.failure.error is None:
-            if self.conn is None:
+            if not self.conns:
                 return int(KVPoll.Bootstrapping)
-            if not self.conn.alive:
-                self.failure.set(self.conn.error or ConnectError(f"connection for room {self.room} closed"))
+            dead = next((c for c in self.conns if not c.alive), None)
+            if dead is not None:
+                self.failure.set(
+                    dead.error or ConnectError(f"connection to {dead.peer_label} for room {self.room} closed")
+                )
             else:
                 return int(KVPoll.WaitingForInput)
         return _poll_of(self.transfer, self.failure, int(KVPoll.WaitingForInput))
@@ -903,18 +1052,31 @@ class KVTransportKVReceiver(BaseKVReceiver):
         self._told_prefill = True
         tag = self.tag
 
-        def tell(conn: Connection) -> None:
+        def tell_tag(conn: Connection, tag: str) -> None:
             try:
                 conn.abort(tag, reason)
             except KVTransportError as exc:
                 log.debug("room %s: telling prefill of the abort failed: %s", tag, exc)
 
-        def tell_once_up(fut: concurrent.futures.Future[Connection]) -> None:
-            if not fut.cancelled() and fut.exception() is None:  # else no prefill rank heard of it
-                tell(fut.result())
+        def tell(conn: Connection) -> None:
+            tell_tag(conn, tag)
 
-        if self.conn is not None:
-            tell(self.conn)
+        def tell_once_up(fut: concurrent.futures.Future[tuple[Connection, ...]]) -> None:
+            if not fut.cancelled() and fut.exception() is None:  # else no prefill rank heard of it
+                conns = fut.result()
+                layout = conns[0].peer_layout if conns else None
+                try:
+                    tag_there = (
+                        room_tag(self.room, layout.tp_size, self.mgr.tp_size, self.mgr.tp_rank) if layout else tag
+                    )
+                except MemoryLayoutError:
+                    return
+                for conn in conns:
+                    tell_tag(conn, tag_there)
+
+        if self.conns:
+            for conn in self.conns:
+                tell(conn)
         elif self._connecting is not None:
             self._connecting.add_done_callback(tell_once_up)
 
