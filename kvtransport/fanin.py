@@ -18,10 +18,19 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import KVTransportError, TransferTimeout
+from .errors import KVTransportError, TransferError, TransferTimeout
 from .session import Connection
 from .tp_map import sources
 from .transfer import State, Transfer
+
+
+class PartialAnnouncement(TransferError):
+    """Announcing to one source failed after others were announced to: those are aborted, and
+    ``parts`` (failed) says when none of them can write into the pages any more (``drained``)."""
+
+    def __init__(self, message: str, parts: FanIn) -> None:
+        super().__init__(message)
+        self.parts = parts
 
 
 class FanIn:
@@ -161,7 +170,8 @@ def expect_from(
     """Announce ``dst_pages`` for ``tag`` on every connection in ``conns``, which must be
     exactly this rank's sources (``tp_map.sources``, one connection each); the first source
     gets the aux slot and the state items. :class:`KVTransportError` otherwise, before anything
-    is announced."""
+    is announced; :class:`PartialAnnouncement` if a later source fails after earlier ones were
+    announced to (the endpoint going down between them)."""
     if not conns:
         raise KVTransportError(f"transfer {tag!r}: no source to receive from")
     mine = conns[0].layout
@@ -181,8 +191,20 @@ def expect_from(
     if len(primary) != 1:
         raise KVTransportError(f"transfer {tag!r}: {len(primary)} of the sources would send the aux slot, not one")
     ordered = primary + [c for c in conns if c is not primary[0]]
-    parts = [
-        c.expect(tag, dst_pages, aux=aux if i == 0 else None, prefix=prefix, state=state if i == 0 else None)
-        for i, c in enumerate(ordered)
-    ]
+    parts: list[Transfer] = []
+    for i, c in enumerate(ordered):
+        try:
+            parts.append(
+                c.expect(tag, dst_pages, aux=aux if i == 0 else None, prefix=prefix, state=state if i == 0 else None)
+            )
+        except KVTransportError as exc:
+            if not parts:
+                raise
+            # The sources announced to already may be writing: they are aborted, and the
+            # caller holds the pages until they drained.
+            announced = FanIn(tag, parts)
+            announced.abort(f"announcing {tag!r} to another source failed: {exc}"[:1000])
+            raise PartialAnnouncement(
+                f"transfer {tag!r}: announcing to {c.peer_label} failed: {exc}", announced
+            ) from exc
     return FanIn(tag, parts)

@@ -8,9 +8,10 @@ difference is a handshake error, never a silent pick.
 Ranking among the drivers both sides can use: the users' ``KVTRANSPORT_DRIVERS`` preference
 order first (initiator's list, then acceptor's); then, for pages sliced by KV head (the two
 sides run different TP sizes, MHA), the drivers that gather runs into large chunks
-(``Capabilities.gathers``: each page is 16 short runs, which a direct driver pays per
-descriptor: 0.13x of its own equal-TP bandwidth for nixl-ucx, 0.04x for mooncake-gdr, against
-0.64-0.69x for the staged drivers, docs/performance.md); then the highest estimated bandwidth,
+(``Capabilities.gathers``) over direct drivers on TCP or shared memory: each page is 16 short
+runs, which a direct driver pays per descriptor (0.18x of its own equal-TP bandwidth for
+nixl-ucx, 0.06x for mooncake-gdr, against 0.57-0.86x for the staged drivers,
+docs/performance.md); then the highest estimated bandwidth,
 then the fixed :data:`BUILTIN_PREFERENCE` list, then the name.
 """
 
@@ -26,6 +27,7 @@ from .errors import ConfigError, DriverUnavailable, LayoutMismatch, NoUsableDriv
 from .hello import Hello
 from .memory import HOST, MemoryKind
 from .registry import ENV_DRIVER
+from .tp_map import held_heads, total_heads_of
 
 log = logging.getLogger(__name__)
 
@@ -111,18 +113,37 @@ def check_layouts(initiator: Hello, acceptor: Hello) -> None:
         )
 
 
+#: Paths on which a direct driver pays per descriptor enough for sliced pages to favour a
+#: gathering one (measured over TCP and shared memory between processes, docs/performance.md).
+#: Device paths (NVLink, PCIe peer copies, RDMA) are left to the bandwidth estimates.
+PER_DESCRIPTOR_PATHS = frozenset({TransferPath.TCP, TransferPath.SHM})
+
+
 def sliced_pages(initiator: Hello, acceptor: Hello) -> str:
     """Why the pair's pages move as slices of KV heads ('' when they move whole): the two
-    layouts shard an MHA model's heads over different TP sizes."""
+    layouts shard an MHA model's heads over different TP sizes, to different head counts a rank
+    (heads replicated to as many on each side move as whole pages)."""
     a, b = initiator.layout, acceptor.layout
     if a is None or b is None or a.tp_size == b.tp_size or a.kv_split == "mla":
         return ""
-    return f"pages sliced by KV head (TP {a.tp_size} and {b.tp_size})"
+    total = total_heads_of(a, b)
+    if 0 < total <= 1 << 16 and 0 < a.tp_size <= 1 << 16 and 0 < b.tp_size <= 1 << 16:
+        if len(held_heads(total, a.tp_size, 0)) == len(held_heads(total, b.tp_size, 0)):
+            return ""
+    small, large = sorted((a.tp_size, b.tp_size))
+    return f"pages sliced by KV head (TP {small} and {large})"
 
 
 def _gathers(hello: Hello, name: str) -> bool:
     entry = hello.drivers.get(name)
     return bool(entry is not None and entry.capabilities is not None and entry.capabilities.gathers)
+
+
+def _pays_per_row(initiator: Hello, acceptor: Hello, name: str, offer: Offer) -> bool:
+    """Whether ``name`` would move sliced pages one descriptor per row where a gathering
+    driver packs them (both hellos carry the capabilities: each side ranks by the same facts)."""
+    gathers = _gathers(initiator, name) and _gathers(acceptor, name)
+    return not gathers and offer.path in PER_DESCRIPTOR_PATHS
 
 
 def _screen(
@@ -204,8 +225,7 @@ def negotiate(
         return (
             initiator.policy.rank(name),
             acceptor.policy.rank(name),
-            # Both hellos carry the capabilities: each side ranks by the same facts.
-            0 if not sliced or (_gathers(initiator, name) and _gathers(acceptor, name)) else 1,
+            1 if sliced and _pays_per_row(initiator, acceptor, name, offers[name]) else 0,
             -offers[name].gbps,
             _preference_index(name),
             name,

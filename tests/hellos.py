@@ -10,6 +10,7 @@ from kvtransport.hello import DriverHello, Hello
 from kvtransport.memory import KVLayout, MemoryKind
 from kvtransport.probe import CudaDevice, HostInfo
 from kvtransport.registry import Policy
+from kvtransport.tp_map import held_heads
 from kvtransport_cuda.local import CudaLocal
 from kvtransport_mooncake.gdr import MooncakeGDR
 from kvtransport_mooncake.staged import MooncakeStaged
@@ -102,7 +103,7 @@ def statuses(
 
 def sliced_layout(memory: str = "host", tp_size: int = 2, tp_rank: int = 0) -> KVLayout:
     """Llama-3-8B's layout on TP rank ``tp_rank`` of ``tp_size`` (its share of the 8 KV heads)."""
-    heads = 8 // tp_size
+    heads = len(held_heads(8, tp_size, tp_rank))
     return dataclasses.replace(
         KVLayout.llama3_8b(MemoryKind.parse(memory)),
         kv_item_lens=(16 * heads * 128 * 2,) * 64,

@@ -119,7 +119,7 @@ def test_pages_sliced_by_head_go_to_a_driver_that_gathers_them() -> None:
     d = decide(
         hello(h, endpoint="p", layout=sliced_layout(tp_size=2)), hello(h, endpoint="d", layout=sliced_layout(tp_size=1))
     )
-    assert d.driver in ("mooncake-staged", "nixl-staged") and "sliced by KV head (TP 2 and 1)" in d.reason, d.reason
+    assert d.driver in ("mooncake-staged", "nixl-staged") and "sliced by KV head (TP 1 and 2)" in d.reason, d.reason
     lost = {c.driver: c.reason for c in d.candidates if c.outcome == "lost"}
     assert "gathers them" in lost["nixl-ucx"] and "gathers them" in lost["mooncake-gdr"], lost
     forced = decide(
@@ -129,6 +129,23 @@ def test_pages_sliced_by_head_go_to_a_driver_that_gathers_them() -> None:
     assert forced.driver == "nixl-ucx"
     whole = decide(hello(h, endpoint="p"), hello(h, endpoint="d"))
     assert whole.driver == "nixl-ucx" and "sliced" not in whole.reason
+    # 8 heads over TP 8 and TP 16: one head a rank on both sides, whole pages, not sliced.
+    replicated = decide(
+        hello(h, endpoint="p", layout=sliced_layout(tp_size=8)),
+        hello(h, endpoint="d", layout=sliced_layout(tp_size=16)),
+    )
+    assert replicated.driver == "nixl-ucx" and "sliced" not in replicated.reason, replicated.reason
+
+
+def test_sliced_pages_between_gpus_of_one_host_still_use_the_fastest_device_path() -> None:
+    """The per-row cost that favours gathering is measured over TCP and shared memory; device
+    paths (CUDA IPC here) keep their bandwidth ranking."""
+    h = host("box", gpus=2, gdr=True, rdma=True)
+    d = decide(
+        hello(h, "cuda:0", endpoint="p", layout=sliced_layout("cuda:0", tp_size=2)),
+        hello(h, "cuda:1", endpoint="d", layout=sliced_layout("cuda:1", tp_size=1)),
+    )
+    assert d.driver == "cuda-local", d.reason
 
 
 def test_ucx_tls_restricted_to_tcp_is_reported_as_tcp() -> None:
@@ -282,7 +299,8 @@ def test_chosen_driver_is_offered_by_both_and_respects_both_policies(pair: tuple
     if not any(s.policy.allow or s.policy.force for s in (a, b)):
         sliced = bool(sliced_pages(a, b))
         for c in d.candidates:
-            if c.outcome == "lost" and not (sliced and gathers[d.driver] and not gathers[c.driver]):
+            per_row = not gathers[c.driver] and c.path in ("tcp", "shm")
+            if c.outcome == "lost" and not (sliced and per_row):
                 assert c.gbps <= d.gbps, (c, d.reason)
 
 

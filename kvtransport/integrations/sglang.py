@@ -33,6 +33,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -66,7 +67,7 @@ from ..errors import (
     TransferAborted,
     TransferTimeout,
 )
-from ..fanin import FanIn, FanOut, expect_from
+from ..fanin import FanIn, FanOut, PartialAnnouncement, expect_from
 from ..memory import HOST, KVLayout, MemoryKind, RegionSet
 from ..tp_map import sources, targets
 from .bootstrap import BootstrapClient, BootstrapServer
@@ -95,7 +96,8 @@ MAX_HELD_ROOMS = 65536
 #: Prefill: room publications (``/register_dp_rank``) queued at once, and how long each may try.
 MAX_PENDING_PUBLISH = 4096
 PUBLISH_TIMEOUT_S = 2.0
-#: Prefill instances x DP ranks a decode manager keeps connections, routes and lookups for.
+#: Prefill rank connections (instances x DP ranks x the attention-TP ranks this rank receives
+#: from), routes and lookups a decode manager keeps, each table on its own.
 MAX_PREFILL_PEERS = 1024
 
 
@@ -322,8 +324,9 @@ class KVTransportKVManager(BaseKVManager):
             name=f"sglang-{self.mode}-dp{self.dp_rank}-tp{self.tp_rank}-{uuid.uuid4().hex[:8]}",
             timeouts=self.timeouts,
         )
-        # Keyed by prefill instance (bootstrap address) and DP rank: as many as the deployment
-        # has, bounded (MAX_PREFILL_PEERS, oldest first) against a router that names endless ones.
+        # Keyed by prefill instance (bootstrap address), DP rank and attention-TP rank: as many as
+        # the deployment has, bounded (MAX_PREFILL_PEERS, oldest first) against a router that
+        # names endless ones.
         self._peers: collections.OrderedDict[tuple[str, int, int], Connection] = collections.OrderedDict()
         self._peers_lock = threading.Lock()
         #: Decode: bootstrap address -> what the prefill instance there looks like (filled in
@@ -420,12 +423,19 @@ class KVTransportKVManager(BaseKVManager):
         key = (bootstrap_addr, prefill_dp_rank, prefill_tp_rank)
         with self._peers_lock:
             conn = self._peers.get(key)
+            if conn is not None and not conn.alive:
+                # The rank went away: it may come back elsewhere (a restart registers anew).
+                self._routes.pop(key, None)
         if conn is not None and conn.alive:
             return conn
         route = self._route(*key)
         if int(route["tp_size"]) != prefill_tp:
             with self._peers_lock:
+                # The instance restarted with another TP size: learn its layout again.
                 self._routes.pop(key, None)
+                self._routes.pop((bootstrap_addr, 0, 0), None)
+                self.prefill_info_table.pop(bootstrap_addr, None)
+                self._lookups.pop(bootstrap_addr, None)
             raise LayoutMismatch(
                 f"prefill rank dp={prefill_dp_rank} tp={prefill_tp_rank} at {bootstrap_addr} registers TP="
                 f"{route['tp_size']}, its instance TP={prefill_tp}: a prefill instance restarted with another TP size?"
@@ -567,6 +577,19 @@ class KVTransportKVManager(BaseKVManager):
         if tag != want:
             return f"{conn.peer_label} (decode rank tp={layout.tp_rank}) announced tag {tag!r}, not {want!r}"
         return ""
+
+    def live_sources(self, bootstrap_addr: str, prefill_dp_rank: int) -> list[Connection]:
+        """Decode: the live connections to this rank's sources at ``bootstrap_addr`` that are up
+        now (a receiver whose connect failed part way tells these that its room is gone)."""
+        info = self.prefill_info_table.get(bootstrap_addr)
+        if info is None or tp_pairing_problem(info.tp_size, self.tp_size):
+            return []
+        with self._peers_lock:
+            found = [
+                self._peers.get((bootstrap_addr, prefill_dp_rank, p))
+                for p in sources(info.tp_size, self.tp_size, self.tp_rank)
+            ]
+        return [c for c in found if c is not None and c.alive]
 
     def decode_tp_sizes(self) -> set[int]:
         """Prefill: the attention-TP sizes of the decode ranks connected now."""
@@ -811,7 +834,9 @@ class KVTransportKVSender(BaseKVSender):
             unbound = [t for t in self._targets if t not in self._parts]
         else:
             # Decode's TP size is not known before its first announcement: every tag a decode
-            # rank of a TP size connected now would use.
+            # rank of a TP size connected now would use. (A decode rank that connects later
+            # hears of the failure through its side's all-reduce of polls; the refusals are
+            # bounded, oldest first, so spare ones cost nothing but a slot.)
             unbound = [self.tag]
             for decode_tp in sorted(self.mgr.decode_tp_sizes()):
                 if decode_tp > self.tp_size and not tp_pairing_problem(self.tp_size, decode_tp):
@@ -931,6 +956,7 @@ class KVTransportKVReceiver(BaseKVReceiver):
         #: told this room failed and the manager waits for its drain confirmation.
         self.abort_notified = False
         self._told_prefill = False
+        self.prefill_dp_rank = 0
 
     @property
     def conn(self) -> Connection | None:
@@ -956,7 +982,8 @@ class KVTransportKVReceiver(BaseKVReceiver):
     def init(self, prefill_dp_rank: int = 0) -> None:
         """Starts the connections to the prefill ranks and returns: ``poll`` says Bootstrapping
         until they are up (the decode scheduler loop never waits for a handshake here)."""
-        self._connecting = self.mgr.connect_soon(self.bootstrap_addr, int(prefill_dp_rank or 0))
+        self.prefill_dp_rank = int(prefill_dp_rank or 0)
+        self._connecting = self.mgr.connect_soon(self.bootstrap_addr, self.prefill_dp_rank)
         self._connected()
 
     def _connected(self) -> None:
@@ -1009,6 +1036,10 @@ class KVTransportKVReceiver(BaseKVReceiver):
                 self.transfer = expect_from(
                     self.conns, self.tag, pages, aux=aux_index, prefix=prefix, state=state_indices
                 )
+        except PartialAnnouncement as exc:
+            # Some sources heard of the pages (now aborted): SGLang holds them until they drained.
+            self.transfer = exc.parts
+            self.failure.set(exc)
         except KVTransportError as exc:
             self.failure.set(exc)
 
@@ -1061,24 +1092,32 @@ class KVTransportKVReceiver(BaseKVReceiver):
         def tell(conn: Connection) -> None:
             tell_tag(conn, tag)
 
+        def tell_each(conns: Sequence[Connection]) -> None:
+            for conn in conns:
+                layout = conn.peer_layout
+                if layout is not None and not tp_pairing_problem(layout.tp_size, self.mgr.tp_size):
+                    tell_tag(conn, room_tag(self.room, layout.tp_size, self.mgr.tp_size, self.mgr.tp_rank))
+
+        def live_sources() -> None:
+            # The connect failed (part way, maybe): the sources that are up hear of it now, not
+            # at their bootstrap timeout.
+            tell_each(self.mgr.live_sources(self.bootstrap_addr, self.prefill_dp_rank))
+
         def tell_once_up(fut: concurrent.futures.Future[tuple[Connection, ...]]) -> None:
-            if not fut.cancelled() and fut.exception() is None:  # else no prefill rank heard of it
-                conns = fut.result()
-                layout = conns[0].peer_layout if conns else None
-                try:
-                    tag_there = (
-                        room_tag(self.room, layout.tp_size, self.mgr.tp_size, self.mgr.tp_rank) if layout else tag
-                    )
-                except MemoryLayoutError:
-                    return
-                for conn in conns:
-                    tell_tag(conn, tag_there)
+            if fut.cancelled():
+                return
+            if fut.exception() is None:
+                tell_each(fut.result())
+            else:
+                live_sources()
 
         if self.conns:
             for conn in self.conns:
                 tell(conn)
         elif self._connecting is not None:
             self._connecting.add_done_callback(tell_once_up)
+        else:
+            live_sources()
 
 
 class KVTransportKVBootstrapServer(BaseKVBootstrapServer):

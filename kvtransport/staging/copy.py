@@ -31,7 +31,7 @@ class CopyEngine(Protocol):
 STRIDED_MIN = 4
 #: Pieces of one length copied as rows of one indexed copy from this many on (one call into
 #: numpy's loop for all of them, whatever their addresses): 8 MiB of 1 KiB head slices takes
-#: 3 ms so against 18 ms as 2-D copies of one page's 16 rows each (measured, this host class).
+#: 3 ms against 18 ms as 2-D copies of one page's 16 rows each (measured, this host class).
 ROWS_MIN = 16
 #: The largest address span one indexed copy views (the pieces of one length may lie in
 #: several regions; the view is never touched outside them, but it must be addressable).
