@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .errors import DriverUnavailable, EngineError
+from .staging.copy import coalesce, strided_groups
 
 CUDA_SUCCESS = 0
 CUDA_ERROR_NOT_READY = 600
@@ -29,6 +30,36 @@ CU_EVENT_DISABLE_TIMING = 2
 CU_MEMHOSTREGISTER_PORTABLE = 1
 CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
 IPC_HANDLE_BYTES = 64
+
+
+#: ``CUmemorytype``: the driver tells host from device memory by the (unified) address.
+CU_MEMORYTYPE_UNIFIED = 4
+#: The largest row step of one 2-D copy (``CU_DEVICE_ATTRIBUTE_MAX_PITCH`` is 2**31 - 1 on every
+#: GPU this serves); a larger step goes as one copy a row.
+MAX_PITCH = (1 << 31) - 1
+
+
+class _Memcpy2D(ctypes.Structure):
+    """``CUDA_MEMCPY2D``: ``Height`` rows of ``WidthInBytes``, ``srcPitch``/``dstPitch`` apart."""
+
+    _fields_ = [
+        ("srcXInBytes", ctypes.c_size_t),
+        ("srcY", ctypes.c_size_t),
+        ("srcMemoryType", ctypes.c_int),
+        ("srcHost", ctypes.c_void_p),
+        ("srcDevice", ctypes.c_uint64),
+        ("srcArray", ctypes.c_void_p),
+        ("srcPitch", ctypes.c_size_t),
+        ("dstXInBytes", ctypes.c_size_t),
+        ("dstY", ctypes.c_size_t),
+        ("dstMemoryType", ctypes.c_int),
+        ("dstHost", ctypes.c_void_p),
+        ("dstDevice", ctypes.c_uint64),
+        ("dstArray", ctypes.c_void_p),
+        ("dstPitch", ctypes.c_size_t),
+        ("WidthInBytes", ctypes.c_size_t),
+        ("Height", ctypes.c_size_t),
+    ]
 
 
 class _IpcHandle(ctypes.Structure):
@@ -47,6 +78,7 @@ class CudaDriver:
         u64, vp, sz = ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t
         lib.cuMemcpyAsync.argtypes = [u64, u64, sz, vp]
         lib.cuMemcpy.argtypes = [u64, u64, sz]
+        lib.cuMemcpy2DAsync_v2.argtypes = [ctypes.POINTER(_Memcpy2D), vp]
         lib.cuMemsetD8_v2.argtypes = [u64, ctypes.c_ubyte, sz]
         lib.cuMemHostRegister_v2.argtypes = [vp, sz, ctypes.c_uint]
         lib.cuMemHostUnregister.argtypes = [vp]
@@ -96,6 +128,25 @@ class CudaDriver:
         rc = self.lib.cuMemcpyAsync(dst, src, n, stream)
         if rc != CUDA_SUCCESS:
             self.check(rc, f"cuMemcpyAsync({n} bytes)")
+
+    def copy_2d_async(
+        self, dst: int, dst_step: int, src: int, src_step: int, n: int, rows: int, stream: ctypes.c_void_p
+    ) -> None:
+        """``rows`` rows of ``n`` bytes, ``src_step`` apart at the source and ``dst_step`` apart
+        at the destination (host or device, either side), as one copy on ``stream``."""
+        spec = _Memcpy2D(
+            srcMemoryType=CU_MEMORYTYPE_UNIFIED,
+            srcDevice=src,
+            srcPitch=src_step,
+            dstMemoryType=CU_MEMORYTYPE_UNIFIED,
+            dstDevice=dst,
+            dstPitch=dst_step,
+            WidthInBytes=n,
+            Height=rows,
+        )
+        rc = self.lib.cuMemcpy2DAsync_v2(ctypes.byref(spec), stream)
+        if rc != CUDA_SUCCESS:
+            self.check(rc, f"cuMemcpy2DAsync({rows} rows of {n} bytes)")
 
     def record(self, stream: ctypes.c_void_p) -> ctypes.c_void_p:
         event = ctypes.c_void_p()
@@ -212,10 +263,28 @@ class CudaCopyEngine:
             self._pinned.append(ptr)
 
     def copy(self, dst: npt.NDArray[np.uint64], src: npt.NDArray[np.uint64], length: npt.NDArray[np.uint64]) -> None:
+        """Pieces adjacent on both sides merged, each strided group of rows (a head slice of a
+        page's tokens, unequal TP) as one 2-D copy, the rest one copy each; then the stream is
+        synchronised."""
         stream = self._stream()
+        dst, src, length = coalesce(dst, src, length)
+        start = 0
+        for first, count in strided_groups(dst, src, length):
+            d0, s0 = int(dst[first]), int(src[first])
+            d_step, s_step = int(dst[first + 1]) - d0, int(src[first + 1]) - s0
+            if max(d_step, s_step) > MAX_PITCH:
+                continue  # copied one row each with the pieces around it
+            self._each(dst[start:first], src[start:first], length[start:first], stream)
+            self.cuda.copy_2d_async(d0, d_step, s0, s_step, int(length[first]), count, stream)
+            start = first + count
+        self._each(dst[start:], src[start:], length[start:], stream)
+        self.cuda.check(self.cuda.lib.cuStreamSynchronize(stream), "cuStreamSynchronize")
+
+    def _each(
+        self, dst: npt.NDArray[np.uint64], src: npt.NDArray[np.uint64], length: npt.NDArray[np.uint64], stream: Any
+    ) -> None:
         for d, s, n in zip(dst.tolist(), src.tolist(), length.tolist(), strict=True):
             self.cuda.copy_async(d, s, n, stream)
-        self.cuda.check(self.cuda.lib.cuStreamSynchronize(stream), "cuStreamSynchronize")
 
     def close(self) -> None:
         self.cuda.bind()

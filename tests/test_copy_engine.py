@@ -108,3 +108,32 @@ def test_token_rows_of_a_head_slice_form_one_group_per_page() -> None:
     groups = strided_groups(np.array(dst, np.uint64), np.array(src, np.uint64), np.full(48, 512, np.uint64))
     assert sum(c for _, c in groups) == 48 and all(c >= STRIDED_MIN for _, c in groups)
     assert len(groups) == 3
+
+
+def test_the_cuda_2d_copy_descriptor_has_cudas_layout() -> None:
+    """``CUDA_MEMCPY2D`` as cuda.h lays it out (x86-64): the CUDA copy engine's strided groups
+    go through it, and a field at the wrong offset would copy from the wrong place."""
+    import ctypes
+
+    from kvtransport.cuda_copy import _Memcpy2D
+
+    offsets = {name: getattr(_Memcpy2D, name).offset for name, _ in _Memcpy2D._fields_}
+    assert ctypes.sizeof(_Memcpy2D) == 128
+    assert offsets == {
+        "srcXInBytes": 0,
+        "srcY": 8,
+        "srcMemoryType": 16,
+        "srcHost": 24,
+        "srcDevice": 32,
+        "srcArray": 40,
+        "srcPitch": 48,
+        "dstXInBytes": 56,
+        "dstY": 64,
+        "dstMemoryType": 72,
+        "dstHost": 80,
+        "dstDevice": 88,
+        "dstArray": 96,
+        "dstPitch": 104,
+        "WidthInBytes": 112,
+        "Height": 120,
+    }

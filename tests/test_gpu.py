@@ -25,3 +25,55 @@ def conformance_driver(request: pytest.FixtureRequest) -> DriverUnderTest:
             pytest.skip(f"mooncake-gdr cannot serve device memory here: {status.why_not(MemoryKind(0))}")
         pytest.fail(f"{name} must serve device memory on a CUDA host: {status.why_not(MemoryKind(0))}")
     return DriverUnderTest(name, device=0)
+
+
+def test_the_cuda_copy_engine_copies_head_slices_as_one_memmove_per_piece_would() -> None:
+    """Unequal TP through the staged path on a GPU: 1 KiB rows at a 2 KiB step (a head slice of
+    each token) from device memory into a ring chunk and back out at another step, as 2-D
+    copies, byte for byte what one copy per piece writes; odd pieces beside them."""
+    import numpy as np
+
+    from kvtransport.cuda_copy import CudaCopyEngine
+
+    engine = CudaCopyEngine(0)
+    size, row = 1 << 20, 1024
+    dev = engine.cuda.alloc(size)
+    try:
+        rng = np.random.default_rng(7)
+        data = rng.integers(0, 256, size, dtype=np.uint8)
+        engine.cuda.memcpy(dev, int(data.ctypes.data), size)
+        ring = np.zeros(size // 2, dtype=np.uint8)
+        engine.pin(int(ring.ctypes.data), ring.nbytes)
+        pages = rng.permutation(size // (32 * row))[:12]
+        src = [int(p) * 32 * row + t * 2 * row + row for p in pages for t in range(16)]  # heads of rows
+        src.append(size - 100)  # an odd piece of 100 bytes
+        lens = [row] * (len(src) - 1) + [100]
+        dst = np.cumsum([0, *lens[:-1]])
+        engine.copy(
+            (int(ring.ctypes.data) + dst).astype(np.uint64),
+            (dev + np.asarray(src)).astype(np.uint64),
+            np.asarray(lens, dtype=np.uint64),
+        )
+        want = np.concatenate([data[s : s + n] for s, n in zip(src, lens, strict=True)])
+        assert np.array_equal(ring[: want.size], want)
+        # And back: the ring's rows into device memory at a 4 KiB step.
+        out = engine.cuda.alloc(size)
+        try:
+            engine.cuda.memset(out, 0, size)
+            back = [i * 4 * row for i in range(len(lens) - 1)] + [size - 200]
+            engine.copy(
+                (out + np.asarray(back)).astype(np.uint64),
+                (int(ring.ctypes.data) + dst).astype(np.uint64),
+                np.asarray(lens, dtype=np.uint64),
+            )
+            got = np.empty(size, dtype=np.uint8)
+            engine.cuda.memcpy(int(got.ctypes.data), out, size)
+            expect = np.zeros(size, dtype=np.uint8)
+            for b, s, n in zip(back, src, lens, strict=True):
+                expect[b : b + n] = data[s : s + n]
+            assert np.array_equal(got, expect)
+        finally:
+            engine.cuda.free(out)
+    finally:
+        engine.cuda.free(dev)
+        engine.close()
