@@ -327,6 +327,11 @@ class KVTransport(ABC):
     def pending(self) -> int:
         """Handles this driver still holds: in flight, or finished but not yet polled."""
 
+    def gauges(self) -> Mapping[str, float]:
+        """Optional: what the driver holds now, for the endpoint's metrics (e.g. a staging
+        ring's slots in use). Called from any thread; cheap; never raises."""
+        return {}
+
     def disconnect(self, peer: str) -> None:  # noqa: B027 - optional hook
         """Forget ``peer``; its in-flight batches fail."""
 

@@ -69,6 +69,7 @@ from .handshake import check_agreement, decide, label_of, read_peer, regions_fro
 from .hello import DriverHello, Hello, build_hello, describe_driver, load_drivers
 from .inbound import U64
 from .memory import KVLayout, RegionSet
+from .metrics import Metrics
 from .negotiate import Decision
 from .registry import Policy, warn_unknown_env_vars
 from .runner import DriverRunner
@@ -231,6 +232,8 @@ class Endpoint:
         self._receiving: dict[str, int] = {}  # driver -> live receive transfers (I/O thread)
         self.early_expect_bytes_total = 0
         self.pending_handshakes = 0
+        #: Finished transfers counted per driver and peer (docs/metrics.md).
+        self.metrics = Metrics(gauges=self._gauges)
         self._closed = False
         self._down: KVTransportError | None = None
         self._open_drivers(hellos, driver_options or {})
@@ -398,6 +401,21 @@ class Endpoint:
             "watches": sum(r.watching for r in self.runners.values()),
             "handles": sum(_pending_handles(d) for d in self.drivers.values()),
         }
+
+    def _gauges(self) -> dict[str, Any]:
+        """What the endpoint and its drivers hold now (read at each metrics snapshot)."""
+        sessions = list(self.sessions.values())
+        out: dict[str, Any] = {
+            "connections": len(sessions),
+            "transfers": sum(len(s.transfers) for s in sessions),
+            "drivers": {},
+        }
+        for name, driver in list(self.drivers.items()):
+            try:
+                out["drivers"][name] = {k: float(v) for k, v in driver.gauges().items()}
+            except Exception as exc:  # noqa: BLE001 - a driver's bug must not break a snapshot
+                log.debug("driver %s: gauges() raised %s", name, exc)
+        return out
 
     def close(self) -> None:
         """Tell peers, fail what is in flight, release every driver. Idempotent; never raises."""

@@ -55,6 +55,8 @@ class Transfer:
         self.role = role  # SEND or RECV
         self._state = state
         self._since = time.monotonic()
+        self.created = self._since
+        self.counted = False  # I/O thread: counted in the endpoint's metrics (once, when final)
         self.error: KVTransportError | None = None
         self._final = threading.Event()
         # sender side

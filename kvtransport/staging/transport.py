@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import ClassVar
 
 from ..driver import KVTransport
@@ -28,6 +29,21 @@ class StagedTransport(KVTransport):
         if self._pipeline is None:
             raise DriverError(f"{self.name}: used before open()")
         return self._pipeline
+
+    def gauges(self) -> Mapping[str, float]:
+        """The ring's slots (per direction) and those in use: being filled or written
+        (outbound), granted to peers, holding a peer's chunk (busy); batches in flight."""
+        pipeline = self._pipeline
+        if pipeline is None:
+            return {}
+        usage = pipeline.usage()
+        return {
+            "ring_slots": float(pipeline.config.slots),
+            "ring_outbound": float(usage.outbound),
+            "ring_granted": float(usage.granted),
+            "ring_busy": float(usage.busy),
+            "batches": float(pipeline.pending()),
+        }
 
     def start_pipeline(self, ring_ptr: int, config: RingConfig, regions: RegionSet) -> StagingPipeline:
         """The pipeline over ``ring_ptr``, with the copy engine ``regions`` need (CUDA streams
