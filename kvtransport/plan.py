@@ -138,20 +138,19 @@ def plan(
     first_src: U64 = src[starts].astype(np.uint64)
     first_dst: U64 = dst[starts].astype(np.uint64)
 
-    parts = []
-    for s, d in zip(src_regions, dst_regions, strict=True):
-        item = np.uint64(s.item_len)
-        parts.append(
-            _cap(
-                Runs(
-                    np.uint64(s.ptr) + first_src * item,
-                    np.uint64(d.ptr) + first_dst * item,
-                    counts * item,
-                ),
-                max_run_bytes,
-            )
-        )
-    return Runs.concat(parts)
+    # Every region at once, region by region in order (a Python loop over 64 regions cost
+    # about 1 ms of numpy calls for a 4k-token request).
+    item = np.fromiter((r.item_len for r in src_regions), dtype=np.uint64, count=len(src_regions))[:, None]
+    base_src = np.fromiter((r.ptr for r in src_regions), dtype=np.uint64, count=len(src_regions))[:, None]
+    base_dst = np.fromiter((r.ptr for r in dst_regions), dtype=np.uint64, count=len(dst_regions))[:, None]
+    return _cap(
+        Runs(
+            (base_src + first_src[None, :] * item).ravel(),
+            (base_dst + first_dst[None, :] * item).ravel(),
+            (counts[None, :] * item).ravel(),
+        ),
+        max_run_bytes,
+    )
 
 
 def _checked_pairs(
