@@ -13,6 +13,7 @@ medians over requests.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import math
 import statistics
 import time
@@ -444,4 +445,106 @@ def render_connect_cost(doc: dict[str, Any]) -> str:
         d = doc[mode]
         lines.append(f"  {label:<30} p50 {d['p50_ms']:7.2f} ms   p90 {d['p90_ms']:7.2f} ms")
     lines.append(f"  difference of the medians: {doc['secret_minus_none_p50_ms']:+.2f} ms")
+    return "\n".join(lines)
+
+
+def in_flight(
+    workload: Workload,
+    count: int,
+    *,
+    driver: str | None = None,
+    timeout: float = 120.0,
+    progress: TextIO | None = None,
+) -> dict[str, Any]:
+    """``kvtransport bench --in-flight N``: rounds of ``count`` requests sent at once (each
+    announced, then all sent, then all awaited) against rounds of one request, alternating, on
+    one connection; the aggregate bandwidth of each (bytes of the round over the time from its
+    first send to its last request's decode Success), medians, every page checked."""
+    if count < 1:
+        raise KVTransportError("--in-flight must be positive")
+    workload = dataclasses.replace(workload, pool_factor=max(workload.pool_factor, count + 1))
+    pool = KVPool(workload.pool_pages, workload.regions, workload.item_len, 0, shared=False, device=workload.device)
+    pool.fill(workload.seed)
+    pairs: list[tuple[Endpoint, PeerProcess | None]] = []
+    rounds: dict[int, list[float]] = {1: [], count: []}
+    wrong: list[str] = []
+    try:
+        _, peer, conn = _open_pair(pool, workload, driver, timeout, pairs)
+        assert conn.decision is not None
+        rng = np.random.default_rng(workload.seed)
+        total = workload.pool_pages
+        n = workload.pages_per_request
+        for i in range(-workload.warmup, workload.requests):
+            for k in (1, count) if i % 2 == 0 else (count, 1):
+                src_all = rng.choice(total, n * k, replace=False).tolist()
+                dst_all = rng.choice(total, n * k, replace=False).tolist()
+                tags = {f"f{i}-{k}-{j}": (src_all[j * n : (j + 1) * n], dst_all[j * n : (j + 1) * n]) for j in range(k)}
+                peer.call("poison", pages=dst_all, timeout=timeout)
+                peer.call("expect", transfers={t: d for t, (_, d) in tags.items()}, timeout=timeout)
+                senders = {t: conn.sender(t) for t in tags}
+                deadline = time.monotonic() + timeout
+                while any(s.state is State.BOOTSTRAPPING for s in senders.values()):
+                    if time.monotonic() > deadline:
+                        raise KVTransportError("the decode side's announcements did not arrive")
+                    time.sleep(0.0005)
+                start = time.monotonic()
+                for t, (src, _) in tags.items():
+                    senders[t].send(src, last=True)
+                answer = peer.call("wait", tags=list(tags), timeout=timeout + 5)
+                for t, state in answer["states"].items():
+                    if state[0] != "SUCCESS":
+                        raise KVTransportError(f"decode side ended {t} in {state[0]}: {state[2]}")
+                seconds = max(answer["finished"].values()) - start
+                got = peer.call("digests", pages=dst_all, timeout=timeout)["digests"]
+                if got != pool.page_digests(src_all):
+                    wrong.append(f"round {i} of {k} in flight")
+                if i >= 0:
+                    rounds[k].append(seconds)
+            if progress is not None:
+                progress.write(f"\r  round {i + 1}/{workload.requests}")
+                progress.flush()
+        if progress is not None:
+            progress.write("\n")
+        figures = {
+            str(k): {
+                "p50_ms": statistics.median(v) * 1e3,
+                "aggregate_gbps": k * workload.request_bytes / statistics.median(v) / 1e9,
+            }
+            for k, v in rounds.items()
+            if v
+        }
+        one, many = figures.get("1"), figures.get(str(count))
+        return {
+            "driver": conn.decision.driver,
+            "workload": workload.describe(),
+            "in_flight": count,
+            "rounds": workload.requests,
+            "figures": figures,
+            "ratio": many["aggregate_gbps"] / one["aggregate_gbps"] if one and many else None,
+            "integrity": {"ok": not wrong, "mismatches": wrong},
+        }
+    finally:
+        for ep, peer_process in pairs:
+            if peer_process is not None:
+                peer_process.close()
+            ep.close()
+        pool.close()
+
+
+def render_in_flight(doc: dict[str, Any]) -> str:
+    f, k = doc["figures"], doc["in_flight"]
+    lines = [
+        f"kvtransport bench, {k} requests in flight against 1, driver {doc['driver']}",
+        f"  workload    {doc['workload']}",
+    ]
+    for key, label in (("1", "1 in flight "), (str(k), f"{k} in flight".ljust(12))):
+        if key in f:
+            lines.append(
+                f"  {label} {f[key]['aggregate_gbps']:6.2f} GB/s aggregate   p50 {f[key]['p50_ms']:8.1f} ms a round"
+            )
+    if doc["ratio"] is not None:
+        lines.append(f"  ratio       {doc['ratio']:.2f}x ({k} in flight / 1, aggregate bandwidth, medians)")
+    integrity = doc["integrity"]
+    verdict = "OK" if integrity["ok"] else "FAILED: " + "; ".join(integrity["mismatches"][:3])
+    lines.append(f"  integrity   {verdict}: every page of every request checked")
     return "\n".join(lines)

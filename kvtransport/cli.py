@@ -325,6 +325,12 @@ def _add_bench(sub: Any) -> None:
         metavar="N",
         help="instead: time N handshakes with the deployment secret and N without",
     )
+    p.add_argument(
+        "--in-flight",
+        type=int,
+        metavar="N",
+        help="instead: rounds of N requests sent at once against rounds of one (aggregate bandwidth)",
+    )
     p.add_argument("--prefill-tp", type=int, default=1, help="prefill ranks (processes), each holding its heads")
     p.add_argument("--decode-tp", type=int, default=1, help="decode ranks (processes), each holding its heads")
     p.set_defaults(func=bench_cmd)
@@ -364,6 +370,13 @@ def bench_cmd(args: argparse.Namespace) -> int:
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     if (args.prefill_tp, args.decode_tp) != (1, 1):
         return _bench_tp(args, workload)
+    if args.in_flight is not None:
+        from .bench import in_flight, render_in_flight
+
+        with native_stdout_to_stderr():
+            doc = in_flight(workload, args.in_flight, driver=args.driver, timeout=args.timeout, progress=sys.stderr)
+        print(json.dumps(doc, indent=2) if args.json else render_in_flight(doc))
+        return 0 if doc["integrity"]["ok"] else 1
     with native_stdout_to_stderr():
         report = run(
             workload,

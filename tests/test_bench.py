@@ -135,3 +135,17 @@ def test_bench_with_unequal_tp_checks_every_head(prefill_tp: int, decode_tp: int
     assert report["integrity"] == {"ok": True, "mismatches": []}
     figures = report["figures"]
     assert figures["unequal"]["gbps"] > 0 and figures["equal"]["gbps"] > 0 and figures["ratio"] > 0
+
+
+def test_bench_in_flight_sends_rounds_of_concurrent_requests_and_checks_every_page() -> None:
+    """``--in-flight N``: rounds of N requests at once against rounds of one, each page of each
+    request checked; the report gives both aggregate bandwidths and their ratio."""
+    require_engines()
+    args = ["bench", "--driver", "nixl-ucx", "--in-flight", "3", "--requests", "2", "--prompt-tokens", "64"]
+    proc = run_cli(*args, "--layers", "2", "--json", timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert (report["driver"], report["in_flight"], report["rounds"]) == ("nixl-ucx", 3, 2)
+    assert report["integrity"] == {"ok": True, "mismatches": []}
+    assert report["figures"]["1"]["aggregate_gbps"] > 0 and report["figures"]["3"]["aggregate_gbps"] > 0
+    assert report["ratio"] > 0
