@@ -448,6 +448,11 @@ def render_connect_cost(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+#: The most KV memory ``--in-flight`` allocates per process (each side holds N + 1 requests' pages).
+IN_FLIGHT_MAX_POOL = 4 << 30
+GiB = 1 << 30
+
+
 def in_flight(
     workload: Workload,
     count: int,
@@ -460,9 +465,16 @@ def in_flight(
     announced, then all sent, then all awaited) against rounds of one request, alternating, on
     one connection; the aggregate bandwidth of each (bytes of the round over the time from its
     first send to its last request's decode Success), medians, every page checked."""
-    if count < 1:
-        raise KVTransportError("--in-flight must be positive")
+    if count < 2:
+        raise KVTransportError("--in-flight N compares N requests at once with one: N must be at least 2")
     workload = dataclasses.replace(workload, pool_factor=max(workload.pool_factor, count + 1))
+    pool_bytes = workload.pool_pages * workload.item_len * workload.regions
+    if pool_bytes > IN_FLIGHT_MAX_POOL:
+        raise KVTransportError(
+            f"--in-flight {count} with {workload.prompt_tokens}-token requests needs {pool_bytes / GiB:.1f} GiB of KV "
+            f"in each process (more than {IN_FLIGHT_MAX_POOL / GiB:.0f} GiB); use shorter requests "
+            "(--prompt-tokens 256) or fewer in flight"
+        )
     pool = KVPool(workload.pool_pages, workload.regions, workload.item_len, 0, shared=False, device=workload.device)
     pool.fill(workload.seed)
     pairs: list[tuple[Endpoint, PeerProcess | None]] = []
@@ -500,7 +512,7 @@ def in_flight(
                     wrong.append(f"round {i} of {k} in flight")
                 if i >= 0:
                     rounds[k].append(seconds)
-            if progress is not None:
+            if progress is not None and i >= 0:
                 progress.write(f"\r  round {i + 1}/{workload.requests}")
                 progress.flush()
         if progress is not None:

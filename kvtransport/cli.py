@@ -369,6 +369,10 @@ def bench_cmd(args: argparse.Namespace) -> int:
     # in the environment brings it back).
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     if (args.prefill_tp, args.decode_tp) != (1, 1):
+        if args.in_flight is not None:
+            raise KVTransportError(
+                "--in-flight runs between one prefill and one decode rank, not with --prefill-tp/--decode-tp"
+            )
         return _bench_tp(args, workload)
     if args.in_flight is not None:
         from .bench import in_flight, render_in_flight

@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .errors import DriverUnavailable, EngineError
-from .staging.copy import coalesce, strided_groups
+from .staging.copy import strided_groups
 
 CUDA_SUCCESS = 0
 CUDA_ERROR_NOT_READY = 600
@@ -263,22 +263,34 @@ class CudaCopyEngine:
             self._pinned.append(ptr)
 
     def copy(self, dst: npt.NDArray[np.uint64], src: npt.NDArray[np.uint64], length: npt.NDArray[np.uint64]) -> None:
-        """Pieces adjacent on both sides merged, each strided group of rows (a head slice of a
-        page's tokens, unequal TP) as one 2-D copy, the rest one copy each; then the stream is
-        synchronised."""
+        """Each strided group of rows (a head slice of a page's tokens, unequal TP) that lies in
+        one allocation on both sides as one 2-D copy, the rest one copy each; then the stream
+        is synchronised. Pieces are not merged across pieces' borders: two regions adjacent in
+        the address space are still two allocations, which one CUDA copy must not span."""
         stream = self._stream()
-        dst, src, length = coalesce(dst, src, length)
         start = 0
         for first, count in strided_groups(dst, src, length):
-            d0, s0 = int(dst[first]), int(src[first])
+            d0, s0, n = int(dst[first]), int(src[first]), int(length[first])
             d_step, s_step = int(dst[first + 1]) - d0, int(src[first + 1]) - s0
-            if max(d_step, s_step) > MAX_PITCH:
+            if max(d_step, s_step) > MAX_PITCH or not (
+                self._one_allocation(d0, d_step * (count - 1) + n)
+                and self._one_allocation(s0, s_step * (count - 1) + n)
+            ):
                 continue  # copied one row each with the pieces around it
             self._each(dst[start:first], src[start:first], length[start:first], stream)
-            self.cuda.copy_2d_async(d0, d_step, s0, s_step, int(length[first]), count, stream)
+            self.cuda.copy_2d_async(d0, d_step, s0, s_step, n, count, stream)
             start = first + count
         self._each(dst[start:], src[start:], length[start:], stream)
         self.cuda.check(self.cuda.lib.cuStreamSynchronize(stream), "cuStreamSynchronize")
+
+    def _one_allocation(self, ptr: int, span: int) -> bool:
+        """Whether ``[ptr, ptr + span)`` lies in one allocation: device memory by its address
+        range; host memory (the pinned ring, one buffer) is taken as is."""
+        try:
+            base, size = self.cuda.allocation_of(ptr)
+        except EngineError:
+            return True  # not device memory: the ring, which the pipeline hands out in slots
+        return base <= ptr and ptr + span <= base + size
 
     def _each(
         self, dst: npt.NDArray[np.uint64], src: npt.NDArray[np.uint64], length: npt.NDArray[np.uint64], stream: Any

@@ -407,7 +407,7 @@ class Endpoint:
         sessions = list(self.sessions.values())
         out: dict[str, Any] = {
             "connections": len(sessions),
-            "transfers": sum(len(s.transfers) for s in sessions),
+            "transfers": sum(1 for s in sessions for t in list(s.transfers.values()) if not t.state.final),
             "drivers": {},
         }
         for name, driver in list(self.drivers.items()):

@@ -2,9 +2,11 @@
 watches (bytes, transfers, latency, failures by error type) and what a serving engine reports.
 
 Every transfer is counted once, when it reaches a final state, on the endpoint's I/O thread:
-its driver, its role (``send``/``recv``), its peer's endpoint name, its bytes, its latency (from
-the first byte moving, or from its creation if none moved, to its end) and, if it failed, its
-error type. :meth:`Metrics.snapshot` returns a plain dict with a stable schema
+its driver, its role (``send``/``recv``), its peer, its bytes, its latency and, if it failed,
+its error type. Latency is what each side waits: a sender from its first chunk handed to the
+driver (or its creation, if it never sent one) to its end; a receiver from its announcement to
+its end (so it includes the time the sender took to start, e.g. prefill's forward).
+:meth:`Metrics.snapshot` returns a plain dict with a stable schema
 (``SCHEMA_VERSION``, documented in docs/metrics.md) from any thread. Gauges (transfers in
 flight, a staged driver's ring slots) are read at snapshot time, not kept.
 
@@ -121,9 +123,12 @@ class Series:
 
 
 def error_type(error: BaseException | None) -> str:
-    """The error's class name when it is one of kvtransport's, else ``other``."""
-    name = type(error).__name__ if error is not None else "other"
-    return name if name in ERROR_TYPES else "other"
+    """The class name of the error's nearest ancestor in :mod:`kvtransport.errors` (a driver's
+    own subclass of ``EngineError`` counts as ``EngineError``), else ``other``."""
+    for cls in type(error).__mro__ if error is not None else ():
+        if cls.__name__ in ERROR_TYPES and getattr(errors_module, cls.__name__, None) is cls:
+            return str(cls.__name__)
+    return "other"
 
 
 class Metrics:
@@ -143,7 +148,7 @@ class Metrics:
         from .transfer import State
 
         ok = transfer.state is State.SUCCESS
-        begin = transfer.started or transfer.created
+        begin = (transfer.started or transfer.created) if transfer.role == "send" else transfer.created
         seconds = max(0.0, (transfer.finished or begin) - begin)
         error = "" if ok else error_type(transfer.error)
         role = transfer.role

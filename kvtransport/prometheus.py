@@ -7,12 +7,14 @@ snapshot, so nothing is copied between scrapes. Metric names and labels: docs/me
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from .errors import ConfigError
 
 PREFIX = "kvtransport"
+_NAME = re.compile(r"[^a-z0-9_]")
 
 
 def _client() -> Any:
@@ -47,7 +49,7 @@ class Collector:
             f"{PREFIX}_transfer_failures", "Failed transfers by error type", labels=[*labels, "error"]
         )
         latency = core.HistogramMetricFamily(
-            f"{PREFIX}_transfer_seconds", "Transfer latency, first byte moving to the end", labels=labels
+            f"{PREFIX}_transfer_seconds", "What a side waited for a transfer (docs/metrics.md)", labels=labels
         )
         size = core.HistogramMetricFamily(f"{PREFIX}_transfer_size_bytes", "Bytes per transfer", labels=labels)
         peer_bytes = core.CounterMetricFamily(
@@ -56,12 +58,9 @@ class Collector:
         peer_failures = core.CounterMetricFamily(
             f"{PREFIX}_peer_transfer_failures", "Failed transfers per peer", labels=[*labels, "peer"]
         )
-        gauges = core.GaugeMetricFamily(f"{PREFIX}_endpoint", "What an endpoint holds now", labels=["endpoint", "what"])
-        driver_gauges = core.GaugeMetricFamily(
-            f"{PREFIX}_driver",
-            "What a driver holds now (e.g. staging ring slots)",
-            labels=["endpoint", "driver", "what"],
-        )
+        connections = core.GaugeMetricFamily(f"{PREFIX}_connections", "Live connections", labels=["endpoint"])
+        live = core.GaugeMetricFamily(f"{PREFIX}_transfers_live", "Transfers not finished yet", labels=["endpoint"])
+        driver_gauges: dict[str, Any] = {}
         for endpoint, snapshot in self._sources:
             snap = snapshot()
             for s in snap["drivers"]:
@@ -78,20 +77,29 @@ class Collector:
                 peer_bytes.add_metric(key, s["bytes"])
                 peer_failures.add_metric(key, s["failed"])
             g = snap["gauges"]
-            for what in ("connections", "transfers"):
-                gauges.add_metric([endpoint, what], g.get(what, 0))
+            connections.add_metric([endpoint], g.get("connections", 0))
+            live.add_metric([endpoint], g.get("transfers", 0))
             for driver, values in g.get("drivers", {}).items():
                 for what, value in values.items():
-                    driver_gauges.add_metric([endpoint, driver, what], value)
-        yield from (transfers, nbytes, failures, latency, size, peer_bytes, peer_failures, gauges, driver_gauges)
+                    name = f"{PREFIX}_driver_{_NAME.sub('_', what.lower())}"
+                    family = driver_gauges.get(name)
+                    if family is None:
+                        family = driver_gauges[name] = core.GaugeMetricFamily(
+                            name, f"A driver's {what} now (its gauges())", labels=["endpoint", "driver"]
+                        )
+                    family.add_metric([endpoint, driver], value)
+        yield from (transfers, nbytes, failures, latency, size, peer_bytes, peer_failures, connections, live)
+        yield from driver_gauges.values()
 
 
 def _buckets(h: dict[str, Any]) -> list[tuple[str, float]]:
     """Cumulative ``(le, count)`` pairs, ``+Inf`` last, as Prometheus histograms count."""
+    from prometheus_client.utils import floatToGoString
+
     out, total = [], 0
     for bound, n in zip([*h["bounds"], float("inf")], h["counts"], strict=True):
         total += n
-        out.append(("+Inf" if bound == float("inf") else repr(float(bound)), float(total)))
+        out.append((str(floatToGoString(bound)), float(total)))  # type: ignore[no-untyped-call]
     return out
 
 

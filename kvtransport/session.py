@@ -501,8 +501,10 @@ class Session:
         t.timer = None
         if t.state.final and not t.counted:
             t.counted = True
-            driver = self.decision.driver if self.decision else "none"
-            ep.metrics.observe(t, driver, self.peer_hello.endpoint if self.peer_hello else self.peer_label)
+            try:
+                ep.metrics.observe(t, self.decision.driver if self.decision else "none", self.peer_label)
+            except Exception:
+                log.exception("counting transfer %r in the metrics failed", t.tag)
         if t.state is State.FAILED and t.role == RECV and t.announced is None:
             t.drained.set()  # it failed before its pages were announced: nobody could write them
         if not t.filed:

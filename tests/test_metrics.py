@@ -113,6 +113,10 @@ def test_histogram_buckets_and_error_types() -> None:
     assert h.counts[0] == 2 and h.counts[1] == 1 and h.counts[-1] == 1 and h.count == 5
     assert error_type(TransferAborted("x")) == "TransferAborted"
     assert error_type(ValueError("x")) == "other" and error_type(None) == "other"
+    from kvtransport.fanin import PartialAnnouncement
+
+    # An error class of another module counts as its nearest kvtransport.errors ancestor.
+    assert error_type(PartialAnnouncement("x", None)) == "TransferError"  # type: ignore[arg-type]
 
 
 def test_the_prometheus_collector_exposes_the_same_figures() -> None:
@@ -145,7 +149,8 @@ def test_the_prometheus_collector_exposes_the_same_figures() -> None:
     assert value("kvtransport_transfer_seconds_bucket", le="+Inf") == 1
     assert value("kvtransport_transfer_seconds_count") == 1
     assert value("kvtransport_peer_transfer_bytes_total", peer="prefill") == 2 * LAYERS * ITEM
-    assert samples[("kvtransport_endpoint", (("endpoint", "decode"), ("what", "connections")))] == 1
+    assert samples[("kvtransport_connections", (("endpoint", "decode"),))] == 1
+    assert samples[("kvtransport_transfers_live", (("endpoint", "decode"),))] == 0
 
 
 def test_a_staged_driver_reports_its_ring() -> None:
