@@ -7,6 +7,7 @@ without trusting any sender; pages nobody announced must stay zero."""
 from __future__ import annotations
 
 import json
+import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -154,7 +155,13 @@ def test_a_source_killed_mid_request_fails_the_request_and_stops_the_others(depl
     state = dep.decode[0].call("wait", tags=["k.d0"], timeout=15)["states"]["k.d0"]
     assert state[0] == "FAILED" and state[1] == "PeerLost", state
     p, k = dep.links[0][0]
-    # Its sender fails as it is created (the decode side's abort came first); sending raises.
+    # The decode side's abort of the other part reaches prefill rank 0 (as an early abort: no
+    # sender exists there yet) ...
+    deadline = time.monotonic() + 10
+    while dep.prefill[p].call("stats")["stats"]["early_aborts"] < 1:
+        assert time.monotonic() < deadline, "prefill rank 0 never heard that the request failed"
+        time.sleep(0.05)
+    # ... so its sender fails as it is created; sending raises.
     with pytest.raises(RuntimeError, match=r"another source of 'k\.d0' failed"):
         dep.prefill[p].call("send", conn=k, transfers={"k.d0": [[5, 6, 7]]}, timeout=5)
     sent = dep.prefill[p].call("wait", tags=["k.d0"], timeout=10)["states"]["k.d0"]
