@@ -58,10 +58,14 @@ def held_heads(total_heads: int, tp_size: int, rank: int) -> range:
     return range(head, head + 1)
 
 
-def sources(prefill_tp: int, decode_tp: int, decode_rank: int) -> range:
-    """The prefill ranks decode rank ``decode_rank`` receives from (SGLang's target TP ranks)."""
+def _check_sizes(prefill_tp: int, decode_tp: int) -> None:
     if prefill_tp % decode_tp and decode_tp % prefill_tp:
         raise MemoryLayoutError(f"prefill TP {prefill_tp} and decode TP {decode_tp}: one must divide the other")
+
+
+def sources(prefill_tp: int, decode_tp: int, decode_rank: int) -> range:
+    """The prefill ranks decode rank ``decode_rank`` receives from (SGLang's target TP ranks)."""
+    _check_sizes(prefill_tp, decode_tp)
     if decode_tp >= prefill_tp:
         p = decode_rank // (decode_tp // prefill_tp)
         return range(p, p + 1)
@@ -72,8 +76,7 @@ def sources(prefill_tp: int, decode_tp: int, decode_rank: int) -> range:
 def targets(prefill_tp: int, prefill_rank: int, decode_tp: int) -> range:
     """The decode ranks prefill rank ``prefill_rank`` feeds: those whose :func:`sources` hold it
     (several when decode is wider, one otherwise)."""
-    if prefill_tp % decode_tp and decode_tp % prefill_tp:
-        raise MemoryLayoutError(f"prefill TP {prefill_tp} and decode TP {decode_tp}: one must divide the other")
+    _check_sizes(prefill_tp, decode_tp)
     if decode_tp >= prefill_tp:
         ratio = decode_tp // prefill_tp
         return range(prefill_rank * ratio, (prefill_rank + 1) * ratio)

@@ -1081,22 +1081,18 @@ class KVTransportKVReceiver(BaseKVReceiver):
         if self._told_prefill:
             return
         self._told_prefill = True
-        tag = self.tag
-
-        def tell_tag(conn: Connection, tag: str) -> None:
-            try:
-                conn.abort(tag, reason)
-            except KVTransportError as exc:
-                log.debug("room %s: telling prefill of the abort failed: %s", tag, exc)
-
-        def tell(conn: Connection) -> None:
-            tell_tag(conn, tag)
 
         def tell_each(conns: Sequence[Connection]) -> None:
+            # Under the tag this rank announces the room with at that connection's endpoint.
             for conn in conns:
                 layout = conn.peer_layout
-                if layout is not None and not tp_pairing_problem(layout.tp_size, self.mgr.tp_size):
-                    tell_tag(conn, room_tag(self.room, layout.tp_size, self.mgr.tp_size, self.mgr.tp_rank))
+                if layout is None or tp_pairing_problem(layout.tp_size, self.mgr.tp_size):
+                    continue
+                tag = room_tag(self.room, layout.tp_size, self.mgr.tp_size, self.mgr.tp_rank)
+                try:
+                    conn.abort(tag, reason)
+                except KVTransportError as exc:
+                    log.debug("room %s: telling prefill of the abort failed: %s", tag, exc)
 
         def live_sources() -> None:
             # The connect failed (part way, maybe): the sources that are up hear of it now, not
@@ -1112,8 +1108,7 @@ class KVTransportKVReceiver(BaseKVReceiver):
                 live_sources()
 
         if self.conns:
-            for conn in self.conns:
-                tell(conn)
+            tell_each(self.conns)
         elif self._connecting is not None:
             self._connecting.add_done_callback(tell_once_up)
         else:
