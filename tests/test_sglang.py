@@ -78,37 +78,57 @@ def _until(r: Any, states: set[int], timeout: float = 30.0) -> int:
     return int(state)
 
 
-@pytest.fixture(params=["nixl-ucx", "mooncake-gdr"])
-def ranks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Ranks]:
-    require_engines()
-    driver = str(request.param)
-    env = {"KVTRANSPORT_DRIVER": driver, **FAST}
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
+class _PrefillRank:
+    """One prefill rank process per driver, shared by this module's tests (starting one, which
+    imports SGLang, costs seconds); a test that kills it gets a fresh one for the next test.
+    Every test uses rooms of its own, and each gets a fresh decode manager."""
 
-    prefill = PeerProcess(
-        "--pages",
-        str(PAGES),
-        "--layers",
-        str(LAYERS),
-        "--item",
-        str(ITEM),
-        "--aux-slots",
-        str(AUX),
-        module="tests.sglang_rank",
-        env={**os.environ, **env},
-    )
+    def __init__(self, driver: str) -> None:
+        self.driver = driver
+        self.env = {"KVTRANSPORT_DRIVER": driver, **FAST}
+        self.process: PeerProcess | None = None
+
+    def alive(self) -> PeerProcess:
+        if self.process is not None and self.process.proc.poll() is not None:
+            self.process.close()
+            self.process = None
+        if self.process is None:
+            self.process = PeerProcess(
+                *("--pages", str(PAGES), "--layers", str(LAYERS), "--item", str(ITEM), "--aux-slots", str(AUX)),
+                module="tests.sglang_rank",
+                env={**os.environ, **self.env},
+            )
+        return self.process
+
+    def close(self) -> None:
+        if self.process is not None:
+            self.process.close()
+
+
+@pytest.fixture(scope="module", params=["nixl-ucx", "mooncake-gdr"])
+def prefill_rank(request: pytest.FixtureRequest) -> Iterator[_PrefillRank]:
+    require_engines()
+    rank = _PrefillRank(str(request.param))
+    try:
+        yield rank
+    finally:
+        rank.close()
+
+
+@pytest.fixture
+def ranks(prefill_rank: _PrefillRank, monkeypatch: pytest.MonkeyPatch) -> Iterator[Ranks]:
+    for k, v in prefill_rank.env.items():
+        monkeypatch.setenv(k, v)
+    prefill = prefill_rank.alive()
     pool = KVPool(PAGES, LAYERS, ITEM, AUX, shared=False)
     try:
         mgr = KVTransportKVManager(kv_args(pool, role="decode"), "decode", server_args(0))
     except Exception:
-        prefill.close()
         pool.close()
         raise
     try:
         yield Ranks(prefill, mgr, pool, prefill.address)
     finally:
-        prefill.close()
         mgr.teardown()
         pool.close()
 
@@ -231,25 +251,6 @@ def test_a_room_that_failed_before_its_metadata_is_not_held(ranks: Ranks) -> Non
     assert time.monotonic() - start < 5
 
 
-def test_prefill_killed_mid_transfer_fails_decode_with_peer_lost(ranks: Ranks) -> None:
-    rooms = list(range(30, 38))
-    receivers = {}
-    for i, room in enumerate(rooms):
-        rx = ranks.receiver(room)
-        _until(rx, {KVPoll.WaitingForInput})
-        rx.send_metadata(np.arange(i * 32, i * 32 + 32, dtype=np.int32), aux_index=0)
-        receivers[room] = rx
-    # The prefill scheduler starts every request but only one is given chunks before it dies.
-    ranks.prefill.call("send", requests=[{"room": rooms[0], "chunks": [list(range(16))]}], wait=False)
-    start = time.monotonic()
-    ranks.prefill.kill()
-    for rx in receivers.values():
-        assert _until(rx, {KVPoll.Success, KVPoll.Failed}, 10) == KVPoll.Failed
-    assert time.monotonic() - start < 6
-    with pytest.raises(KVTransferError, match="PeerLost"):
-        receivers[rooms[-1]].failure_exception()
-
-
 def test_decode_waiting_timeout(ranks: Ranks, monkeypatch: pytest.MonkeyPatch) -> None:
     """The decode rank announced its pages; the prefill never sends: Failed with a timeout
     after KVTRANSPORT_WAITING_TIMEOUT (+ the transfer timeout on the receiving side)."""
@@ -344,12 +345,12 @@ def test_a_last_chunk_without_pages_still_ends_the_transfer(ranks: Ranks) -> Non
     chunk that completed the page count was not the last one (SGLang writes the aux row only just
     before its last send), so the empty last chunk is what carries the aux row and ends the
     transfer: every byte and the aux row right."""
-    rx = ranks.receiver(21)
+    rx = ranks.receiver(24)
     assert _until(rx, {KVPoll.WaitingForInput}) == KVPoll.WaitingForInput
     dst, src = list(range(60, 70)), list(range(10, 20))
     rx.send_metadata(np.array(dst, dtype=np.int32), aux_index=2)
-    out = ranks.prefill.call("send", requests=[{"room": 21, "chunks": [src, []], "aux": 5}])["states"]
-    assert out["21"][0] == "SUCCESS", out
+    out = ranks.prefill.call("send", requests=[{"room": 24, "chunks": [src, []], "aux": 5}])["states"]
+    assert out["24"][0] == "SUCCESS", out
     assert _until(rx, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
     _check_bytes(ranks, src, dst)
     assert ranks.pool.aux_digest(2) == ranks.prefill.call("aux_digest", slot=5)["digest"]
@@ -507,3 +508,23 @@ def test_pipeline_parallelism_is_refused_at_start_up() -> None:
             KVTransportKVManager(kv_args(pool, role="decode"), "decode", args)
     finally:
         pool.close()
+
+
+# Last in the module: it kills the shared prefill rank.
+def test_prefill_killed_mid_transfer_fails_decode_with_peer_lost(ranks: Ranks) -> None:
+    rooms = list(range(130, 138))
+    receivers = {}
+    for i, room in enumerate(rooms):
+        rx = ranks.receiver(room)
+        _until(rx, {KVPoll.WaitingForInput})
+        rx.send_metadata(np.arange(i * 32, i * 32 + 32, dtype=np.int32), aux_index=0)
+        receivers[room] = rx
+    # The prefill scheduler starts every request but only one is given chunks before it dies.
+    ranks.prefill.call("send", requests=[{"room": rooms[0], "chunks": [list(range(16))]}], wait=False)
+    start = time.monotonic()
+    ranks.prefill.kill()
+    for rx in receivers.values():
+        assert _until(rx, {KVPoll.Success, KVPoll.Failed}, 10) == KVPoll.Failed
+    assert time.monotonic() - start < 6
+    with pytest.raises(KVTransferError, match="PeerLost"):
+        receivers[rooms[-1]].failure_exception()
