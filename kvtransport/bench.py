@@ -26,10 +26,10 @@ from .baseline import RawEngine, raw_engine_of
 from .driver import KVTransport
 from .endpoint import Connection, Endpoint, State
 from .errors import KVTransportError, NegotiationError
+from .kv_pool import KVPool
+from .peer_process import PeerProcess
 from .plan import plan
 from .registry import load_driver
-from .testing.kv import KVPool
-from .testing.remote import PeerProcess
 
 MiB = 1 << 20
 

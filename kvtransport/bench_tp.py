@@ -20,7 +20,7 @@ import numpy as np
 
 from .bench import MiB, Workload
 from .errors import KVTransportError
-from .testing.remote import PeerProcess
+from .peer_process import PeerProcess
 from .tp_map import held_heads, sources
 
 

@@ -25,9 +25,9 @@ import numpy as np
 
 from .endpoint import Endpoint, State, Timeouts
 from .errors import KVTransportError
+from .kv_pool import KVPool
+from .peer_process import PeerProcess
 from .registry import load_driver
-from .testing.kv import KVPool
-from .testing.remote import PeerProcess
 
 #: Counters that must come back to their start value (the endpoint's own tables).
 SETTLED_KEYS = ("sessions", "transfers", "early_expects", "pending_handshakes", "handles", "watches", "dealers")

@@ -4,7 +4,7 @@ Nothing here imports kvtransport: hostile bytes are built with msgpack and raw z
 a copy of the wire schema written down by reading ``kvtransport/wire.py``, so a bug shared by
 the encoder and the decoder cannot hide itself. What lives here:
 
-- :class:`Victim`: a ``kvtransport.testing.peer`` child process (its stdout protocol, stderr,
+- :class:`Victim`: a ``kvtransport.peer`` child process (its stdout protocol, stderr,
   ``/proc`` figures, how it died);
 - :class:`RecordingProxy`: a ROUTER/DEALER relay that records every frame a legitimate pair
   exchanges through it (the captured hellos, welcomes, expects, dones, notices, pings);
@@ -165,7 +165,7 @@ class VictimDied(AssertionError):
 
 #: Private memory the victim may allocate (RLIMIT_DATA): a few times what it needs.
 VICTIM_DATA_LIMIT = 2 << 30
-#: ``python -m kvtransport.testing.peer``, with the library's warnings on stderr (it logs through
+#: ``python -m kvtransport.peer``, with the library's warnings on stderr (it logs through
 #: a silent logger otherwise) and faulthandler: tracebacks on SIGSEGV, every thread's stack on
 #: SIGUSR1 (what a deaf victim is doing).
 PEER_MAIN = """
@@ -175,13 +175,13 @@ resource.setrlimit(resource.RLIMIT_DATA, (VICTIM_DATA_LIMIT, VICTIM_DATA_LIMIT))
 faulthandler.enable()
 faulthandler.register(signal.SIGUSR1, all_threads=True)
 logging.basicConfig(level=logging.WARNING, format="victim %(levelname)s %(name)s: %(message)s")
-sys.argv[0] = "kvtransport.testing.peer"
-runpy.run_module("kvtransport.testing.peer", run_name="__main__", alter_sys=True)
+sys.argv[0] = "kvtransport.peer"
+runpy.run_module("kvtransport.peer", run_name="__main__", alter_sys=True)
 """.replace("VICTIM_DATA_LIMIT", str(VICTIM_DATA_LIMIT))
 
 
 class Victim:
-    """``python -m kvtransport.testing.peer`` in a child process; every exchange has a timeout."""
+    """``python -m kvtransport.peer`` in a child process; every exchange has a timeout."""
 
     def __init__(
         self,

@@ -16,8 +16,8 @@ from typing import Any
 
 from kvtransport.endpoint import Endpoint, Timeouts
 from kvtransport.errors import KVTransportError
+from kvtransport.kv_pool import KVPool
 from kvtransport.testing.fake import FakeDriver
-from kvtransport.testing.kv import KVPool
 
 
 def main() -> int:

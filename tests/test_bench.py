@@ -4,13 +4,15 @@ engine measured beside it; and the report's arithmetic and verdict."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from typing import Any
 
 import pytest
 
 from kvtransport import bench, cli
 from kvtransport.bench import Report, Sample, Workload
-from kvtransport.testing.kv import KVPool
+from kvtransport.kv_pool import KVPool
 
 from .conftest import require_engines, run_cli
 
@@ -149,3 +151,20 @@ def test_bench_in_flight_sends_rounds_of_concurrent_requests_and_checks_every_pa
     assert report["integrity"] == {"ok": True, "mismatches": []}
     assert report["figures"]["1"]["aggregate_gbps"] > 0 and report["figures"]["3"]["aggregate_gbps"] > 0
     assert report["ratio"] > 0
+
+
+def test_the_bench_and_its_peer_do_not_import_the_test_kit() -> None:
+    """The bench is the product's main job: its pools and decode peer live in the library, and
+    only the fakes (fault injection) load ``kvtransport.testing``."""
+    code = (
+        "import sys, kvtransport.cli, kvtransport.bench, kvtransport.bench_tp, kvtransport.soak, kvtransport.peer; "
+        "assert kvtransport.peer.driver_classes('auto') is None; "
+        "print(sorted(m for m in sys.modules if m.startswith('kvtransport.testing')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+    code = (
+        "import sys, kvtransport.peer as p; p.driver_classes('fake'); print('kvtransport.testing.fake' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "True"

@@ -22,9 +22,9 @@ from kvtransport.errors import (
     TransferTimeout,
 )
 from kvtransport.hello import PROTOCOL_VERSION
+from kvtransport.kv_pool import KVPool
 from kvtransport.memory import KVLayout
 from kvtransport.testing.fake import FakeDriver
-from kvtransport.testing.kv import KVPool
 from tests.hostile_messages import authenticate
 
 FAKE = {"fake": FakeDriver}

@@ -16,9 +16,9 @@ import pytest
 
 from kvtransport.endpoint import Endpoint, State, Timeouts
 from kvtransport.errors import DriverError, EngineError, KVTransportError, NegotiationError, PeerLost
+from kvtransport.kv_pool import KVPool
+from kvtransport.peer_process import PeerProcess
 from kvtransport.registry import load_driver
-from kvtransport.testing.kv import KVPool
-from kvtransport.testing.remote import PeerProcess
 
 from .conftest import require_engines
 

@@ -14,8 +14,8 @@ import pytest
 from kvtransport.endpoint import Connection, Endpoint, State, Timeouts
 from kvtransport.errors import TransferAborted
 from kvtransport.fanin import FanOut
+from kvtransport.kv_pool import PAGE_TOKENS, KVPool
 from kvtransport.testing.fake import FakeDriver
-from kvtransport.testing.kv import PAGE_TOKENS, KVPool
 from kvtransport.tp_map import sources, targets
 
 FAKE = {"fake": FakeDriver}

@@ -17,9 +17,9 @@ import pytest
 
 from kvtransport.endpoint import Endpoint, State, Timeouts
 from kvtransport.errors import KVTransportError, PeerLost, TransferAborted
+from kvtransport.kv_pool import KVPool
+from kvtransport.peer_process import PeerProcess
 from kvtransport.testing.fake import FakeDriver, FakeTwoSided
-from kvtransport.testing.kv import KVPool
-from kvtransport.testing.remote import PeerProcess
 
 FAST = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0, "retain_finished": 0.2}
 #: Peers per child process, and child processes per test (half killed, half closed).

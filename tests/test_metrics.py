@@ -12,9 +12,9 @@ import pytest
 
 from kvtransport.endpoint import Connection, Endpoint, State, Timeouts, Transfer
 from kvtransport.errors import TransferAborted
+from kvtransport.kv_pool import KVPool
 from kvtransport.metrics import LATENCY_BUCKETS_S, SCHEMA_VERSION, Histogram, Metrics, error_type
 from kvtransport.testing.fake import FakeDriver
-from kvtransport.testing.kv import KVPool
 
 FAKE = {"fake": FakeDriver}
 FAST = Timeouts(connect=5, bootstrap=5, waiting=5, transfer=5, heartbeat_interval=0.1, heartbeat_timeout=1.0)

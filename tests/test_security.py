@@ -28,8 +28,8 @@ from kvtransport.auth import load_secret
 from kvtransport.endpoint import Connection, Endpoint, State, Timeouts
 from kvtransport.errors import AuthenticationFailed, ConfigError, KVTransportError, TransferAborted
 from kvtransport.hello import PROTOCOL_VERSION
+from kvtransport.kv_pool import KVPool
 from kvtransport.testing.fake import FakeDriver
-from kvtransport.testing.kv import KVPool
 from tests.hostile_messages import (
     RecordingProxy,
     authenticate,

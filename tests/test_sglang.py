@@ -28,8 +28,8 @@ from kvtransport.integrations.sglang import (  # noqa: E402 - needs SGLang, chec
     KVTransportKVReceiver,
     KVTransportKVSender,
 )
-from kvtransport.testing.kv import KVPool  # noqa: E402
-from kvtransport.testing.remote import PeerProcess  # noqa: E402
+from kvtransport.kv_pool import KVPool  # noqa: E402
+from kvtransport.peer_process import PeerProcess  # noqa: E402
 
 from .sglang_rank import kv_args, server_args  # noqa: E402
 

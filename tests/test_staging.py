@@ -24,12 +24,12 @@ from hypothesis import strategies as st
 
 from kvtransport.endpoint import Endpoint, State, Timeouts, Transfer
 from kvtransport.errors import ConfigError, DriverError, EngineError, PeerLost, ProtocolError
+from kvtransport.kv_pool import KVPool
 from kvtransport.memory import RegionSet
+from kvtransport.peer_process import PeerProcess
 from kvtransport.plan import Runs, plan
 from kvtransport.registry import load_driver
 from kvtransport.staging import MemcpyCopyEngine, RingConfig, StagingPipeline, chunk_runs
-from kvtransport.testing.kv import KVPool
-from kvtransport.testing.remote import PeerProcess
 
 from .conftest import require_engines
 

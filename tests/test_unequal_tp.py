@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kvtransport.testing.remote import PeerProcess
+from kvtransport.peer_process import PeerProcess
 from kvtransport.tp_map import held_heads, sources
 
 from .conftest import require_engines

@@ -13,7 +13,7 @@ supply a ``conformance_driver`` fixture.
         return DriverUnderTest("my-driver")
 
 Each test runs a real endpoint in this process (the prefill side, sending) and another in a
-child process (:mod:`kvtransport.testing.peer`, the decode side, receiving), over the real
+child process (:mod:`kvtransport.peer`, the decode side, receiving), over the real
 control channel on loopback, with the driver forced on both, and verifies every byte by
 per-page digests. Tests are gated by the capabilities the driver declares (host memory, or
 device memory with ``DriverUnderTest(name, device=0)`` on a CUDA host), not by its name.
@@ -32,10 +32,10 @@ import pytest
 from ..driver import KVTransport
 from ..endpoint import Connection, Endpoint, State, Timeouts
 from ..errors import InvalidPages, PeerLost, TransferAborted
+from ..kv_pool import KVPool
+from ..peer_process import PeerProcess
 from ..registry import load_driver
 from .fake import FakeDriver
-from .kv import KVPool
-from .remote import PeerProcess
 
 __all__ = [
     "DriverUnderTest",

@@ -2,7 +2,7 @@
 
 It copies with memmove between registered regions and enforces the real contract: ``open``
 once before use, ``connect`` before ``submit``, every run inside this side's and the peer's
-registered regions. Between processes it works on buffers from :mod:`kvtransport.testing.shm`
+registered regions. Between processes it works on buffers from :mod:`kvtransport.shm`
 (it maps the peer's buffers itself). Options (``driver_options`` of an endpoint) inject faults:
 
 - ``fake.delay``: seconds before a batch completes;
@@ -25,6 +25,7 @@ from typing import ClassVar
 import msgpack
 import numpy as np
 
+from .. import shm
 from ..driver import (
     DRIVER_API_VERSION,
     Capabilities,
@@ -39,7 +40,6 @@ from ..driver import (
 from ..errors import DriverError, EngineError
 from ..memory import RegionSet
 from ..plan import Runs, check_runs_within
-from . import shm
 
 
 class FakeDriver(KVTransport):

@@ -1,11 +1,11 @@
 """A scriptable endpoint in its own process, driven by JSON lines on stdin.
 
-``python -m kvtransport.testing.peer --driver NAME --pages N ...`` prints one JSON line with
-its address, then answers one JSON line per command. Tests (and the conformance suite) use it
-as the far side of a real two-process transfer. Commands: ``accept``, ``connect``, ``expect``,
-``send``, ``wait``, ``digests``, ``aux_digest``, ``abort``, ``state``, ``poison``,
-``forget``, ``stats``, ``raw_open`` / ``raw_close`` (the driver's raw engine over the same pool, for the bench's
-baseline), ``close``.
+``python -m kvtransport.peer --driver NAME --pages N ...`` prints one JSON line with its
+address, then answers one JSON line per command. The bench runs it as its decode side; tests
+(and the conformance suite) use it as the far side of a real two-process transfer. Commands:
+``accept``, ``connect``, ``expect``, ``send``, ``wait``, ``digests``, ``aux_digest``, ``abort``,
+``state``, ``poison``, ``forget``, ``stats``, ``raw_open`` / ``raw_close`` (the driver's raw
+engine over the same pool, for the bench's baseline), ``close``.
 """
 
 from __future__ import annotations
@@ -19,22 +19,23 @@ import time
 import traceback
 from typing import Any
 
-from ..baseline import RawEngine, raw_engine_of
-from ..driver import KVTransport
-from ..endpoint import Connection, Endpoint, State, Timeouts, Transfer
-from ..errors import KVTransportError
-from ..fanin import FanIn, expect_from
-from ..registry import load_driver
-from ..soak import process_resources
-from .fake import FakeDriver, FakeTwoSided
-from .kv import KVPool
+from .baseline import RawEngine, raw_engine_of
+from .driver import KVTransport
+from .endpoint import Connection, Endpoint, State, Timeouts, Transfer
+from .errors import KVTransportError
+from .fanin import FanIn, expect_from
+from .kv_pool import KVPool
+from .registry import load_driver
+from .soak import process_resources
 
 
 def driver_classes(name: str) -> dict[str, type[KVTransport]] | None:
-    if name == "fake":
-        return {"fake": FakeDriver}
-    if name == "fake-two-sided":
-        return {"fake-two-sided": FakeTwoSided}
+    if name in ("fake", "fake-two-sided"):
+        # The fakes serve the tests' fault injection; only they load kvtransport.testing.
+        from .testing.fake import FakeDriver, FakeTwoSided
+
+        fakes: dict[str, type[KVTransport]] = {"fake": FakeDriver, "fake-two-sided": FakeTwoSided}
+        return {name: fakes[name]}
     if name in ("", "auto"):
         return None
     return {name: load_driver(name)}

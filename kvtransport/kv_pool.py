@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from ..memory import KVLayout, MemoryKind, RegionSet
 from . import shm
+from .memory import KVLayout, MemoryKind, RegionSet
 
 #: Tokens per page of every pool here (the layout's ``page_size``).
 PAGE_TOKENS = 16
@@ -68,7 +68,7 @@ class KVPool:
         if self.device is None:
             self.buffers: list[Any] = [allocate(size) for _ in range(self.num_layers)]
         else:
-            from ..cuda_copy import CudaDriver
+            from .cuda_copy import CudaDriver
 
             self._cuda = CudaDriver(self.device)
             self.buffers = [DeviceBuffer(self._cuda, size) for _ in range(self.num_layers)]
@@ -157,7 +157,7 @@ class KVPool:
         """The global heads this rank's rows hold (MLA: the one latent, 0)."""
         if self.tp is None or self.mla:
             return range(1)
-        from ..tp_map import held_heads
+        from .tp_map import held_heads
 
         return held_heads(*self.tp)
 

@@ -1,5 +1,5 @@
-"""Drive a :mod:`kvtransport.testing.peer` process (or another module speaking its JSON-lines
-protocol) from a test: spawn, command, kill."""
+"""Drive a :mod:`kvtransport.peer` process (or another module speaking its JSON-lines
+protocol) from the bench or a test: spawn, command, kill."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ class PeerProcess:
         *args: str,
         env: dict[str, str] | None = None,
         timeout: float = 60.0,
-        module: str = "kvtransport.testing.peer",
+        module: str = "kvtransport.peer",
     ) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, *args],
