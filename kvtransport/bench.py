@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
 import numpy as np
+import numpy.typing as npt
 
 from .baseline import RawEngine, raw_engine_of
 from .driver import KVTransport
@@ -32,6 +33,9 @@ from .plan import plan
 from .registry import load_driver
 
 MiB = 1 << 20
+#: ``--json`` reports carry it; it changes only when a field changes meaning or goes
+#: (docs/performance.md, "The report's JSON").
+SCHEMA_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,9 @@ class Sample:
     raw_ok: bool | None = None
     compare_s: float = 0.0
     compare_ok: bool | None = None
+    #: The same number of bytes copied in this process, one contiguous copy per region: the
+    #: bound any path on this host is measured against (host KV only).
+    memcpy_s: float = 0.0
 
 
 @dataclass
@@ -149,6 +156,11 @@ class Report:
             other = out["compare"].get("median_gbps", 0.0)
             if other:
                 out["ratio_compare"] = round(out["end_to_end"]["median_gbps"] / other, 3)
+        memcpy = [s.memcpy_s for s in self.samples if s.memcpy_s > 0]
+        if memcpy:
+            out["memcpy"] = stats(memcpy)
+            if out["memcpy"]["median_gbps"]:
+                out["ratio_memcpy"] = round(out["end_to_end"]["median_gbps"] / out["memcpy"]["median_gbps"], 3)
         if self.raw_engine:
             out["raw"] = stats([s.raw_s for s in self.samples])
             raw = out["raw"].get("median_gbps", 0.0)
@@ -159,6 +171,7 @@ class Report:
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "schema_version": SCHEMA_VERSION,
             "workload": asdict(self.workload) | {"request_bytes": self.workload.request_bytes},
             "driver": self.driver,
             "compare": self.compare,
@@ -208,6 +221,10 @@ class Report:
             lines.append("  raw engine  not compared for device KV (scripts/gpu-check measures copy bandwidths)")
         else:
             lines.append(f"  raw engine  not measured ({self.driver} offers no raw-engine baseline, or --no-baseline)")
+        if "memcpy" in f:
+            lines.append(row("memcpy", f["memcpy"]) + "   (same bytes, one copy per region, in-process)")
+            if "ratio_memcpy" in f:
+                lines.append(f"  ratio       {f['ratio_memcpy']:.2f}x end-to-end (kvtransport / memcpy, medians)")
         verified = sum(s.ok for s in self.samples)
         total_gib = verified * w.request_bytes / (1 << 30)
         raw_note = ""
@@ -293,6 +310,10 @@ def run(
             raw = raw_cls(pool.regions, endpoint.host)
             raw.connect(base64.b64decode(info))
             report.raw_engine = True
+        # One request's bytes of one region: memcpy's reference copies into it, region by region.
+        scratch = (
+            np.empty(workload.pages_per_request * workload.item_len, np.uint8) if workload.device is None else None
+        )
         rng = np.random.default_rng(workload.seed)
         for i in range(-workload.warmup, workload.requests):
             src, dst = workload.pages(rng), workload.pages(rng)
@@ -309,6 +330,8 @@ def run(
                     sample.compare_s, sample.compare_ok = probe.end_to_end_s, probe.ok
                 elif which == "raw" and raw is not None:
                     _via_raw(sample, raw, runs, peer, dst, expected, timeout)
+            if scratch is not None:
+                sample.memcpy_s = _memcpy_s(pool, scratch, len(src))
             if i < 0:
                 if not _sample_ok(sample):
                     report.samples.append(sample)  # a corrupted warm-up fails the run too
@@ -380,6 +403,15 @@ def _via_kvtransport(
         raise KVTransportError(f"decode side ended request {sample.request} in {state[0]}: {state[2]}")
     sample.end_to_end_s = answer["finished"][tag] - start
     sample.ok = peer.call("digests", pages=dst, timeout=timeout)["digests"] == expected
+
+
+def _memcpy_s(pool: KVPool, scratch: npt.NDArray[np.uint8], pages: int) -> float:
+    """Seconds to copy ``pages`` pages of every region, contiguous, into ``scratch``."""
+    n = pages * pool.item_len
+    start = time.monotonic()
+    for b in pool.buffers:
+        np.copyto(scratch[:n], b.array[:n])
+    return time.monotonic() - start
 
 
 def _via_raw(

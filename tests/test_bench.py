@@ -33,10 +33,14 @@ def test_bench_moves_verified_bytes_and_compares_with_the_raw_engine(driver: str
     assert report["integrity"]["raw_requests_verified"] == 3
     assert report["integrity"]["bytes_verified"] == 3 * 32 * 8 * 32 * 1024  # requests x pages x regions x page bytes
     figures = report["figures"]
-    for key in ("end_to_end", "sender", "raw"):
+    assert report["schema_version"] == bench.SCHEMA_VERSION
+    for key in ("end_to_end", "sender", "raw", "memcpy"):
         assert figures[key]["median_gbps"] > 0 and figures[key]["p50_ms"] > 0
     assert figures["ratio_end_to_end"] > 0
-    assert all(r["runs"] > 0 for r in report["requests"])
+    # The memcpy reference moved the same bytes in every measured request.
+    assert all(r["runs"] > 0 and r["memcpy_s"] > 0 for r in report["requests"])
+    e2e, memcpy = figures["end_to_end"]["median_gbps"], figures["memcpy"]["median_gbps"]
+    assert figures["ratio_memcpy"] == pytest.approx(e2e / memcpy, abs=2e-3)
 
 
 def test_bench_text_report_names_driver_ratio_and_integrity() -> None:
@@ -46,6 +50,7 @@ def test_bench_text_report_names_driver_ratio_and_integrity() -> None:
     out = proc.stdout
     assert "driver      nixl-ucx (shm" in out
     assert "raw engine" in out and "ratio" in out
+    assert "memcpy " in out and "(kvtransport / memcpy, medians)" in out
     assert "integrity   OK: 3/3 requests" in out
     assert "3/3 requests" in proc.stderr  # progress went to stderr, not into the report
 
