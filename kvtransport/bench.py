@@ -222,7 +222,7 @@ class Report:
         else:
             lines.append(f"  raw engine  not measured ({self.driver} offers no raw-engine baseline, or --no-baseline)")
         if "memcpy" in f:
-            lines.append(row("memcpy", f["memcpy"]) + "   (same bytes, one copy per region, in-process)")
+            lines.append(row("memcpy", f["memcpy"]) + "   (as many bytes, one copy per region, in-process)")
             if "ratio_memcpy" in f:
                 lines.append(f"  ratio       {f['ratio_memcpy']:.2f}x end-to-end (kvtransport / memcpy, medians)")
         verified = sum(s.ok for s in self.samples)
