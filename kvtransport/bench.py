@@ -126,6 +126,8 @@ class Report:
     samples: list[Sample] = field(default_factory=list)
     #: A second kvtransport driver measured on the same requests (``--compare``).
     compare: str | None = None
+    #: What the choice rested on: ``"calibrated"`` cost models or ``"nominal"`` estimates.
+    basis: str = "nominal"
 
     @property
     def integrity_ok(self) -> bool:
@@ -178,6 +180,7 @@ class Report:
             "path": self.path,
             "estimate_gbps": self.estimate_gbps,
             "reason": self.reason,
+            "basis": self.basis,
             "rejected": self.rejected,
             "figures": self.figures(),
             "integrity": {
@@ -300,6 +303,7 @@ def run(
             {c.driver: c.reason for c in decision.candidates if c.outcome != "chosen"},
             raw_engine=False,
             compare=compare,
+            basis=decision.basis,
         )
         other = _open_pair(pool, workload, compare, timeout, pairs) if compare else None
         # Raw engines are compared on host KV; device KV is measured against copy bandwidths by

@@ -14,16 +14,18 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from . import __version__
 from .auth import control_plane_report
+from .calibration_cache import ENV_CALIBRATION, cache_path, with_cached_models
 from .errors import KVTransportError
-from .hello import Hello, LoadedDrivers, build_hello, load_drivers
+from .hello import DriverHello, Hello, LoadedDrivers, build_hello, load_drivers
 from .memory import KVLayout, MemoryKind
 from .negotiate import Decision, negotiate
+from .probe import probe_host
 from .registry import DriverEntry, Policy, duplicates, list_drivers, warn_unknown_env_vars
 
 EXIT_ERROR = 2
@@ -83,7 +85,7 @@ def doctor(args: argparse.Namespace) -> int:
     problems += [f"unknown environment variable {var} is ignored" for var in unknown]
     for name, group in duplicates(entries).items():
         problems.append(f"driver {name!r} is registered by " + " and ".join(e.distribution for e in group))
-    hello = build_hello(loaded.hellos, policy=policy, layout=_memory_layout(args.memory))
+    hello = build_hello(_calibrated(loaded.hellos), policy=policy, layout=_memory_layout(args.memory))
     authenticated, control, control_problem = control_plane_report(args.listen)
     if control_problem:
         problems.append(control_problem)
@@ -119,6 +121,7 @@ def render_doctor(hello: Hello, problems: Sequence[str], control: str = "") -> s
     lines.append(f"  engines: {versions or 'none installed'}")
     if control:
         lines.append(f"  control: {control}")
+    lines.append(f"  costs:   {_calibration_line(hello)}")
     lines += ["", f"  {'DRIVER':<18}{'STATUS':<13}{'MEMORY':<12}DETAIL"]
     for name in sorted(hello.drivers):
         entry = hello.drivers[name]
@@ -134,6 +137,8 @@ def render_doctor(hello: Hello, problems: Sequence[str], control: str = "") -> s
         for family, note in sorted(status.memory_notes.items()):
             if status.available:
                 detail += f"\n  {'':<43}{family}: {note}"
+        for model in entry.costs:
+            detail += f"\n  {'':<43}measured ({model.path}): {model.describe()}"
         lines.append(f"  {name:<18}{state:<13}{memory:<12}{detail}")
     policy = hello.policy
     if policy.force or policy.allow or policy.exclude:
@@ -145,6 +150,24 @@ def render_doctor(hello: Hello, problems: Sequence[str], control: str = "") -> s
     if problems:
         lines += ["", "Problems:"] + [f"  - {p}" for p in problems]
     return "\n".join(lines)
+
+
+def _calibrated(hellos: Mapping[str, DriverHello]) -> dict[str, DriverHello]:
+    """The hellos with this host's cached cost models, as an endpoint here would send them."""
+    return with_cached_models(hellos, probe_host().host_id)
+
+
+def _calibration_line(hello: Hello) -> str:
+    usable = [n for n, d in hello.drivers.items() if d.usable]
+    measured = [n for n in usable if hello.drivers[n].costs]
+    path = cache_path()
+    where = f"cache {path}" if path is not None else f"{ENV_CALIBRATION}=off"
+    if not measured:
+        return f"nominal estimates: no driver calibrated on this host ({where}; run kvtransport calibrate)"
+    missing = sorted(set(usable) - set(measured))
+    return f"measured for {', '.join(sorted(measured))} ({where})" + (
+        f"; nominal for {', '.join(missing)} (kvtransport calibrate)" if missing else ""
+    )
 
 
 # --- negotiate ------------------------------------------------------------------------------
@@ -164,13 +187,14 @@ def negotiate_cmd(args: argparse.Namespace) -> int:
     warn_unknown_env_vars(driver_vars=_driver_env_vars(loaded))
     policy = Policy.from_env(known=[e.name for e in entries])
     layout = _memory_layout(args.memory)
-    this_host = build_hello(loaded.hellos, policy=policy, layout=layout, endpoint="local")
+    hellos = _calibrated(loaded.hellos)
+    this_host = build_hello(hellos, policy=policy, layout=layout, endpoint="local")
     local = _read_hello(args.local).with_policy(policy) if args.local else this_host
     if args.remote:
         remote = _read_hello(args.remote)
     else:
         remote = build_hello(
-            loaded.hellos,
+            hellos,
             policy=policy,
             layout=_memory_layout(args.remote_memory) or layout,
             endpoint="remote",
@@ -188,6 +212,7 @@ def render_decision(decision: Decision) -> str:
         f"{decision.initiator} -> {decision.acceptor}: {decision.driver} "
         f"({decision.path.value}, ~{decision.gbps:g} GB/s)",
         f"  why: {decision.reason}",
+        f"  basis: {decision.basis} ({decision.basis_note})",
         "",
         f"  {'DRIVER':<18}{'OUTCOME':<10}REASON",
     ]
@@ -223,8 +248,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=negotiate_cmd)
 
     _add_bench(sub)
+    _add_calibrate(sub)
     _add_soak(sub)
     return parser
+
+
+def _add_calibrate(sub: Any) -> None:
+    p = sub.add_parser(
+        "calibrate",
+        help="measure each driver's cost model on this host and save it for the negotiation",
+        description="Move transfers of known shapes between two processes on this host with each usable "
+        "driver (every byte verified), fit a cost model per driver (latency per batch, cost per descriptor, "
+        "bandwidth), and save it to the per-user cache (KVTRANSPORT_CALIBRATION). Endpoints of this host "
+        "then rank drivers by predicted time instead of nominal estimates.",
+    )
+    p.add_argument("--driver", action="append", help="driver to calibrate (repeatable; default: every usable one)")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions per shape (default 5; medians)")
+    p.add_argument("--no-save", action="store_true", help="print the models without saving them")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds any one step may take")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=calibrate_cmd)
+
+
+def calibrate_cmd(args: argparse.Namespace) -> int:
+    from .calibration import calibrate
+
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+    with native_stdout_to_stderr():
+        report = calibrate(
+            args.driver,
+            reps=args.reps,
+            save=not args.no_save,
+            timeout=args.timeout,
+            progress=None if args.json else sys.stderr,
+        )
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.render())
+    return 0 if report.drivers and all(d.model is not None for d in report.drivers) else 1
 
 
 def _add_soak(sub: Any) -> None:

@@ -48,6 +48,7 @@ from .auth import (
     proof_ok,
 )
 from .bounded import put_newest
+from .calibration_cache import with_cached_models
 from .config import Limits, Timeouts
 from .control import ControlChannel, Route, advertised_host
 from .driver import DriverStatus, KVTransport
@@ -71,6 +72,7 @@ from .inbound import U64
 from .memory import KVLayout, RegionSet
 from .metrics import Metrics
 from .negotiate import Decision
+from .probe import probe_host
 from .registry import Policy, warn_unknown_env_vars
 from .runner import DriverRunner
 from .session import Connection, Phase, Session
@@ -236,9 +238,14 @@ class Endpoint:
         self.metrics = Metrics(gauges=self._gauges)
         self._closed = False
         self._down: KVTransportError | None = None
+        self._hellos: dict[str, DriverHello] = {}
         self._open_drivers(hellos, driver_options or {})
         try:
-            self.hello: Hello = build_hello(self._hellos, layout=layout, policy=self.policy, endpoint=self.name)
+            host = probe_host()
+            self._hellos = with_cached_models(self._hellos, host.host_id)
+            self.hello: Hello = build_hello(
+                self._hellos, layout=layout, policy=self.policy, endpoint=self.name, host=host
+            )
             self._regions_doc = regions_to_dict(regions)
             self.channel = ControlChannel(
                 listen,
@@ -260,7 +267,7 @@ class Endpoint:
 
     def _open_drivers(self, hellos: dict[str, DriverHello], options: Mapping[str, str]) -> None:
         """Register the regions with every driver that can serve them, once each."""
-        self._hellos: dict[str, DriverHello] = {}
+        self._hellos = {}
         memory = self.regions.kv_kind
         for name, entry in hellos.items():
             cls = self.classes.get(name)

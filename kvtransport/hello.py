@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .cost_model import CostModel, models_from_list
 from .driver import Capabilities, DriverStatus, KVTransport, declared_capabilities
 from .errors import KVTransportError, MemoryLayoutError, ProtocolError
 from .memory import KVLayout
@@ -43,6 +44,9 @@ class DriverHello:
     status: DriverStatus | None = None  # None: the driver failed to load here
     load_error: str = ""
     conn: bytes = b""  # the driver's open() result; empty in a bare host report
+    #: Measured cost models (``kvtransport calibrate``), one per path and far host; empty when
+    #: this host was not calibrated for the driver, and the negotiation uses nominal figures.
+    costs: tuple[CostModel, ...] = ()
 
     @property
     def usable(self) -> bool:
@@ -56,6 +60,7 @@ class DriverHello:
             "status": self.status.to_dict() if self.status else None,
             "load_error": self.load_error,
             "conn": base64.b64encode(self.conn).decode() if self.conn else "",
+            "costs": [m.to_dict() for m in self.costs],
         }
 
     @classmethod
@@ -81,6 +86,7 @@ class DriverHello:
             status=DriverStatus.from_dict(status) if status else None,
             load_error=str(data.get("load_error", "")),
             conn=_conn_bytes(conn),
+            costs=models_from_list(data.get("costs")),
         )
 
 

@@ -13,6 +13,12 @@ runs, which a direct driver pays per descriptor (0.18x of its own equal-TP bandw
 nixl-ucx, 0.06x for mooncake-gdr, against 0.57-0.86x for the staged drivers,
 docs/performance.md); then the highest estimated bandwidth,
 then the fixed :data:`BUILTIN_PREFERENCE` list, then the name.
+
+When every candidate has a measured cost model for its path between these two hosts (``kvtransport
+calibrate``; the hellos carry them), the sliced-pages rule and the nominal bandwidths give way to
+the lowest predicted time of a reference request (:func:`reference_transfer`), each driver's
+prediction the slower of the two sides' models. Otherwise the decision says it rests on nominal
+figures, and which drivers lack a model.
 """
 
 from __future__ import annotations
@@ -22,14 +28,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .cost_model import CostModel
 from .driver import KVTransport, Offer, PeerView, Rejection, TransferPath
-from .errors import ConfigError, DriverUnavailable, LayoutMismatch, NoUsableDriver
+from .errors import ConfigError, DriverUnavailable, KVTransportError, LayoutMismatch, NoUsableDriver
 from .hello import Hello
 from .memory import HOST, MemoryKind
 from .registry import ENV_DRIVER
-from .tp_map import held_heads, total_heads_of
+from .tp_map import held_heads, pair_shape, total_heads_of
 
 log = logging.getLogger(__name__)
+
+#: The connection-level choice predicts for a request of this many tokens, its pages scattered
+#: (one descriptor per page and KV region; per token and region when pages move sliced).
+REFERENCE_TOKENS = 4096
 
 #: Tie-break order when two drivers offer the same bandwidth; unknown names come after.
 BUILTIN_PREFERENCE = ("cuda-local", "mooncake-gdr", "nixl-ucx", "mooncake-staged", "nixl-staged")
@@ -44,6 +55,8 @@ class Candidate:
     reason: str
     path: str = ""
     gbps: float = 0.0
+    #: Predicted seconds for the reference request (0: no measured model for this pair).
+    predicted_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -52,6 +65,7 @@ class Candidate:
             "reason": self.reason,
             "path": self.path,
             "gbps": self.gbps,
+            "predicted_s": self.predicted_s,
         }
 
 
@@ -66,6 +80,10 @@ class Decision:
     candidates: tuple[Candidate, ...]
     initiator: str = ""
     acceptor: str = ""
+    #: ``"calibrated"``: ranked by measured cost models; ``"nominal"``: by the drivers' estimates.
+    basis: str = "nominal"
+    #: Why the basis is what it is ("nixl-ucx has no cost model for shm ...").
+    basis_note: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -73,6 +91,8 @@ class Decision:
             "path": self.path.value,
             "gbps": self.gbps,
             "reason": self.reason,
+            "basis": self.basis,
+            "basis_note": self.basis_note,
             "initiator": self.initiator,
             "acceptor": self.acceptor,
             "candidates": [c.to_dict() for c in self.candidates],
@@ -220,16 +240,19 @@ def negotiate(
             )
 
     sliced = sliced_pages(initiator, acceptor)
+    runs, nbytes = reference_transfer(initiator, acceptor)
+    models = {name: pair_models(initiator, acceptor, name, offer.path) for name, offer in offers.items()}
+    predicted = {name: max(m.predict(runs, nbytes) for m in ms) for name, ms in models.items() if ms}
+    uncalibrated = sorted(n for n in offers if n not in predicted)
+    calibrated = bool(offers) and not uncalibrated
 
     def key(name: str) -> tuple[int, int, int, float, int, str]:
-        return (
-            initiator.policy.rank(name),
-            acceptor.policy.rank(name),
-            1 if sliced and _pays_per_row(initiator, acceptor, name, offers[name]) else 0,
-            -offers[name].gbps,
-            _preference_index(name),
-            name,
-        )
+        if calibrated:
+            rule, figure = 0, predicted[name]
+        else:
+            rule = 1 if sliced and _pays_per_row(initiator, acceptor, name, offers[name]) else 0
+            figure = -offers[name].gbps
+        return (initiator.policy.rank(name), acceptor.policy.rank(name), rule, figure, _preference_index(name), name)
 
     ranked = sorted(offers, key=key)
     if not ranked:
@@ -237,27 +260,30 @@ def negotiate(
         raise NoUsableDriver(f"no driver can move KV between {initiator.label()} and {acceptor.label()}: {detail}")
     best = ranked[0]
     chosen = offers[best]
-    candidates = [
-        Candidate(
-            best,
-            "chosen",
-            _why_chosen(best, chosen, ranked, offers, initiator, acceptor, sliced),
-            chosen.path.value,
-            chosen.gbps,
+    if calibrated:
+        basis_note = f"measured cost models, predicting a {REFERENCE_TOKENS}-token request ({runs} descriptors)"
+        why = _why_chosen_calibrated(best, chosen, ranked, predicted, models[best], initiator, acceptor)
+    else:
+        basis_note = (
+            "nominal estimates: no driver has a measured cost model between these hosts (kvtransport calibrate)"
+            if not predicted
+            else f"nominal estimates: {', '.join(uncalibrated)} not calibrated between these hosts "
+            "(kvtransport calibrate)"
         )
-    ]
+        why = _why_chosen(best, chosen, ranked, offers, initiator, acceptor, sliced) + f"; {basis_note}"
+    candidates = [Candidate(best, "chosen", why, chosen.path.value, chosen.gbps, predicted.get(best, 0.0))]
     for name in ranked[1:]:
         offer = offers[name]
-        candidates.append(
-            Candidate(
-                name,
-                "lost",
-                f"offers {offer.path.value} at ~{offer.gbps:g} GB/s; {best} ranks higher"
-                + (f" ({sliced}: {best} gathers them)" if sliced and key(name)[2] > key(best)[2] else ""),
-                offer.path.value,
-                offer.gbps,
+        if calibrated:
+            lost = (
+                f"offers {offer.path.value}, predicted {predicted[name] * 1e3:.3g} ms against "
+                f"{predicted[best] * 1e3:.3g} ms for {best}"
             )
-        )
+        else:
+            lost = f"offers {offer.path.value} at ~{offer.gbps:g} GB/s; {best} ranks higher" + (
+                f" ({sliced}: {best} gathers them)" if sliced and key(name)[2] > key(best)[2] else ""
+            )
+        candidates.append(Candidate(name, "lost", lost, offer.path.value, offer.gbps, predicted.get(name, 0.0)))
     candidates += [Candidate(n, "rejected", r) for n, r in sorted(rejected.items())]
     return Decision(
         driver=best,
@@ -267,7 +293,39 @@ def negotiate(
         candidates=tuple(candidates),
         initiator=initiator.label(),
         acceptor=acceptor.label(),
+        basis="calibrated" if calibrated else "nominal",
+        basis_note=basis_note,
     )
+
+
+def pair_models(initiator: Hello, acceptor: Hello, name: str, path: TransferPath) -> list[CostModel]:
+    """Each side's measured model of ``name`` on ``path`` towards the other side's host."""
+    out: list[CostModel] = []
+    for hello, other in ((initiator, acceptor), (acceptor, initiator)):
+        entry = hello.drivers.get(name)
+        if entry is not None:
+            out += [m for m in entry.costs if m.path == path.value and m.peer_host == other.host.host_id]
+    return out
+
+
+def reference_transfer(initiator: Hello, acceptor: Hello) -> tuple[int, int]:
+    """(descriptors, bytes) of the request a connection's driver is chosen for: ``REFERENCE_TOKENS``
+    tokens of the initiator's layout, one descriptor per page and KV region (per token and region
+    when the two sides' TP sizes slice pages by head)."""
+    layout = initiator.layout or acceptor.layout
+    if layout is None or not layout.kv_item_lens:
+        return REFERENCE_TOKENS // 16, REFERENCE_TOKENS * 4096
+    page = max(1, layout.page_size)
+    pages = -(-REFERENCE_TOKENS // page)
+    regions = len(layout.kv_item_lens)
+    other = acceptor.layout if layout is initiator.layout else initiator.layout
+    if other is not None and sliced_pages(initiator, acceptor):
+        try:
+            shape = pair_shape(layout, other)
+            return pages * regions * page, pages * shape.kv_bytes_per_page(other.kv_item_lens)
+        except (ValueError, ZeroDivisionError, KVTransportError):
+            pass  # the layouts' check reports what is wrong with them
+    return pages * regions, pages * sum(layout.kv_item_lens)
 
 
 def _why_chosen(
@@ -292,6 +350,31 @@ def _why_chosen(
         parts.append(f"ties with {ranked[1]} on bandwidth; preferred by the built-in order")
     elif len(ranked) > 1:
         parts.append("highest estimated bandwidth")
+    else:
+        parts.append("the only driver both sides can use")
+    return "; ".join(parts)
+
+
+def _why_chosen_calibrated(
+    best: str,
+    offer: Offer,
+    ranked: list[str],
+    predicted: Mapping[str, float],
+    models: list[CostModel],
+    initiator: Hello,
+    acceptor: Hello,
+) -> str:
+    slowest = max(models, key=lambda m: m.predict(1, 1 << 30))
+    parts = [
+        f"{offer.path.value}, predicted {predicted[best] * 1e3:.3g} ms for a {REFERENCE_TOKENS}-token request "
+        f"(measured: {slowest.describe()})"
+    ]
+    if initiator.policy.force or acceptor.policy.force:
+        parts.append(f"forced by {ENV_DRIVER}")
+    elif initiator.policy.allow or acceptor.policy.allow:
+        parts.append("first allowed driver in KVTRANSPORT_DRIVERS order")
+    elif len(ranked) > 1:
+        parts.append("lowest predicted time")
     else:
         parts.append("the only driver both sides can use")
     return "; ".join(parts)

@@ -51,6 +51,8 @@ CORE_ENV_VARS = frozenset(
         "KVTRANSPORT_STAGING_RING_BYTES",
         "KVTRANSPORT_STAGING_CHUNK_BYTES",
         "KVTRANSPORT_MAX_MESSAGE_BYTES",
+        # the calibration cache (calibration_cache)
+        "KVTRANSPORT_CALIBRATION",
         # integrations.bootstrap's, named: importing it would pull an HTTP server into every process
         "KVTRANSPORT_BOOTSTRAP_ROUTE_TTL",
         # the deployment secret (auth), read by the bootstrap registry

@@ -1,0 +1,240 @@
+"""``kvtransport calibrate``: measure each usable driver's cost model on this host.
+
+A calibration runs a decode endpoint in a child process (every driver open in it) and, per
+driver, a prefill endpoint in this process that offers only that driver. It moves three shapes
+through the real endpoint API, every byte verified on the far side: one page (the fixed latency
+of a batch), many pages in long contiguous runs (bandwidth) and as many bytes in short
+scattered runs (cost per descriptor). :func:`~kvtransport.cost_model.fit` turns the medians into
+a :class:`~kvtransport.cost_model.CostModel`; a fourth shape, runs of four pages, is measured
+but not fitted, and the report shows the model's error on it.
+
+The models are saved to the per-user cache (:mod:`~kvtransport.calibration_cache`), which
+endpoints read when they build their hello.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any, TextIO
+
+from .calibration_cache import cache_path, write_cache
+from .cost_model import CostModel, Point, fit
+from .endpoint import Endpoint, State
+from .errors import ConfigError, KVTransportError
+from .hello import load_drivers
+from .kv_pool import KVPool
+from .memory import HOST
+from .peer_process import PeerProcess
+from .plan import plan
+from .probe import probe_host
+from .registry import Policy
+
+log = logging.getLogger(__name__)
+
+#: The calibration pool: regions x pages x bytes per page, on each side.
+REGIONS, PAGES, ITEM_BYTES = 4, 2048, 16 << 10
+
+
+@dataclass
+class DriverCalibration:
+    driver: str
+    path: str = ""
+    model: CostModel | None = None
+    points: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0
+    error: str = ""
+
+    @property
+    def check_error(self) -> float:
+        """The model's relative error on the shape it was not fitted on (0 when not measured)."""
+        for p in self.points:
+            if p["shape"] == CHECK and p.get("seconds"):
+                return float(p["predicted"] / p["seconds"] - 1.0)
+        return 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "driver": self.driver,
+            "check_error": self.check_error,
+            "path": self.path,
+            "model": self.model.to_dict() if self.model else None,
+            "points": self.points,
+            "seconds": self.seconds,
+            "error": self.error,
+        }
+
+
+@dataclass
+class CalibrationReport:
+    host: str
+    drivers: list[DriverCalibration]
+    seconds: float = 0.0
+    cache: str = ""  # where the models were saved ("" when not saved)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "host": self.host,
+            "seconds": self.seconds,
+            "cache": self.cache,
+            "drivers": [d.to_dict() for d in self.drivers],
+        }
+
+    def render(self) -> str:
+        lines = [f"kvtransport calibrate: {len(self.drivers)} driver(s) on host {self.host}, {self.seconds:.1f} s"]
+        for d in self.drivers:
+            if d.model is None:
+                lines.append(f"  {d.driver:<16} FAILED: {d.error}")
+                continue
+            lines.append(
+                f"  {d.driver:<16} {d.path:<6} {d.model.describe()}  (off by {d.check_error:+.0%} on "
+                f"{CHECK!r}; {d.seconds:.1f} s)"
+            )
+            for p in d.points:
+                note = "" if p["shape"] in FITTED else "  (not fitted)"
+                lines.append(
+                    f"  {'':<16} {p['shape']:<11} {p['runs']:>5} runs {p['bytes'] / (1 << 20):7.2f} MiB  "
+                    f"measured {p['seconds'] * 1e3:8.2f} ms  model {p['predicted'] * 1e3:8.2f} ms{note}"
+                )
+        lines.append(
+            f"  saved to {self.cache}: endpoints of this host now rank drivers by these models"
+            if self.cache
+            else "  not saved (--no-save or KVTRANSPORT_CALIBRATION=off)"
+        )
+        return "\n".join(lines)
+
+
+def usable_drivers(names: Iterable[str] | None = None) -> list[str]:
+    """Drivers that can move host KV here and that the environment's policy permits."""
+    loaded = load_drivers(names)
+    policy = Policy.from_env(known=loaded.hellos)
+    return [
+        name
+        for name, entry in sorted(loaded.hellos.items())
+        if entry.status is not None and entry.status.serves(HOST) and policy.permits(name)[0]
+    ]
+
+
+def calibrate(
+    drivers: Iterable[str] | None = None,
+    *,
+    reps: int = 5,
+    save: bool = True,
+    timeout: float = 60.0,
+    progress: TextIO | None = None,
+) -> CalibrationReport:
+    """Measure every usable driver (or those named), fit their models, and save them."""
+    if reps < 1:
+        raise ConfigError(f"calibration needs at least one repetition per shape, got {reps}")
+    started = time.monotonic()
+    host = probe_host().host_id
+    names = usable_drivers(drivers)
+    if drivers is not None:
+        missing = sorted(set(drivers) - set(names))
+        if missing:
+            raise ConfigError(f"cannot calibrate {', '.join(missing)}: not usable for host memory here (see doctor)")
+    pool = KVPool(PAGES, REGIONS, ITEM_BYTES, 0, shared=False)
+    pool.fill(7)
+    peer: PeerProcess | None = None
+    results: list[DriverCalibration] = []
+    try:
+        peer = PeerProcess(
+            *("--driver", "auto", "--pages", str(PAGES), "--layers", str(REGIONS), "--item", str(ITEM_BYTES)),
+            *("--aux-slots", "0", "--private", "--name", "calibrate-decode"),
+            timeout=timeout,
+        )
+        for index, name in enumerate(names):
+            if progress is not None:
+                progress.write(f"calibrating {name} ({index + 1}/{len(names)})\n")
+                progress.flush()
+            results.append(_calibrate_one(name, index, pool, peer, host, reps, timeout))
+    finally:
+        if peer is not None:
+            peer.close()
+        pool.close()
+    report = CalibrationReport(host, results)
+    path = cache_path()
+    fitted = {r.driver: [r.model] for r in results if r.model is not None}
+    if save and path is not None and fitted:
+        write_cache(path, fitted, host)
+        report.cache = str(path)
+    report.seconds = time.monotonic() - started
+    return report
+
+
+#: The shapes the model is fitted on; ``CHECK`` is measured too but left out of the fit, so the
+#: report shows how well the model predicts a shape it did not see.
+FITTED = ("one page", "contiguous", "scattered")
+CHECK = "runs of 4"
+
+
+def _shapes(pages: int) -> dict[str, list[int]]:
+    half = pages // 2
+    return {
+        "one page": [pages // 3],
+        "contiguous": list(range(half)),
+        "scattered": list(range(0, pages, 2)),
+        CHECK: [p for p in range(pages) if p % 8 < 4],
+    }
+
+
+def _calibrate_one(
+    name: str, index: int, pool: KVPool, peer: PeerProcess, host: str, reps: int, timeout: float
+) -> DriverCalibration:
+    result = DriverCalibration(name)
+    started = time.monotonic()
+    classes = load_drivers([name]).classes
+    endpoint: Endpoint | None = None
+    try:
+        endpoint = Endpoint(pool.regions, pool.layout, drivers=classes, name=f"calibrate-{name}")
+        answer = peer.call("connect", address=endpoint.address, timeout=timeout)
+        if "error" in answer:
+            raise KVTransportError(f"{answer['error']}: {answer.get('message', '')[:300]}")
+        conn = endpoint.accept(timeout)
+        assert conn.decision is not None and conn.peer_regions is not None
+        result.path = conn.decision.path.value
+        points = []
+        for shape, pages in _shapes(PAGES).items():
+            runs = plan(pool.regions.kv, conn.peer_regions.kv, pages, pages, max_run_bytes=endpoint.max_run_bytes)
+            expected = pool.page_digests(pages)
+            seconds = []
+            for rep in range(reps + 1):  # the first is a warm-up
+                tag = f"calibrate-{name}-{shape}-{rep}"
+                peer.call("poison", pages=pages, timeout=timeout)
+                peer.call("expect", conn=-1, transfers={tag: pages}, timeout=timeout)
+                t = conn.sender(tag)
+                deadline = time.monotonic() + timeout
+                while t.state is State.BOOTSTRAPPING and time.monotonic() < deadline:
+                    time.sleep(0.0002)
+                start = time.monotonic()
+                t.send(pages, last=True)
+                t.wait(timeout)
+                done = peer.call("wait", tags=[tag], timeout=timeout + 5)
+                state = done["states"][tag]
+                if state[0] != "SUCCESS":
+                    raise KVTransportError(f"the decode side ended {tag!r} in {state[0]}: {state[2]}")
+                if peer.call("digests", pages=pages, timeout=timeout)["digests"] != expected:
+                    raise KVTransportError(f"{tag!r}: the bytes that arrived differ from those sent")
+                peer.call("forget", tags=[tag], timeout=timeout)
+                if rep:
+                    seconds.append(done["finished"][tag] - start)
+            points.append(Point(len(runs), runs.total_bytes, statistics.median(seconds)))
+            result.points.append({"shape": shape, "runs": len(runs), "bytes": runs.total_bytes})
+        status = endpoint.hello.drivers[name].status
+        fitted = [p for p, e in zip(points, result.points, strict=True) if e["shape"] in FITTED]
+        model = fit(fitted, path=result.path, peer_host=host, version=status.version if status else "")
+        result.model = replace(model, measured_at=time.time())
+        for entry, point in zip(result.points, points, strict=True):
+            entry["seconds"] = point.seconds
+            entry["predicted"] = model.predict(point.runs, point.nbytes)
+    except (KVTransportError, RuntimeError, OSError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        log.warning("calibrating %s failed: %s", name, result.error)
+    finally:
+        if endpoint is not None:
+            endpoint.close()
+        result.seconds = time.monotonic() - started
+    return result

@@ -1,0 +1,296 @@
+"""Calibration: the cost-model fit, hostile models in a hello, the cache, the negotiation that
+ranks by predicted time, and a real ``kvtransport calibrate`` run on this host's engines."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvtransport.calibration_cache import cache_path, read_cache, with_cached_models, write_cache
+from kvtransport.cost_model import MAX_MODELS_PER_DRIVER, CostModel, Point, fit, models_from_list
+from kvtransport.driver import TransferPath
+from kvtransport.errors import DriverUnavailable, ProtocolError
+from kvtransport.hello import Hello
+from kvtransport.negotiate import negotiate, pair_models, reference_transfer
+from kvtransport.registry import Policy
+
+from .hellos import FIRST_PARTY, hello, host
+
+SHAPES = ((4, 64 << 10), (4, 64 << 20), (4096, 64 << 20), (1024, 64 << 20))
+
+latencies = st.floats(1e-6, 0.05)
+per_runs = st.floats(1e-8, 1e-4)
+bandwidths = st.floats(0.05, 500.0)
+
+
+# --- the fit --------------------------------------------------------------------------------
+
+
+@given(latencies, per_runs, bandwidths)
+def test_fit_recovers_the_model_that_produced_the_times(latency: float, per_run: float, gbps: float) -> None:
+    truth = CostModel("tcp", latency, per_run, gbps)
+    points = [Point(r, b, truth.predict(r, b)) for r, b in SHAPES]
+    model = fit(points, path="tcp")
+    for r, b in SHAPES:
+        assert model.predict(r, b) == pytest.approx(truth.predict(r, b), rel=1e-6)
+    assert model.gbps == pytest.approx(gbps, rel=1e-4)
+
+
+@given(st.lists(st.floats(1e-6, 2.0), min_size=4, max_size=4))
+def test_fit_never_returns_a_negative_or_unbounded_term(seconds: list[float]) -> None:
+    """Whatever noise the medians carry, the model stays physical: no negative latency, cost
+    per descriptor or bandwidth, and a finite prediction."""
+    model = fit([Point(r, b, s) for (r, b), s in zip(SHAPES, seconds, strict=True)], path="shm")
+    assert model.latency_s >= 0 and model.per_run_s >= 0 and model.gbps > 0
+    assert math.isfinite(model.predict(16384, 512 << 20))
+    CostModel.from_dict(model.to_dict())  # within the ranges a hello accepts
+
+
+def test_fit_needs_three_shapes() -> None:
+    with pytest.raises(ValueError, match="at least 3"):
+        fit([Point(4, 1, 0.1), Point(8, 2, 0.2)], path="tcp")
+
+
+# --- models as a peer sends them ------------------------------------------------------------
+
+good = {"path": "tcp", "latency_s": 1e-3, "per_run_s": 1e-6, "gbps": 2.0, "peer_host": "h", "version": "1"}
+
+
+@given(
+    st.sampled_from(["latency_s", "per_run_s", "gbps", "measured_at", "path", "version", "peer_host"]),
+    st.one_of(
+        st.just(float("nan")),
+        st.just(float("inf")),
+        st.just(-1.0),
+        st.just(1e300),
+        st.just(True),
+        st.text(max_size=3),
+        st.just("x" * 500),
+        st.none(),
+        st.lists(st.integers(), max_size=2),
+        st.integers(min_value=2**63, max_value=2**70),
+    ),
+)
+def test_a_hostile_model_field_is_a_protocol_error(key: str, value: object) -> None:
+    data = {**good, key: value}
+    try:
+        model = CostModel.from_dict(data)
+    except ProtocolError:
+        return
+    # What got through is in range and computes finitely.
+    assert math.isfinite(model.predict(10**9, 10**15))
+    assert isinstance(model.path, str) and len(model.path) <= 128
+
+
+def test_a_hello_with_too_many_or_malformed_models_is_refused() -> None:
+    with pytest.raises(ProtocolError):
+        models_from_list([good] * (MAX_MODELS_PER_DRIVER + 1))
+    with pytest.raises(ProtocolError):
+        models_from_list({"path": "tcp"})
+    doc = hello(host("a")).to_dict()
+    doc["drivers"]["nixl-ucx"]["costs"] = [{**good, "gbps": 0}]
+    with pytest.raises(ProtocolError, match="gbps"):
+        Hello.from_dict(doc)
+
+
+def test_models_travel_in_the_hello_unchanged() -> None:
+    h = _with_models(hello(host("a")), {"nixl-ucx": (1e-3, 2e-6, 3.0)}, "a")
+    back = Hello.from_dict(json.loads(json.dumps(h.to_dict())))
+    assert back.drivers["nixl-ucx"].costs == h.drivers["nixl-ucx"].costs
+    assert back.drivers["mooncake-gdr"].costs == ()
+
+
+# --- the negotiation ------------------------------------------------------------------------
+
+HOST_DRIVERS = ("mooncake-gdr", "mooncake-staged", "nixl-ucx", "nixl-staged")
+
+
+def _with_models(h: Hello, figures: dict[str, tuple[float, float, float]], peer: str) -> Hello:
+    """``h`` with a measured model per named driver, on the path its offer takes towards ``peer``."""
+    drivers = dict(h.drivers)
+    for name, (latency, per_run, gbps) in figures.items():
+        path = _path(name)
+        drivers[name] = dataclasses.replace(drivers[name], costs=(CostModel(path, latency, per_run, gbps, peer),))
+    return dataclasses.replace(h, drivers=drivers)
+
+
+def _path(name: str) -> str:
+    d = negotiate(hello(host("a"), policy=Policy(force=name)), hello(host("a"), policy=Policy(force=name)), FIRST_PARTY)
+    return d.path.value
+
+
+model_figures = st.tuples(latencies, per_runs, bandwidths)
+
+
+@given(st.fixed_dictionaries({n: model_figures for n in HOST_DRIVERS}))
+def test_calibrated_pairs_pick_the_lowest_predicted_time_and_both_sides_agree(
+    figures: dict[str, tuple[float, float, float]],
+) -> None:
+    a = _with_models(hello(host("a"), endpoint="prefill"), figures, "a")
+    b = hello(host("a"), endpoint="decode")
+    d = negotiate(a, b, FIRST_PARTY)
+    assert d.basis == "calibrated"
+    runs, nbytes = reference_transfer(a, b)
+    predicted = {n: CostModel("x", *f).predict(runs, nbytes) for n, f in figures.items()}
+    assert predicted[d.driver] == min(predicted.values())
+    assert {c.driver: c.predicted_s for c in d.candidates if c.outcome != "rejected"} == pytest.approx(predicted)
+    # The acceptor decodes the same hellos from the wire and must compute the same decision.
+    wire = [Hello.from_dict(json.loads(json.dumps(x.to_dict()))) for x in (a, b)]
+    assert negotiate(*wire, FIRST_PARTY).to_dict() == d.to_dict()
+
+
+def test_the_slower_sides_model_rules_and_the_reason_says_measured() -> None:
+    fast, slow = (1e-4, 1e-7, 50.0), (1e-4, 1e-7, 0.1)
+    others = {n: (1e-3, 1e-6, 1.0) for n in HOST_DRIVERS if n != "nixl-ucx"}
+    a = _with_models(hello(host("a")), {**others, "nixl-ucx": fast}, "a")
+    b = _with_models(hello(host("a")), {"nixl-ucx": slow}, "a")
+    d = negotiate(a, b, FIRST_PARTY)
+    assert len(pair_models(a, b, "nixl-ucx", TransferPath.SHM)) == 2
+    assert d.driver != "nixl-ucx"  # its slower model (0.1 GB/s, measured on b) counts
+    assert "predicted" in d.reason and "measured" in d.reason
+
+
+def test_without_models_for_every_candidate_the_choice_is_nominal_and_says_which_lack_one() -> None:
+    a = _with_models(hello(host("a")), {"nixl-ucx": (1e-3, 1e-6, 100.0)}, "a")
+    b = hello(host("a"))
+    d = negotiate(a, b, FIRST_PARTY)
+    assert d.basis == "nominal"
+    assert d.driver == negotiate(hello(host("a")), b, FIRST_PARTY).driver  # as if no model at all
+    assert "mooncake-gdr" in d.basis_note and "kvtransport calibrate" in d.reason
+    bare = negotiate(hello(host("a")), b, FIRST_PARTY)
+    assert bare.basis == "nominal" and "no driver has a measured cost model" in bare.basis_note
+
+
+def test_a_model_measured_towards_another_host_is_not_used() -> None:
+    figures = {n: (1e-3, 1e-6, 1.0) for n in HOST_DRIVERS}
+    a = _with_models(hello(host("a")), figures, "somewhere-else")
+    assert negotiate(a, hello(host("a")), FIRST_PARTY).basis == "nominal"
+
+
+def test_policy_still_rules_over_predictions() -> None:
+    figures = {n: (1e-3, 1e-6, 1.0) for n in HOST_DRIVERS} | {"nixl-ucx": (1e-5, 1e-9, 100.0)}
+    a = _with_models(hello(host("a"), policy=Policy(force="mooncake-staged")), figures, "a")
+    d = negotiate(a, hello(host("a")), FIRST_PARTY)
+    assert d.driver == "mooncake-staged" and "forced" in d.reason
+    excluded = _with_models(hello(host("a"), policy=Policy(exclude=("mooncake-staged",))), figures, "a")
+    with pytest.raises(DriverUnavailable):
+        negotiate(excluded, hello(host("a"), policy=Policy(force="mooncake-staged")), FIRST_PARTY)
+
+
+# --- the cache ------------------------------------------------------------------------------
+
+
+def test_cache_path_follows_the_environment(tmp_path: Path) -> None:
+    assert cache_path({"KVTRANSPORT_CALIBRATION": "off"}) is None
+    assert cache_path({"KVTRANSPORT_CALIBRATION": str(tmp_path / "c.json")}) == tmp_path / "c.json"
+    assert cache_path({"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "kvtransport" / "calibration.json"
+
+
+def test_cache_merges_by_slot_and_the_hello_takes_only_the_current_version(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "calibration.json"
+    old = CostModel("shm", 1e-3, 1e-6, 1.0, "h", version="0.9")
+    write_cache(path, {"nixl-ucx": [old]}, "h")
+    new = CostModel("shm", 2e-3, 1e-6, 3.0, "h", version="1.0")
+    other = CostModel("tcp", 2e-3, 1e-6, 0.5, "h", version="1.0")
+    write_cache(path, {"nixl-ucx": [new, other]}, "h")
+    write_cache(path, {"nixl-ucx": [old]}, "another-host")
+    cache = read_cache(path)
+    assert sorted(m.path for m in cache["h"]["nixl-ucx"]) == ["shm", "tcp"]  # old's slot replaced
+    assert cache["another-host"]["nixl-ucx"] == [old]
+    hellos = dict(hello(host("h")).drivers)
+    hellos["nixl-ucx"] = dataclasses.replace(
+        hellos["nixl-ucx"], status=dataclasses.replace(hellos["nixl-ucx"].status, version="1.0")
+    )
+    taken = with_cached_models(hellos, "h", path)
+    assert set(taken["nixl-ucx"].costs) == {new, other}
+    assert taken["mooncake-gdr"].costs == ()  # its version ("") was never calibrated
+
+
+def test_a_corrupt_cache_is_ignored_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "calibration.json"
+    for text in ("{not json", json.dumps({"schema": 99, "models": {}}), json.dumps({"schema": 1, "models": 3})):
+        path.write_text(text)
+        with caplog.at_level(logging.WARNING):
+            assert read_cache(path) == {}
+        assert "ignoring the calibration cache" in caplog.text
+        caplog.clear()
+    path.write_text(json.dumps({"schema": 1, "models": {"h": {"nixl-ucx": [{**good, "gbps": -1}]}}}))
+    assert read_cache(path) == {}
+
+
+# --- a real calibration ---------------------------------------------------------------------
+
+
+CALIBRATE_ARGS = ("--driver", "nixl-ucx", "--driver", "mooncake-gdr", "--reps", "2", "--json")
+
+
+def test_calibrate_measures_real_engines_saves_and_endpoints_then_rank_by_it(tmp_path: Path) -> None:
+    """``kvtransport calibrate`` on two real engines (two processes, bytes verified), then an
+    endpoint of this host carries the models and a connection between two processes is
+    decided on them."""
+    cache = tmp_path / "calibration.json"
+    env = {**os.environ, "KVTRANSPORT_CALIBRATION": str(cache)}
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtransport.cli", "calibrate", *CALIBRATE_ARGS],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert report["seconds"] < 60
+    assert {d["driver"] for d in report["drivers"]} == {"nixl-ucx", "mooncake-gdr"}
+    for d in report["drivers"]:
+        assert not d["error"] and d["model"]["gbps"] > 0
+        assert {p["shape"] for p in d["points"]} == {"one page", "contiguous", "scattered", "runs of 4"}
+        # more descriptors for the same bytes never cost less (the fit's terms are non-negative)
+        by = {p["shape"]: p for p in d["points"]}
+        assert by["scattered"]["predicted"] >= by["contiguous"]["predicted"]
+    saved = read_cache(cache)
+    (host_models,) = saved.values()
+    assert set(host_models) == {"nixl-ucx", "mooncake-gdr"}
+
+    # Endpoints of this host now decide on the models (both sides read the same cache).
+    from kvtransport.endpoint import Endpoint
+    from kvtransport.kv_pool import KVPool
+    from kvtransport.peer_process import PeerProcess
+    from kvtransport.registry import load_driver
+
+    old = os.environ.get("KVTRANSPORT_CALIBRATION")
+    os.environ["KVTRANSPORT_CALIBRATION"] = str(cache)
+    pool = KVPool(64, 4, 4096, 0, shared=False)
+    classes = {n: load_driver(n) for n in ("nixl-ucx", "mooncake-gdr")}
+    ep = Endpoint(pool.regions, pool.layout, drivers=classes, name="prefill")
+    peer = None
+    try:
+        assert ep.hello.drivers["nixl-ucx"].costs
+        peer = PeerProcess(
+            *("--driver", "auto", "--pages", "64", "--layers", "4", "--item", "4096", "--aux-slots", "0"),
+            "--private",
+            timeout=60,
+        )
+        peer.call("connect", address=ep.address, timeout=60)
+        conn = ep.accept(60)
+        assert conn.decision is not None
+        assert conn.decision.basis == "calibrated", conn.decision.reason
+        assert "predicted" in conn.decision.reason
+    finally:
+        if peer is not None:
+            peer.close()
+        ep.close()
+        pool.close()
+        if old is None:
+            os.environ.pop("KVTRANSPORT_CALIBRATION", None)
+        else:
+            os.environ["KVTRANSPORT_CALIBRATION"] = old
