@@ -13,6 +13,7 @@ medians over requests.
 from __future__ import annotations
 
 import base64
+import collections
 import dataclasses
 import math
 import statistics
@@ -112,6 +113,10 @@ class Sample:
     #: The same number of bytes copied in this process, one contiguous copy per region: the
     #: bound any path on this host is measured against (host KV only).
     memcpy_s: float = 0.0
+    #: The driver kvtransport's transfer took (a calibrated connection picks one per transfer),
+    #: and what its cost models predicted (0: no model).
+    driver: str = ""
+    predicted_s: float = 0.0
 
 
 @dataclass
@@ -201,6 +206,13 @@ class Report:
             f"  driver      {self.driver} ({self.path}, ~{self.estimate_gbps:g} GB/s estimated): {self.reason}",
         ]
         lines += [f"              not {name}: {why}" for name, why in self.rejected.items()]
+        taken = collections.Counter(s.driver for s in self.samples if s.driver)
+        if set(taken) - {self.driver}:
+            lines.append(
+                "  per transfer "
+                + ", ".join(f"{n} x{c}" for n, c in taken.most_common())
+                + " (each request took the lane predicted fastest for its plan)"
+            )
 
         def row(label: str, s: dict[str, float]) -> str:
             return f"  {label:<12}{s['median_gbps']:7.2f} GB/s   p50 {s['p50_ms']:8.1f} ms   p90 {s['p90_ms']:8.1f} ms"
@@ -401,6 +413,7 @@ def _via_kvtransport(
     t.send(src, last=True)
     t.wait(timeout)
     sample.sender_s = time.monotonic() - start
+    sample.driver, sample.predicted_s = t.driver, t.predicted_s
     answer = peer.call("wait", tags=[tag], timeout=timeout + 5)
     state = answer["states"][tag]
     if state[0] != "SUCCESS":

@@ -213,6 +213,11 @@ def render_decision(decision: Decision) -> str:
         f"({decision.path.value}, ~{decision.gbps:g} GB/s)",
         f"  why: {decision.reason}",
         f"  basis: {decision.basis} ({decision.basis_note})",
+        *(
+            [f"  lanes: {', '.join(decision.lanes)} (each transfer takes the one predicted fastest for its plan)"]
+            if len(decision.lanes) > 1
+            else []
+        ),
         "",
         f"  {'DRIVER':<18}{'OUTCOME':<10}REASON",
     ]

@@ -22,6 +22,7 @@ the loop keeps serving every other peer.
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import logging
 import os
@@ -69,6 +70,7 @@ from .errors import (
 from .handshake import check_agreement, decide, label_of, read_peer, regions_from_dict, regions_to_dict
 from .hello import DriverHello, Hello, build_hello, describe_driver, load_drivers
 from .inbound import U64
+from .lane import Lane
 from .memory import KVLayout, RegionSet
 from .metrics import Metrics
 from .negotiate import Decision
@@ -123,7 +125,7 @@ class _Context:
         return self._endpoint.host
 
     def send_notice(self, peer: str, payload: bytes) -> None:
-        self._endpoint.queue_notice(peer, payload)
+        self._endpoint.queue_notice(peer, payload, self._name)
 
     def completed(self, handle: int) -> None:
         runner = self._endpoint.runners.get(self._name)
@@ -465,11 +467,11 @@ class Endpoint:
         """From a runner thread: a driver call's result, to the I/O thread."""
         self.channel.call_soon(fn)
 
-    def queue_notice(self, peer: str, payload: bytes) -> None:
+    def queue_notice(self, peer: str, payload: bytes, driver: str = "") -> None:
         # Queued in order; the I/O thread flushes the queue before it sends any "done", so a
         # notice a driver sent before reporting a batch complete always reaches the peer before
         # the "done" that follows that batch.
-        data = encode("notice", payload=payload)
+        data = encode("notice", payload=payload, lane=driver)
         self._notices.append((peer, data))
         if self.channel.in_io_thread():
             self.flush_notices()
@@ -496,20 +498,24 @@ class Endpoint:
         """A receive transfer of ``session`` started (+1) or ended (-1). A driver that must be
         driven while bytes arrive gets ``progress()`` calls from its runner, with back-off,
         from the first live receive transfer to the last; none when nothing is arriving."""
-        if session.decision is None or session.runner is None or session.driver is None:
-            return
-        name, driver, runner = session.decision.driver, session.driver, session.runner
-        count = self._receiving.get(name, 0) + delta
-        self._receiving[name] = count
-        if count == 1 and delta > 0 and type(driver).progress_while_receiving:
+        # Any of the session's lanes may carry the transfer: each is driven while it lasts.
+        for lane in session.lanes.values():
+            name, driver, runner = lane.name, lane.driver, lane.runner
+            count = self._receiving.get(name, 0) + delta
+            self._receiving[name] = count
+            if count == 1 and delta > 0 and type(driver).progress_while_receiving:
+                runner.call(functools.partial(self._drive, name, driver, runner))
 
-            def progress() -> bool:
-                if self._receiving.get(name, 0) <= 0:
-                    return True  # nothing arriving any more: the watch ends
-                driver.progress()
-                return False
+    def _drive(self, name: str, driver: KVTransport, runner: DriverRunner) -> None:
+        """Driver thread: ``driver.progress()`` with back-off while ``name`` receives."""
 
-            runner.call(lambda: runner.watch(("progress",), progress, lambda _, error: None))
+        def progress() -> bool:
+            if self._receiving.get(name, 0) <= 0:
+                return True  # nothing arriving any more: the watch ends
+            driver.progress()
+            return False
+
+        runner.watch(("progress",), progress, lambda _, error: None)
 
     def next_batch_id(self) -> int:
         """Any thread (``next`` on an ``itertools.count`` is atomic)."""
@@ -817,7 +823,7 @@ class Endpoint:
         try:
             peer_hello, peer_regions = read_peer(msg["hello"], msg["regions"])
             decision = decide(peer_hello, self.hello, self.classes)
-            driver, peer_info = self._chosen(decision, peer_hello)
+            lanes = self._lanes(decision, peer_hello)
         except KVTransportError as exc:
             refuse(f"{type(exc).__name__}: {exc}")
             return
@@ -826,7 +832,7 @@ class Endpoint:
         session.peer_hello = peer_hello
         del self._pending_auth[route]
         self.channel.timers.cancel(auth.timer)
-        self._set_driver(session, decision, driver, peer_regions, peer_info)
+        session.decision, session.peer_regions, session.lanes = decision, peer_regions, lanes
         self._file(session)
         self.pending_handshakes += 1
 
@@ -851,7 +857,7 @@ class Endpoint:
                 self._incoming.append(session)
                 self._incoming_cv.notify_all()
 
-        self._connect_driver(session, peer_info, peer_regions, connected)
+        self._connect_lanes(session, peer_regions, connected)
 
     def _on_welcome(self, session: Session, msg: Message) -> None:
         if session.decision is not None:
@@ -862,12 +868,12 @@ class Endpoint:
             session.peer_hello = peer_hello
             decision = decide(self.hello, peer_hello, self.classes)
             check_agreement(msg["decision"], decision, session.peer_label)
-            driver, peer_info = self._chosen(decision, peer_hello)
+            lanes = self._lanes(decision, peer_hello)
         except KVTransportError as exc:
             session.send("bye", reason=f"handshake failed: {exc}")
             self.end_session(session, exc, notify=False)
             return
-        self._set_driver(session, decision, driver, peer_regions, peer_info)
+        session.decision, session.peer_regions, session.lanes = decision, peer_regions, lanes
         session.held = []
 
         def connected(_: Any, error: KVTransportError | None) -> None:
@@ -886,16 +892,20 @@ class Endpoint:
                 except KVTransportError as exc:
                     self._violation(session.route, session, f"invalid {early.type} message: {exc}", early)
 
-        self._connect_driver(session, peer_info, peer_regions, connected)
+        self._connect_lanes(session, peer_regions, connected)
 
-    def _chosen(self, decision: Decision, peer_hello: Hello) -> tuple[KVTransport, bytes]:
-        """The open driver the decision names, and the peer's (checked) connection info for it."""
-        driver = self.drivers.get(decision.driver)
-        entry = peer_hello.drivers.get(decision.driver)
-        if driver is None or entry is None:
-            raise NegotiationError(f"{decision.driver} was chosen but is not open on both sides")
-        self._check_identity(decision.driver, entry.conn)
-        return driver, entry.conn
+    def _lanes(self, decision: Decision, peer_hello: Hello) -> dict[str, Lane]:
+        """A lane per driver of the decision (the chosen one first): the open driver, its
+        runner, and the peer's (checked) connection info for it."""
+        lanes: dict[str, Lane] = {}
+        for name in decision.lanes or (decision.driver,):
+            driver = self.drivers.get(name)
+            entry = peer_hello.drivers.get(name)
+            if driver is None or entry is None:
+                raise NegotiationError(f"{name} was chosen but is not open on both sides")
+            self._check_identity(name, entry.conn)
+            lanes[name] = Lane(name, driver, self.runners[name], entry.conn, decision.models_of(name))
+        return lanes
 
     def _check_identity(self, driver: str, peer_info: Any) -> None:
         """A peer's engine identity (its driver connection info) is its own: not this
@@ -906,44 +916,48 @@ class Endpoint:
         if peer_info and peer_info == self._hellos[driver].conn:
             raise NegotiationError(f"the peer presented this endpoint's own {driver} connection info")
         for other in self.sessions.values():
-            if peer_info and other.peer_info == peer_info and other.decision and other.decision.driver == driver:
+            lane = other.lanes.get(driver)
+            if peer_info and lane is not None and lane.peer_info == peer_info:
                 raise NegotiationError(f"another live connection ({other.peer_label}) has this {driver} identity")
 
-    def _set_driver(
-        self, session: Session, decision: Any, driver: KVTransport, peer_regions: RegionSet, peer_info: bytes
-    ) -> None:
-        session.peer_info = peer_info
-        session.decision, session.driver, session.peer_regions = decision, driver, peer_regions
-        session.runner = self.runners[decision.driver]
-        session.two_sided = type(driver).capabilities.two_sided
-
-    def _connect_driver(
+    def _connect_lanes(
         self,
         session: Session,
-        info: bytes,
         peer_regions: RegionSet,
         then: Callable[[Any, KVTransportError | None], None],
     ) -> None:
-        """``driver.connect`` on the driver's thread (it may block on the engine), bounded by
-        the connect timeout; ``then`` runs on the I/O thread."""
-        assert session.runner is not None and session.driver is not None
-        driver, conn_id = session.driver, session.id
+        """``driver.connect`` of every lane on its driver's thread (it may block on the
+        engine), all bounded by the connect timeout; ``then`` runs on the I/O thread once every
+        lane answered (with the first error), or when the timeout passes."""
+        conn_id, lanes = session.id, list(session.lanes.values())
         answered = [False]
+        left = [len(lanes)]
+        first: list[KVTransportError] = []
 
-        def once(result: Any, error: KVTransportError | None) -> None:
+        def finish(error: KVTransportError | None) -> None:
             if not answered[0]:
                 answered[0] = True
                 self.channel.timers.cancel(session.handshake_timer)
-                then(result, error)
+                then(None, error)
 
+        def one(_: Any, error: KVTransportError | None) -> None:
+            if error is not None:
+                first.append(error)
+            left[0] -= 1
+            if left[0] == 0 or error is not None:
+                finish(first[0] if first else None)
+
+        names = ", ".join(lane.name for lane in lanes)
         session.handshake_timer = self.channel.timers.call_later(
             self.timeouts.connect,
-            lambda: once(None, DriverError(f"{driver.name}.connect() took longer than {self.timeouts.connect} s")),
+            lambda: finish(DriverError(f"connect() of {names} took longer than {self.timeouts.connect} s")),
         )
-        # From here the driver may know the peer: closing the session disconnects it (queued
-        # behind this connect, so it runs after it whatever the order of events).
-        session.connect_queued = True
-        session.runner.call(lambda: driver.connect(conn_id, info, peer_regions), once)
+        for lane in lanes:
+            # From here the driver may know the peer: closing the session disconnects it (queued
+            # behind this connect, so it runs after it whatever the order of events).
+            lane.connect_queued = True
+            driver, info = lane.driver, lane.peer_info
+            lane.runner.call(functools.partial(driver.connect, conn_id, info, peer_regions), one)
 
     def _ready(self, session: Session) -> None:
         session.phase = Phase.READY

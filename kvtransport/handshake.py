@@ -99,8 +99,11 @@ def check_agreement(theirs: Any, mine: Decision, peer: str) -> None:
     """The acceptor's decision (``theirs``, from its welcome) must equal this side's."""
     if not isinstance(theirs, Mapping):
         raise ProtocolError("the welcome's decision is not a mapping")
-    if (theirs.get("driver"), theirs.get("path")) != (mine.driver, mine.path.value):
+    if (theirs.get("driver"), theirs.get("path")) != (mine.driver, mine.path.value) or theirs.get("lanes") != list(
+        mine.lanes
+    ):
         raise DecisionMismatch(
             f"{peer} chose {str(theirs.get('driver'))[:64]} ({str(theirs.get('path'))[:32]}), this side computes "
-            f"{mine.driver} ({mine.path.value}); are both sides running the same kvtransport and driver versions?"
+            f"{mine.driver} ({mine.path.value}), lanes {str(theirs.get('lanes'))[:128]} against {list(mine.lanes)}; "
+            "are both sides running the same kvtransport and driver versions?"
         )

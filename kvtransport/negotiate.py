@@ -84,6 +84,18 @@ class Decision:
     basis: str = "nominal"
     #: Why the basis is what it is ("nixl-ucx has no cost model for shm ...").
     basis_note: str = ""
+    #: The drivers a transfer of this connection may take, ``driver`` first: with measured
+    #: models and no env-var policy, every driver that is the fastest for some transfer shape
+    #: (:func:`lane_drivers`); otherwise ``driver`` alone.
+    lanes: tuple[str, ...] = ()
+    #: Per lane, both sides' models of it on its path (a transfer's prediction is the slower).
+    lane_models: tuple[tuple[CostModel, ...], ...] = ()
+
+    def models_of(self, driver: str) -> tuple[CostModel, ...]:
+        for name, models in zip(self.lanes, self.lane_models, strict=False):
+            if name == driver:
+                return models
+        return ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -93,6 +105,7 @@ class Decision:
             "reason": self.reason,
             "basis": self.basis,
             "basis_note": self.basis_note,
+            "lanes": list(self.lanes),
             "initiator": self.initiator,
             "acceptor": self.acceptor,
             "candidates": [c.to_dict() for c in self.candidates],
@@ -285,6 +298,8 @@ def negotiate(
             )
         candidates.append(Candidate(name, "lost", lost, offer.path.value, offer.gbps, predicted.get(name, 0.0)))
     candidates += [Candidate(n, "rejected", r) for n, r in sorted(rejected.items())]
+    policy_bound = any(h.policy.force or h.policy.allow for h in (initiator, acceptor))
+    lanes = lane_drivers(ranked, models, initiator) if calibrated and not policy_bound else (best,)
     return Decision(
         driver=best,
         path=chosen.path,
@@ -295,7 +310,30 @@ def negotiate(
         acceptor=acceptor.label(),
         basis="calibrated" if calibrated else "nominal",
         basis_note=basis_note,
+        lanes=lanes,
+        lane_models=tuple(tuple(models.get(n, ())) for n in lanes),
     )
+
+
+def predict(models: tuple[CostModel, ...] | list[CostModel], runs: int, nbytes: int) -> float:
+    """The slower of the two sides' predictions (0 without a model)."""
+    return max((m.predict(runs, nbytes) for m in models), default=0.0)
+
+
+def lane_drivers(ranked: list[str], models: Mapping[str, list[CostModel]], initiator: Hello) -> tuple[str, ...]:
+    """The drivers that are the fastest, by their models, for at least one transfer shape of a
+    grid (one page to a 32k-token request, in as few descriptors as its regions allow up to one
+    per page and region), in rank order, the connection's chosen driver first. A connection
+    connects each of them, so one that never wins costs nothing."""
+    layout = initiator.layout
+    regions = len(layout.kv_item_lens) if layout and layout.kv_item_lens else 64
+    page = sum(layout.kv_item_lens) if layout and layout.kv_item_lens else 1 << 20
+    winners = {ranked[0]}
+    for pages in (1, 16, 256, 2048):
+        for per_page in (False, True):
+            runs, nbytes = (pages * regions if per_page else regions), pages * page
+            winners.add(min(ranked, key=lambda n: (predict(models[n], runs, nbytes), ranked.index(n))))
+    return tuple(n for n in ranked if n in winners)
 
 
 def pair_models(initiator: Hello, acceptor: Hello, name: str, path: TransferPath) -> list[CostModel]:

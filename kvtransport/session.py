@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import collections
 import enum
+import functools
 import itertools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -37,6 +38,7 @@ from .errors import (
     TransferTimeout,
 )
 from .inbound import Claim, InboundGuard
+from .lane import Lane
 from .memory import MAX_STATE_GROUPS, KVLayout, RegionSet
 from .plan import Runs, as_pages, check_pages, check_unique, plan, plan_heads
 from .tp_map import EQUAL, PairShape, pair_shape
@@ -47,11 +49,9 @@ if TYPE_CHECKING:
     from .auth import Seal
     from .config import Timeouts
     from .control import Route
-    from .driver import KVTransport
     from .endpoint import Endpoint
     from .hello import Hello
     from .negotiate import Decision
-    from .runner import DriverRunner
     from .timers import Timer
 
 log = logging.getLogger(__name__)
@@ -206,10 +206,8 @@ class Session:
         self.peer_regions: RegionSet | None = None
         self.peer_hello: Hello | None = None
         self._shapes: dict[bool, PairShape] = {}  # True: what this side sends; False: receives
-        self.driver: KVTransport | None = None
-        self.peer_info = b""  # the peer's connection info for the chosen driver
-        self.runner: DriverRunner | None = None
-        self.two_sided = False
+        #: One per driver of the decision's lanes, the chosen driver's first (set at handshake).
+        self.lanes: dict[str, Lane] = {}
         self.last_seen = time.monotonic()
         self.transfers: dict[str, Transfer] = {}
         self.early_expects: collections.OrderedDict[str, Message] = collections.OrderedDict()
@@ -226,7 +224,6 @@ class Session:
         self.strikes = 0
         #: Initiator between welcome and ready: messages the (already ready) acceptor sent.
         self.held: list[Message] | None = None
-        self.connect_queued = False
         #: This session's message authentication, once the secret was proved both ways.
         self.seal: Seal | None = None
         #: Initiator: its step in the authentication exchange ("auth", "proof", "done") and
@@ -234,16 +231,25 @@ class Session:
         self.auth_step = ""
         self.nonce_i = b""
         self.nonce_a = b""
-        # driver thread only: batch id -> (driver handle, its transfer), and the handles whose
-        # poll raised, by transfer (their writes may still be finishing)
-        self._handles: dict[int, tuple[int, Transfer]] = {}
-        self._failed_handles: dict[Transfer, list[int]] = {}
         #: Set when the session starts closing: no per-transfer confirmations go out then.
         self.closing = False
 
     @property
     def timeouts(self) -> Timeouts:
         return self.endpoint.timeouts
+
+    @property
+    def primary(self) -> Lane | None:
+        """The lane of the decision's chosen driver."""
+        return next(iter(self.lanes.values()), None)
+
+    def pick_lane(self, runs: int, nbytes: int) -> Lane:
+        """Any thread: the lane with the lowest predicted time for ``runs`` descriptors of
+        ``nbytes`` (the chosen driver when only it is a lane, or on a tie)."""
+        lanes = list(self.lanes.values())
+        if len(lanes) == 1:
+            return lanes[0]
+        return min(lanes, key=lambda lane: lane.predict(runs, nbytes))
 
     def __repr__(self) -> str:
         return f"<Session {self.id[:8]} {self.phase.value} {self.peer_label}>"
@@ -354,14 +360,32 @@ class Session:
         transfer.sent_pages = stop
         transfer.last_planned = last
         bid = ep.next_batch_id() if len(runs) else 0
+        lane = transfer.lane
+        if lane is None:
+            # The first chunk picks the transfer's driver; later chunks follow it.
+            lane = self.pick_lane(len(runs), runs.total_bytes)
+            transfer.driver = lane.name
+            transfer.predicted_s = lane.predict(len(runs), runs.total_bytes)
+            transfer.raw_predicted_s = lane.raw_prediction(len(runs), runs.total_bytes) if last else 0.0
+            transfer.submitted_at = time.monotonic()
+            transfer.lane = lane
+            if len(self.lanes) > 1:
+                log.debug(
+                    "transfer %r to %s via %s: %d descriptors, %d bytes, predicted %.3g ms",
+                    transfer.tag,
+                    self.peer_label,
+                    lane.name,
+                    len(runs),
+                    runs.total_bytes,
+                    transfer.predicted_s * 1e3,
+                )
         # The I/O thread learns of the batch first, then the driver's thread gets it straight
         # from here (one thread hop fewer on the way to the engine); its result reaches the I/O
         # thread after the bookkeeping below, through the same queue.
         ep.call(lambda: self.submitted(transfer, bid, runs.total_bytes, last))
         if bid:
-            assert self.runner is not None
-            self.runner.call(
-                lambda: self._driver_submit(transfer, bid, runs),
+            lane.runner.call(
+                lambda: self._driver_submit(lane, transfer, bid, runs),
                 lambda _, error: self.batch_failed(transfer, bid, error) if error else None,
             )
 
@@ -502,7 +526,7 @@ class Session:
         if t.state.final and not t.counted:
             t.counted = True
             try:
-                ep.metrics.observe(t, self.decision.driver if self.decision else "none", self.peer_label)
+                ep.metrics.observe(t, t.driver or (self.decision.driver if self.decision else "none"), self.peer_label)
             except Exception:
                 log.exception("counting transfer %r in the metrics failed", t.tag)
         if t.state is State.FAILED and t.role == RECV and t.announced is None:
@@ -590,13 +614,17 @@ class Session:
 
     def batch_failed(self, transfer: Transfer, bid: int, error: KVTransportError) -> None:
         transfer.batches.discard(bid)
-        driver = self.decision.driver if self.decision else "driver"
+        driver = transfer.driver or (self.decision.driver if self.decision else "driver")
         self.abort(transfer, f"{driver}: {error}", notify=True, error=error)
 
     def progress(self, transfer: Transfer) -> None:
         if transfer.last_sent and not transfer.batches and transfer.state is State.TRANSFERRING:
             self.endpoint.flush_notices()
-            self.send("done", tag=transfer.tag, bytes=transfer.bytes)
+            self.send("done", tag=transfer.tag, bytes=transfer.bytes, lane=transfer.driver)
+            if transfer.submitted_at:
+                transfer.measured_s = time.monotonic() - transfer.submitted_at
+                if transfer.lane is not None and transfer.raw_predicted_s:
+                    transfer.lane.observe(transfer.raw_predicted_s, transfer.measured_s, self.peer_label)
             transfer._set(State.SUCCESS)
 
     def abort(
@@ -613,15 +641,20 @@ class Session:
         tag, sending = transfer.tag, transfer.role == SEND
         transfer.batches = set()
         settling = False
-        if sending and self.runner is not None:
+        if sending and self.lanes:
             # Always through the driver thread, even with no batch known here: a chunk handed
             # to it just now may not have reached this thread's bookkeeping yet (send_chunk
-            # queues both at once). The driver thread decides what was submitted.
-            try:
-                self.runner.call(lambda: self._driver_abort(transfer, tag))
-                settling = True
-            except KVTransportError as exc:  # the driver is closed: its close() drained it
-                log.debug("abort of %r not queued: %s", tag, exc)
+            # queues both at once). The driver thread decides what was submitted. Before the
+            # first chunk picked a lane, every lane is asked (the caller may be picking one now).
+            lanes = [transfer.lane] if transfer.lane is not None else list(self.lanes.values())
+            countdown = _Countdown(len(lanes), lambda error: self.settled(tag, error))
+            for lane in lanes:
+                try:
+                    lane.runner.call(functools.partial(self._driver_abort, lane, transfer, tag, countdown.one))
+                    settling = True
+                except KVTransportError as exc:  # the driver is closed: its close() drained it
+                    countdown.count -= 1
+                    log.debug("abort of %r on %s not queued: %s", tag, lane.name, exc)
         if error is None:
             error = TransferAborted(f"transfer {transfer.tag!r} aborted {'locally' if local else ''}: {reason}")
         transfer._set(State.FAILED, error)
@@ -751,6 +784,9 @@ class Session:
             raise ProtocolError(f"done for transfer {msg['tag']!r}, which this side sends")
         if t.state.final or t.peer_done:
             return
+        lane = self.lanes.get(msg["lane"]) if msg["lane"] else self.primary
+        if lane is None:
+            raise ProtocolError(f"done for {t.tag!r} names {msg['lane'][:64]!r}, not a driver of this connection")
         expected = self.expected_bytes(t)
         if msg["bytes"] != expected:
             raise ProtocolError(
@@ -758,7 +794,8 @@ class Session:
             )
         t.bytes = int(msg["bytes"])
         t.peer_done = True
-        if not self.two_sided:
+        t.driver = lane.name
+        if not lane.two_sided:
             t._set(State.SUCCESS)
             return
         # Two-sided: Success only once the driver's inbound work for this peer has drained.
@@ -766,8 +803,7 @@ class Session:
         # before the driver has seen all of them.
         if t.state is State.WAITING_FOR_INPUT:
             t._set(State.TRANSFERRING)
-        assert self.runner is not None
-        self.runner.call(lambda: self._driver_watch_inbound(t))
+        lane.runner.call(lambda: self._driver_watch_inbound(lane, t))
 
     def expected_bytes(self, t: Transfer) -> int:
         """What a complete transfer writes into the pages (aux slot, state items) ``t`` announced."""
@@ -827,21 +863,25 @@ class Session:
             # running (a sender confirms only after the abort it sent first): nothing to learn.
             log.debug("drained for %r from %s ignored", msg["tag"], self.peer_label)
             return
-        if self.two_sided and self.runner is not None:
-            # Copies into our pages are this side's own work: wait until they are idle too.
+        # Copies into our pages by a two-sided driver are this side's own work: wait until
+        # they are idle too (on the transfer's lane, or every two-sided lane if it never said).
+        lane = self.lanes.get(t.driver)
+        lanes = [x for x in ([lane] if lane is not None else self.lanes.values()) if x.two_sided]
+        countdown = _Countdown(len(lanes), lambda error: t.drained.set() if error is None else None)
+        for x in lanes:
             try:
-                self.runner.call(lambda: self._driver_watch_drained(t))
-                return
+                x.runner.call(functools.partial(self._driver_watch_drained, x, t, countdown.one))
             except KVTransportError:
-                pass  # the driver is closed: none of its copies runs any more
-        t.drained.set()
+                countdown.count -= 1  # the driver is closed: none of its copies runs any more
+        if countdown.count <= 0:
+            t.drained.set()
 
     def on_notice(self, msg: Message) -> None:
-        if not self.two_sided:
-            raise ProtocolError(f"notice for {self.decision.driver if self.decision else '?'}, a one-sided driver")
-        assert self.runner is not None and self.driver is not None
-        driver, payload = self.driver, msg["payload"]
-        self.runner.call(
+        lane = self.lanes.get(msg["lane"]) if msg["lane"] else self.primary
+        if lane is None or not lane.two_sided:
+            raise ProtocolError(f"notice for {msg['lane'][:64] or '?'!r}, not a two-sided driver of this connection")
+        driver, payload = lane.driver, msg["payload"]
+        lane.runner.call(
             lambda: driver.on_notice(self.id, payload),
             lambda _, error: self.endpoint.end_session(self, error, notify=True) if error else None,
         )
@@ -872,49 +912,50 @@ class Session:
         self.early_aborts.clear()
         for tag in owned:  # nothing holds them any more
             self.release_tag(tag)
-        if self.connect_queued and self.runner is not None and self.driver is not None:
-            driver = self.driver
-            try:
-                self.runner.call(lambda: driver.disconnect(self.id))
-            except KVTransportError:
-                pass
+        for lane in self.lanes.values():
+            if lane.connect_queued:
+                driver = lane.driver
+                try:
+                    lane.runner.call(functools.partial(driver.disconnect, self.id))
+                except KVTransportError:
+                    pass
         self.ready.set()
 
     # -- driver thread -------------------------------------------------------------------------
 
-    def _driver_submit(self, transfer: Transfer, bid: int, runs: Runs) -> None:
-        driver, runner = self.driver, self.runner
-        assert driver is not None and runner is not None
+    def _driver_submit(self, lane: Lane, transfer: Transfer, bid: int, runs: Runs) -> None:
+        driver, runner = lane.driver, lane.runner
         if transfer.state.final or transfer.driver_stopped:
             return  # failed or aborted before its batch got here: nothing may be written now
         handle = driver.submit(self.id, runs)
-        self._handles[bid] = (handle, transfer)
+        lane.handles[bid] = (handle, transfer)
 
         def check() -> bool:
             try:
                 done = driver.poll(handle)
             except BaseException:
-                self._handles.pop(bid, None)
+                lane.handles.pop(bid, None)
                 # Some of its writes may still be finishing: the abort that follows waits for
                 # them before it confirms anything to the receiver.
-                self._failed_handles.setdefault(transfer, []).append(handle)
+                lane.failed_handles.setdefault(transfer, []).append(handle)
                 raise
             if done:
-                self._handles.pop(bid, None)
+                lane.handles.pop(bid, None)
             return done
 
         runner.watch(("batch", handle), check, lambda _, error: self.batch_finished(transfer, bid, error))
 
-    def _driver_abort(self, transfer: Transfer, tag: str) -> None:
-        """Driver thread: stop every batch of ``transfer`` (no later one is submitted), then
-        watch until the driver says none of them can write any more, and tell the I/O thread
-        (which tells the receiver). Gives up, without confirming, after the transfer timeout."""
-        driver, runner = self.driver, self.runner
-        assert driver is not None and runner is not None
+    def _driver_abort(
+        self, lane: Lane, transfer: Transfer, tag: str, then: Callable[[KVTransportError | None], None]
+    ) -> None:
+        """Driver thread: stop every batch of ``transfer`` on ``lane`` (no later one is
+        submitted), then watch until the driver says none of them can write any more, and tell
+        the I/O thread (``then``). Gives up, without confirming, after the transfer timeout."""
+        driver, runner = lane.driver, lane.runner
         transfer.driver_stopped = True
-        aborted = self._failed_handles.pop(transfer, [])
-        for bid in [b for b, (_, t) in self._handles.items() if t is transfer]:
-            handle, _ = self._handles.pop(bid)
+        aborted = lane.failed_handles.pop(transfer, [])
+        for bid in [b for b, (_, t) in lane.handles.items() if t is transfer]:
+            handle, _ = lane.handles.pop(bid)
             runner.unwatch(("batch", handle))
             try:
                 driver.abort(handle)
@@ -932,23 +973,36 @@ class Session:
                 )
             return not aborted
 
-        runner.watch(("settle", self.id, next(_SETTLE_IDS)), quiet, lambda _, error: self.settled(tag, error))
+        runner.watch(("settle", self.id, next(_SETTLE_IDS)), quiet, lambda _, error: then(error))
 
-    def _driver_watch_drained(self, t: Transfer) -> None:
-        driver, runner = self.driver, self.runner
-        assert driver is not None and runner is not None
-        runner.watch(
-            ("drained", self.id, id(t)),
-            lambda: driver.inbound_idle(self.id),
-            lambda _, error: t.drained.set() if error is None else None,
+    def _driver_watch_drained(self, lane: Lane, t: Transfer, then: Callable[[KVTransportError | None], None]) -> None:
+        driver = lane.driver
+        lane.runner.watch(
+            ("drained", self.id, id(t)), lambda: driver.inbound_idle(self.id), lambda _, error: then(error)
         )
 
-    def _driver_watch_inbound(self, t: Transfer) -> None:
-        driver, runner = self.driver, self.runner
-        assert driver is not None and runner is not None
-        runner.watch(
+    def _driver_watch_inbound(self, lane: Lane, t: Transfer) -> None:
+        driver = lane.driver
+        lane.runner.watch(
             ("inbound", self.id, id(t)), lambda: driver.inbound_idle(self.id), lambda _, e: self.inbound_settled(t, e)
         )
+
+
+class _Countdown:
+    """I/O thread: calls ``then`` with the first error (or ``None``) once ``count`` parts
+    answered (the lanes an abort or a drain check went to)."""
+
+    def __init__(self, count: int, then: Callable[[KVTransportError | None], None]) -> None:
+        self.count = count
+        self.then = then
+        self.error: KVTransportError | None = None
+
+    def one(self, error: KVTransportError | None) -> None:
+        if error is not None and self.error is None:
+            self.error = error
+        self.count -= 1
+        if self.count == 0:
+            self.then(self.error)
 
 
 _NO_ITEMS: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)

@@ -25,6 +25,7 @@ from .errors import KVTransportError, TransferTimeout
 
 if TYPE_CHECKING:
     from .inbound import Claim
+    from .lane import Lane
     from .session import Connection, Session
     from .timers import Timer
 
@@ -81,6 +82,16 @@ class Transfer:
         self.timer: Timer | None = None  # its state's timeout, or when it is forgotten
         self.started = 0.0
         self.finished = 0.0
+        #: Sender: the driver the transfer takes (picked at its first chunk by predicted time
+        #: among the connection's lanes); receiver: the driver its "done" named.
+        self.driver = ""
+        #: Sender: what the lane's cost models predicted for its first chunk (0: no model), and
+        #: the seconds from that chunk's submission to Success (0 until then).
+        self.predicted_s = 0.0
+        self.raw_predicted_s = 0.0  # uncorrected, for a one-chunk transfer: what the lane checks
+        self.measured_s = 0.0
+        self.submitted_at = 0.0
+        self.lane: Lane | None = None
 
     @property
     def connection(self) -> Connection:

@@ -72,15 +72,16 @@ SCHEMAS: dict[str, dict[str, Field]] = {
     # SGLang: decode_prefix_len tokens), so the sender sends only what follows; ``state``: per
     # state group, the destination items (packed int64, empty: none) the last chunk fills
     "expect": {"tag": Text(256), "pages": bytes, "aux": Int(-1), "prefix": Int(), "state": list},
-    # sender -> receiver: every byte of ``tag`` is in place
-    "done": {"tag": Text(256), "bytes": Int()},
+    # sender -> receiver: every byte of ``tag`` is in place, moved by the driver ``lane`` names
+    # (one of the connection's lanes; "": the chosen driver)
+    "done": {"tag": Text(256), "bytes": Int(), "lane": Text(64)},
     # either side: the transfer failed or was aborted
     "abort": {"tag": Text(256), "reason": Text()},
     # sender -> receiver, after a failure or abort of ``tag`` (or an abort of a tag it never
     # sent): no write of it can land in the receiver's memory any more (its batches settled)
     "drained": {"tag": Text(256)},
-    # driver-to-driver payload for two-sided drivers
-    "notice": {"payload": bytes},
+    # driver-to-driver payload for the two-sided driver ``lane`` names ("": the chosen driver)
+    "notice": {"payload": bytes, "lane": Text(64)},
     "ping": {"seq": Int()},
     "bye": {"reason": Text()},
 }

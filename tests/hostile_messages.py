@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 
 # --- the wire schema, as read from kvtransport/wire.py (deliberately not imported) -----------
 
-VERSION = 4
+VERSION = 5
 LIMIT = 4 << 20  # DEFAULT_MAX_MESSAGE_BYTES
 #: Frames larger than this make zmq drop the connection (MAXMSGSIZE: the limit plus framing room):
 #: the attacker's DEALER reconnects with a new route, so a session on the old one is orphaned.
@@ -57,16 +57,16 @@ SCHEMA: dict[str, dict[str, type]] = {
     "welcome": {"conn": str, "hello": dict, "regions": dict, "decision": dict},
     "refuse": {"conn": str, "reason": str},
     "expect": {"tag": str, "pages": bytes, "aux": int, "prefix": int, "state": list},
-    "done": {"tag": str, "bytes": int},
+    "done": {"tag": str, "bytes": int, "lane": str},
     "abort": {"tag": str, "reason": str},
     "drained": {"tag": str},
-    "notice": {"payload": bytes},
+    "notice": {"payload": bytes, "lane": str},
     "ping": {"seq": int},
     "bye": {"reason": str},
 }
 #: Bounds on the fields above (wire.py: connection ids 64 characters, tags 256, reasons 4096).
 INT_LOW = {("expect", "aux"): -1}
-TEXT_MAX = {"conn": 64, "tag": 256, "reason": 4096}
+TEXT_MAX = {"conn": 64, "tag": 256, "reason": 4096, "lane": 64}
 KINDS = tuple(SCHEMA)
 STAGED_OPS = ("want", "grant", "release", "chunk")
 
@@ -487,8 +487,9 @@ class StrikeLedger:
     that zmq drops the connection). The fuzz keeps a session under the strike limit while the
     transfers it holds are checked, so those checks are about a live session."""
 
-    def __init__(self, *, two_sided: bool, recv_bytes: dict[str, int], send_tags: list[str]) -> None:
+    def __init__(self, *, two_sided: bool, recv_bytes: dict[str, int], send_tags: list[str], driver: str) -> None:
         self.two_sided = two_sided
+        self.lanes = {"", driver}  # the victim's one lane: named, or "" (its chosen driver)
         self.recv_bytes = dict(recv_bytes)  # live receiving transfers -> the bytes a done must say
         self.send_tags = set(send_tags)
         self.strikes = 0
@@ -507,7 +508,7 @@ class StrikeLedger:
         if kind in ("bye",):
             return "close"
         if kind == "notice":
-            return "close" if self.two_sided else "strike"
+            return "close" if self.two_sided and obj["lane"] in self.lanes else "strike"
         if kind == "done":
             tag = obj["tag"]
             if tag in self.send_tags:
@@ -515,7 +516,8 @@ class StrikeLedger:
             if tag in self.recv_bytes:
                 # Right count: the transfer ends; wrong count: a violation that fails it. Either
                 # way later dones for it are ignored.
-                return "ok" if self.recv_bytes.pop(tag) == obj["bytes"] else "strike"
+                right = self.recv_bytes.pop(tag) == obj["bytes"]
+                return "ok" if right and obj["lane"] in self.lanes else "strike"
         return "ok"
 
     def place(self, frame: bytes | list[bytes], budget: int) -> str:
@@ -1042,7 +1044,8 @@ def session_frames(r: random.Random, sender_tags: list[str], recv_tags: list[str
             yield message("expect", tag=tag, pages=body, aux=aux, prefix=0, state=state)
         elif k < 6:
             tag = r.choice([*recv_tags, "unknown-" + str(r.randrange(10**6))]) if recv_tags else "nobody"
-            yield message("done", tag=tag, bytes=r.choice(EXTREME_INTS))
+            lane = r.choice(["", "", "no-such-driver", "x" * 64])
+            yield message("done", tag=tag, bytes=r.choice(EXTREME_INTS), lane=lane)
         elif k < 7:
             tag = r.choice([*sender_tags, "unknown-" + str(r.randrange(10**6))]) if sender_tags else "nobody"
             yield message("abort", tag=tag, reason=r.choice(["", "x" * 1000, "\x00"]))
@@ -1065,7 +1068,7 @@ def near_limit(r: random.Random) -> bytes:
     if k == 1:
         return message("abort", tag="t", reason="r" * n)
     if k == 2:
-        return message("notice", payload=b"\x00" * n)
+        return message("notice", payload=b"\x00" * n, lane="")
     if k == 3:
         return message("ping", seq=1, pad=b"\x00" * n)
     return b"\x81" + b"\x00" * (LIMIT + r.choice([0, 1, 64]))

@@ -10,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -294,3 +295,114 @@ def test_calibrate_measures_real_engines_saves_and_endpoints_then_rank_by_it(tmp
             os.environ.pop("KVTRANSPORT_CALIBRATION", None)
         else:
             os.environ["KVTRANSPORT_CALIBRATION"] = old
+
+
+# --- the choice per transfer ----------------------------------------------------------------
+
+
+# (latency, per descriptor) of each driver: which one wins few descriptors and which many. The
+# driver that wins many is also the connection's chosen one (its reference request has 1,024), so
+# the two cases put the two-sided mooncake-staged once as the chosen lane, once as the other.
+CROSSOVERS = {
+    "staged-for-many": {"nixl-ucx": (1e-4, 1e-3), "mooncake-staged": (5e-3, 0.0)},
+    "staged-for-few": {"nixl-ucx": (5e-3, 0.0), "mooncake-staged": (1e-4, 1e-3)},
+}
+
+
+@pytest.mark.parametrize("crossover", sorted(CROSSOVERS))
+def test_each_transfer_takes_the_lane_its_shape_favours_on_real_engines(tmp_path: Path, crossover: str) -> None:
+    """With models that favour one driver for few descriptors and the other for many, one
+    connection between two processes keeps both drivers as lanes and sends each transfer on
+    the one its plan predicts faster; every byte arrives on both."""
+    from kvtransport.calibration_cache import write_cache
+    from kvtransport.endpoint import Endpoint, State
+    from kvtransport.hello import load_drivers
+    from kvtransport.kv_pool import KVPool
+    from kvtransport.peer_process import PeerProcess
+    from kvtransport.probe import probe_host
+
+    names = ("nixl-ucx", "mooncake-staged")
+    loaded = load_drivers(names)
+    me = probe_host().host_id
+    versions = {n: loaded.hellos[n].status.version for n in names}  # type: ignore[union-attr]
+    cache = tmp_path / "calibration.json"
+    paths = {"nixl-ucx": "shm", "mooncake-staged": "tcp"}
+    figures = CROSSOVERS[crossover]
+    for n in names:
+        write_cache(cache, {n: [CostModel(paths[n], *figures[n], 100.0, me, versions[n])]}, me)
+    few_driver = min(names, key=lambda n: figures[n][0] + 4 * figures[n][1])
+    many_driver = min(names, key=lambda n: figures[n][0] + 32 * figures[n][1])
+    assert few_driver != many_driver
+    old = os.environ.get("KVTRANSPORT_CALIBRATION")
+    os.environ["KVTRANSPORT_CALIBRATION"] = str(cache)
+    pool = KVPool(64, 4, 4096, 0, shared=False)
+    pool.fill(3)
+    ep = Endpoint(pool.regions, pool.layout, drivers=loaded.classes, name="prefill")
+    peer = None
+    try:
+        peer = PeerProcess(
+            *("--driver", "auto", "--pages", "64", "--layers", "4", "--item", "4096", "--aux-slots", "0"),
+            "--private",
+            timeout=60,
+        )
+        peer.call("connect", address=ep.address, timeout=60)
+        conn = ep.accept(60)
+        assert conn.decision is not None and conn.decision.basis == "calibrated"
+        assert set(conn.decision.lanes) == set(names), conn.decision.to_dict()
+        shapes = {"few": list(range(8)), "many": list(range(20, 36, 2))}  # 4 runs against 32
+        peer.call("expect", transfers=shapes, timeout=30)
+        sent = {}
+        for tag, pages in shapes.items():
+            t = conn.sender(tag)
+            deadline = time.monotonic() + 30
+            while t.state is State.BOOTSTRAPPING and time.monotonic() < deadline:
+                time.sleep(0.001)
+            t.send(pages)
+            sent[tag] = t
+        for t in sent.values():
+            t.wait(30)
+        assert conn.decision.driver == many_driver
+        assert sent["few"].driver == few_driver and sent["many"].driver == many_driver
+        latency, per_run = figures[few_driver]
+        assert sent["few"].predicted_s == pytest.approx(latency + 4 * per_run + 8 * 4 * 4096 / 100e9, rel=1e-3)
+        assert all(t.measured_s > 0 for t in sent.values())
+        states = peer.call("wait", tags=list(shapes), timeout=30)["states"]
+        assert all(s[0] == "SUCCESS" for s in states.values()), states
+        for pages in shapes.values():
+            assert peer.call("digests", pages=pages, timeout=30)["digests"] == pool.page_digests(pages)
+        counted = {(d["driver"], d["role"]) for d in ep.metrics.snapshot()["drivers"]}
+        assert {(n, "send") for n in names} <= counted  # each under its own driver
+    finally:
+        if peer is not None:
+            peer.close()
+        ep.close()
+        pool.close()
+        if old is None:
+            os.environ.pop("KVTRANSPORT_CALIBRATION", None)
+        else:
+            os.environ["KVTRANSPORT_CALIBRATION"] = old
+
+
+class _Driver:
+    from kvtransport.driver import Capabilities
+
+    capabilities = Capabilities(reads=frozenset({"host"}), writes=frozenset({"host"}))
+
+
+def test_a_lane_whose_transfers_run_far_slower_than_predicted_is_demoted(caplog: pytest.LogCaptureFixture) -> None:
+    from kvtransport.lane import MIN_SAMPLES, Lane
+
+    lane = Lane("x", _Driver(), None, b"", (CostModel("shm", 1e-3, 0.0, 1.0),))  # type: ignore[arg-type]
+    with caplog.at_level(logging.INFO, logger="kvtransport.lane"):
+        for _ in range(MIN_SAMPLES):
+            lane.observe(0.01, 0.04, "peer")  # 4x slower than predicted
+        assert lane.correction == pytest.approx(4.0)
+        assert lane.predict(1, 0) == pytest.approx(4 * lane.raw_prediction(1, 0))
+        assert "demoted" in caplog.text
+        for _ in range(16):
+            lane.observe(0.01, 0.011, "peer")  # agreeing again
+        assert lane.correction == 1.0 and "agree" in caplog.text
+    within = Lane("y", _Driver(), None, b"", ())  # type: ignore[arg-type]
+    for _ in range(8):
+        within.observe(0.01, 0.015, "peer")  # 1.5x: within the 2x band
+    assert within.correction == 1.0

@@ -523,7 +523,7 @@ def test_an_abort_racing_a_chunk_still_waits_for_that_chunk(monkeypatch: pytest.
         ready(t)
         t.send([3, 4])
         time.sleep(0.05)
-        driver = prefill.sessions[send_conn.id].driver
+        driver = prefill.sessions[send_conn.id].primary.driver  # type: ignore[union-attr]
         assert driver is not None and driver.pending() == 1
         r.abort("decode gave up")
         assert not r.drained.wait(0.5), "drained while the racing batch was still writing"

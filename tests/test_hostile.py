@@ -591,7 +591,7 @@ def rig_factory() -> Iterator[Callable[..., Rig]]:
 
 
 def notice(payload: Any) -> bytes:
-    return message("notice", payload=payload if isinstance(payload, bytes) else pack(payload))
+    return message("notice", payload=payload if isinstance(payload, bytes) else pack(payload), lane="")
 
 
 def granted_slots(a: Attacker, want: int, timeout: float = 10.0) -> list[int]:
@@ -653,7 +653,7 @@ def hypothesis_corpus(captured: Captured, count: int, seed: int) -> list[bytes]:
         schema_messages(),
         schema_messages(),
         hello_mutations(base),
-        staged_payloads.map(lambda p: message("notice", payload=p)),
+        staged_payloads.map(lambda p: message("notice", payload=p, lane="")),
     )
     per_example = 24
     examples = max(1, count // per_example)
@@ -723,7 +723,10 @@ def fuzz(rig: Rig, total: int, *, staged: bool) -> None:
         s = rig.session(label, senders=150, receivers=8)
         page_bytes = sum(int(region["item_len"]) for region in s.welcome["regions"]["kv"])
         ledger = StrikeLedger(
-            two_sided=staged, recv_bytes={t: page_bytes for t in s.recv_tags}, send_tags=s.sender_tags
+            two_sided=staged,
+            recv_bytes={t: page_bytes for t in s.recv_tags},
+            send_tags=s.sender_tags,
+            driver=rig.driver,
         )
         region = s.victim_region()
         early = [f"{label}-e{i}" for i in range(20)]
@@ -823,7 +826,7 @@ def fuzz(rig: Rig, total: int, *, staged: bool) -> None:
             if not struck:
                 break
             striker = rig.session(f"{label}-x{i}", accept=False)
-            sub = StrikeLedger(two_sided=staged, recv_bytes={}, send_tags=[])
+            sub = StrikeLedger(two_sided=staged, recv_bytes={}, send_tags=[], driver=rig.driver)
             frames: list[bytes | list[bytes]] = []
             while struck and len(frames) < 64 and sub.place(struck[-1], 15) == "live":
                 frames.append(struck.pop())
@@ -860,7 +863,7 @@ def session_notice(r: random.Random) -> bytes:
     ]
     payload = r.choice(ops)
     if r.randrange(8) == 0:
-        return message("notice", payload=r.randbytes(r.randrange(20)))
+        return message("notice", payload=r.randbytes(r.randrange(20)), lane=r.choice(["", "no-such-driver"]))
     return notice(payload)
 
 
@@ -976,7 +979,7 @@ def test_notice_to_a_one_sided_driver(rig_factory: Callable[..., Rig]) -> None:
     """A notice to a one-sided driver is a protocol violation (counted, answered by nothing)."""
     rig = rig_factory("fake", private=False)
     s = rig.session("atk")
-    rig.send(s.attacker, [message("notice", payload=pack({"op": "want", "n": 1}))])
+    rig.send(s.attacker, [message("notice", payload=pack({"op": "want", "n": 1}), lane="")])
     reason = rig.sync(s.attacker, "a notice to a one-sided driver", timeout=10)
     assert SOCKET_TAKEN in reason, f"one violation closed the session: {reason}"
     rig.check("a notice to a one-sided driver")
@@ -987,7 +990,11 @@ def test_sixteen_violations_close_the_session_with_a_bye(rig_factory: Callable[.
     and forgotten (its identity free again); 15 leave it open."""
     rig = rig_factory("fake", private=False)
     s = rig.session("striker", receivers=1)
-    bad = [message("ping", seq=-1), message("notice", payload=b"x"), message("done", tag=s.recv_tags[0], bytes=1)]
+    bad = [
+        message("ping", seq=-1),
+        message("notice", payload=b"x", lane=""),
+        message("done", tag=s.recv_tags[0], bytes=1, lane=""),
+    ]
     bad += [message("ping", seq=2**62 + i) for i in range(12)]
     rig.send(s.attacker, bad)
     assert SOCKET_TAKEN in rig.sync(s.attacker, "15 violations"), "the victim closed the session before 16 violations"
@@ -1108,7 +1115,7 @@ def test_done_with_a_wrong_byte_count_is_not_a_success(count: str, rig_factory: 
     tag = s.recv_tags[0]
     right = sum(int(region["item_len"]) for region in s.welcome["regions"]["kv"])
     n = {"0": 0, "1": 1, "right-1": right - 1, "right+1": right + 1, "2**62-1": 2**62 - 1}[count]
-    rig.send(s.attacker, [message("done", tag=tag, bytes=n)])
+    rig.send(s.attacker, [message("done", tag=tag, bytes=n, lane="")])
     rig.sync(s.attacker, f"done bytes={n}")
     state = rig.victim.ok("state", tags=[tag])["states"][tag]
     assert state[0] == "FAILED", f"the victim reports {state} for a transfer whose done says {n} bytes, not {right}"
@@ -1679,3 +1686,19 @@ def test_a_kvtransport_endpoint_without_the_secret_is_refused(
     rig.check(f"an endpoint with {stranger}")
     stats = rig.victim.ok("stats")["stats"]
     assert stats["sessions"] == 1, f"the victim holds {stats['sessions']} connections; only the legitimate one is live"
+
+
+def test_done_naming_a_driver_that_is_not_a_lane_of_the_connection_fails_its_transfer(
+    rig_factory: Callable[..., Rig],
+) -> None:
+    """A 'done' must name the driver that moved the bytes, one of the connection's lanes: one
+    that names another (even with the right byte count) fails the transfer as a violation."""
+    rig = rig_factory("fake", private=False)
+    s = rig.session("atk", receivers=1)
+    tag = s.recv_tags[0]
+    right = sum(int(region["item_len"]) for region in s.welcome["regions"]["kv"])
+    rig.send(s.attacker, [message("done", tag=tag, bytes=right, lane="nixl-ucx")])
+    rig.sync(s.attacker, "done from another lane")
+    state = rig.victim.ok("state", tags=[tag])["states"][tag]
+    assert state[0] == "FAILED", f"the victim reports {state} for a done naming a driver it does not share"
+    rig.check("done from another lane")

@@ -79,7 +79,7 @@ def test_malformed_messages_get_typed_errors(obj: object, error: type, words: st
 
 
 def test_size_limit() -> None:
-    big = encode("notice", payload=b"x" * 5000)
+    big = encode("notice", payload=b"x" * 5000, lane="")
     with pytest.raises(MessageTooLarge):
         decode(big, limit=1000)
 
