@@ -30,7 +30,7 @@ from .kv_pool import KVPool
 from .memory import HOST
 from .peer_process import PeerProcess
 from .plan import plan
-from .probe import probe_host
+from .probe import machine_key
 from .registry import Policy
 
 log = logging.getLogger(__name__)
@@ -74,17 +74,19 @@ class CalibrationReport:
     drivers: list[DriverCalibration]
     seconds: float = 0.0
     cache: str = ""  # where the models were saved ("" when not saved)
+    save_error: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "host": self.host,
             "seconds": self.seconds,
             "cache": self.cache,
+            "save_error": self.save_error,
             "drivers": [d.to_dict() for d in self.drivers],
         }
 
     def render(self) -> str:
-        lines = [f"kvtransport calibrate: {len(self.drivers)} driver(s) on host {self.host}, {self.seconds:.1f} s"]
+        lines = [f"kvtransport calibrate: {len(self.drivers)} driver(s) on machine {self.host}, {self.seconds:.1f} s"]
         for d in self.drivers:
             if d.model is None:
                 lines.append(f"  {d.driver:<16} FAILED: {d.error}")
@@ -102,6 +104,8 @@ class CalibrationReport:
         lines.append(
             f"  saved to {self.cache}: endpoints of this host now rank drivers by these models"
             if self.cache
+            else f"  NOT SAVED: {self.save_error}"
+            if self.save_error
             else "  not saved (--no-save or KVTRANSPORT_CALIBRATION=off)"
         )
         return "\n".join(lines)
@@ -130,7 +134,7 @@ def calibrate(
     if reps < 1:
         raise ConfigError(f"calibration needs at least one repetition per shape, got {reps}")
     started = time.monotonic()
-    host = probe_host().host_id
+    host = machine_key()
     names = usable_drivers(drivers)
     if drivers is not None:
         missing = sorted(set(drivers) - set(names))
@@ -150,7 +154,7 @@ def calibrate(
             if progress is not None:
                 progress.write(f"calibrating {name} ({index + 1}/{len(names)})\n")
                 progress.flush()
-            results.append(_calibrate_one(name, index, pool, peer, host, reps, timeout))
+            results.append(_calibrate_one(name, pool, peer, reps, timeout))
     finally:
         if peer is not None:
             peer.close()
@@ -159,8 +163,12 @@ def calibrate(
     path = cache_path()
     fitted = {r.driver: [r.model] for r in results if r.model is not None}
     if save and path is not None and fitted:
-        write_cache(path, fitted, host)
-        report.cache = str(path)
+        try:
+            write_cache(path, fitted, host)
+            report.cache = str(path)
+        except OSError as exc:
+            report.save_error = f"could not save to {path}: {exc}"
+            log.warning("calibration: %s", report.save_error)
     report.seconds = time.monotonic() - started
     return report
 
@@ -181,9 +189,7 @@ def _shapes(pages: int) -> dict[str, list[int]]:
     }
 
 
-def _calibrate_one(
-    name: str, index: int, pool: KVPool, peer: PeerProcess, host: str, reps: int, timeout: float
-) -> DriverCalibration:
+def _calibrate_one(name: str, pool: KVPool, peer: PeerProcess, reps: int, timeout: float) -> DriverCalibration:
     result = DriverCalibration(name)
     started = time.monotonic()
     classes = load_drivers([name]).classes
@@ -225,12 +231,14 @@ def _calibrate_one(
             result.points.append({"shape": shape, "runs": len(runs), "bytes": runs.total_bytes})
         status = endpoint.hello.drivers[name].status
         fitted = [p for p, e in zip(points, result.points, strict=True) if e["shape"] in FITTED]
-        model = fit(fitted, path=result.path, peer_host=host, version=status.version if status else "")
+        # Loopback: the far host is this one, which the cache files as "" (the host id changes
+        # at each boot; the endpoint that reads the model fills in its own).
+        model = fit(fitted, path=result.path, version=status.version if status else "")
         result.model = replace(model, measured_at=time.time())
         for entry, point in zip(result.points, points, strict=True):
             entry["seconds"] = point.seconds
             entry["predicted"] = model.predict(point.runs, point.nbytes)
-    except (KVTransportError, RuntimeError, OSError) as exc:
+    except (KVTransportError, RuntimeError, OSError, ValueError, ArithmeticError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         log.warning("calibrating %s failed: %s", name, result.error)
     finally:

@@ -37,9 +37,13 @@ class CostModel:
     latency_s: float
     per_run_s: float
     gbps: float
+    #: The far host's id (a hello's ``host.host_id``); "" in the cache for a loopback
+    #: calibration, which an endpoint reads as its own host.
     peer_host: str = ""
     version: str = ""  # the driver version it was measured with
     measured_at: float = 0.0  # unix time
+    #: The memory family the KV was in when it was measured (``host``, ``cuda``).
+    memory: str = "host"
 
     def predict(self, runs: int, nbytes: int) -> float:
         """Seconds to move ``nbytes`` in ``runs`` descriptors, end to end."""
@@ -57,6 +61,7 @@ class CostModel:
             "peer_host": self.peer_host,
             "version": self.version,
             "measured_at": self.measured_at,
+            "memory": self.memory,
         }
 
     @classmethod
@@ -72,6 +77,7 @@ class CostModel:
             peer_host=_text(data, "peer_host"),
             version=_text(data, "version"),
             measured_at=_number(data, "measured_at", 0.0, 1e11),
+            memory=_text(data, "memory") if "memory" in data else "host",
         )
 
 
@@ -94,7 +100,10 @@ def _number(data: Mapping[str, Any], key: str, low: float, high: float) -> float
     value = data.get(key)
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ProtocolError(f"cost model field {key!r} must be a number, got {type(value).__name__}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:
+        raise ProtocolError(f"cost model field {key!r} is too large") from None
     if not math.isfinite(value) or not low <= value <= high:
         raise ProtocolError(f"cost model field {key!r} = {value!r} is outside [{low:g}, {high:g}]")
     return value
@@ -131,6 +140,7 @@ def fit(points: Sequence[Point], *, path: str, peer_host: str = "", version: str
     # too few to see; the largest shape's own rate is the honest floor then.
     largest = max(points, key=lambda p: p.nbytes)
     per_byte = coef[2] if coef[2] > 0 else largest.seconds / max(1, largest.nbytes)
+    per_byte = max(per_byte, 1.0 / (MAX_GBPS * 1e9))  # every shape took no time: the fastest allowed
     gbps = min(MAX_GBPS, max(MIN_GBPS, 1.0 / per_byte / 1e9))
     return CostModel(
         path=path,

@@ -471,7 +471,9 @@ class Endpoint:
         # Queued in order; the I/O thread flushes the queue before it sends any "done", so a
         # notice a driver sent before reporting a batch complete always reaches the peer before
         # the "done" that follows that batch.
-        data = encode("notice", payload=payload, lane=driver)
+        session = self.sessions.get(peer)
+        primary = session.primary if session is not None else None
+        data = encode("notice", payload=payload, lane="" if primary is None or primary.name == driver else driver)
         self._notices.append((peer, data))
         if self.channel.in_io_thread():
             self.flush_notices()

@@ -154,7 +154,7 @@ class Hello:
             )
         except ProtocolError:
             raise
-        except (KeyError, TypeError, ValueError, AttributeError, MemoryLayoutError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError, MemoryLayoutError) as exc:
             raise ProtocolError(f"malformed hello: {type(exc).__name__}: {exc}") from exc
 
     def with_policy(self, policy: Policy) -> Hello:

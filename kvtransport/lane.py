@@ -5,8 +5,10 @@ A :class:`~kvtransport.session.Session` has one lane per driver of its decision'
 owns the open driver, its runner, the peer's connection info for it, the batches it has in the
 driver (touched only on its runner's thread), and a running check of its predictions: when the
 median of its recent transfers' measured over predicted times leaves [1/2, 2], its predictions
-are scaled by that median for this connection (demoted when slower, promoted when faster) with
-one log line, and again when they agree.
+are scaled by that median for this connection (demoted when slower, promoted when faster; one
+WARNING per lane and connection), and unscaled once the median is back within [2/3, 1.5]. A
+demoted lane is picked less, so it may stay scaled for the rest of the connection; a new
+connection, or a new calibration, starts afresh.
 """
 
 from __future__ import annotations
@@ -28,8 +30,11 @@ log = logging.getLogger(__name__)
 #: Transfers whose measured/predicted ratios the check keeps, and how many it needs first.
 RATIO_WINDOW = 16
 MIN_SAMPLES = 4
-#: How far off (as a factor either way) a median ratio may be before predictions are scaled.
+#: How far off (as a factor either way) a median ratio may be before predictions are scaled,
+#: and how close it must come back before they are unscaled (a gap, so a median hovering at
+#: the edge does not flip the lane, and its log lines, at every transfer).
 FAR_OFF = 2.0
+BACK_IN = 1.5
 
 
 class Lane:
@@ -56,6 +61,7 @@ class Lane:
         self.ratios: collections.deque[float] = collections.deque(maxlen=RATIO_WINDOW)
         #: Read by caller threads when they pick a lane (a float is replaced atomically).
         self.correction = 1.0
+        self.warned = False
 
     def __repr__(self) -> str:
         return f"<Lane {self.name}>"
@@ -76,10 +82,13 @@ class Lane:
         if len(self.ratios) < MIN_SAMPLES:
             return
         median = statistics.median(self.ratios)
-        off = not 1 / FAR_OFF <= median <= FAR_OFF
         was_off = self.correction != 1.0
+        band = BACK_IN if was_off else FAR_OFF
+        off = not 1 / band <= median <= band
         self.correction = median if off else 1.0
-        if off and not was_off:
+        if off and not self.warned:
+            # Once per lane and connection: many peers must not turn this into a log flood.
+            self.warned = True
             log.warning(
                 "%s: transfers to %s take %.2gx what its calibrated model predicts (median of %d); %s for this "
                 "connection, its predictions scaled by that factor (kvtransport calibrate measures it again)",
@@ -90,4 +99,4 @@ class Lane:
                 "demoted" if median > 1 else "promoted",
             )
         elif was_off and not off:
-            log.info("%s: predictions for %s agree with measurements again", self.name, peer)
+            log.debug("%s: predictions for %s agree with measurements again", self.name, peer)

@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 #: The connection-level choice predicts for a request of this many tokens, its pages scattered
 #: (one descriptor per page and KV region; per token and region when pages move sliced).
 REFERENCE_TOKENS = 4096
+#: The longest driver name that can be a lane besides the chosen driver (wire.py's ``lane``).
+MAX_LANE_NAME = 64
 
 #: Tie-break order when two drivers offer the same bandwidth; unknown names come after.
 BUILTIN_PREFERENCE = ("cuda-local", "mooncake-gdr", "nixl-ucx", "mooncake-staged", "nixl-staged")
@@ -329,10 +331,12 @@ def lane_drivers(ranked: list[str], models: Mapping[str, list[CostModel]], initi
     regions = len(layout.kv_item_lens) if layout and layout.kv_item_lens else 64
     page = sum(layout.kv_item_lens) if layout and layout.kv_item_lens else 1 << 20
     winners = {ranked[0]}
+    # The wire names a lane other than the chosen driver in a bounded text field.
+    eligible = [n for n in ranked if n == ranked[0] or len(n) <= MAX_LANE_NAME]
     for pages in (1, 16, 256, 2048):
         for per_page in (False, True):
             runs, nbytes = (pages * regions if per_page else regions), pages * page
-            winners.add(min(ranked, key=lambda n: (predict(models[n], runs, nbytes), ranked.index(n))))
+            winners.add(min(eligible, key=lambda n: (predict(models[n], runs, nbytes), ranked.index(n))))
     return tuple(n for n in ranked if n in winners)
 
 
@@ -342,7 +346,12 @@ def pair_models(initiator: Hello, acceptor: Hello, name: str, path: TransferPath
     for hello, other in ((initiator, acceptor), (acceptor, initiator)):
         entry = hello.drivers.get(name)
         if entry is not None:
-            out += [m for m in entry.costs if m.path == path.value and m.peer_host == other.host.host_id]
+            family = _kv_memory(hello).family
+            out += [
+                m
+                for m in entry.costs
+                if m.path == path.value and m.peer_host == other.host.host_id and m.memory == family
+            ]
     return out
 
 

@@ -136,6 +136,13 @@ def host_id() -> str:
     return digest[:16]
 
 
+def machine_key() -> str:
+    """An id of this machine that survives reboots (``/etc/machine-id`` with the hostname):
+    what a measurement of this machine, like a calibration, is filed under."""
+    machine = _read("/etc/machine-id") or _read("/var/lib/dbus/machine-id") or "no-machine-id"
+    return hashlib.sha256(f"machine|{machine.strip()}|{socket.gethostname()}".encode()).hexdigest()[:16]
+
+
 def _read(path: str) -> str:
     try:
         return Path(path).read_text()

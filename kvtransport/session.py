@@ -620,7 +620,8 @@ class Session:
     def progress(self, transfer: Transfer) -> None:
         if transfer.last_sent and not transfer.batches and transfer.state is State.TRANSFERRING:
             self.endpoint.flush_notices()
-            self.send("done", tag=transfer.tag, bytes=transfer.bytes, lane=transfer.driver)
+            lane = transfer.lane
+            self.send("done", tag=transfer.tag, bytes=transfer.bytes, lane=_wire_name(self, lane))
             if transfer.submitted_at:
                 transfer.measured_s = time.monotonic() - transfer.submitted_at
                 if transfer.lane is not None and transfer.raw_predicted_s:
@@ -795,15 +796,24 @@ class Session:
         t.bytes = int(msg["bytes"])
         t.peer_done = True
         t.driver = lane.name
-        if not lane.two_sided:
+        # Success only once every two-sided lane's inbound work for this peer has drained,
+        # whichever lane "done" names: the peer could name a one-sided one while its chunks
+        # are still being copied into our pages. Queued behind the notices that came before
+        # this "done", so no check can answer before its driver has seen all of them.
+        sided = [x for x in self.lanes.values() if x.two_sided]
+        if not sided:
             t._set(State.SUCCESS)
             return
-        # Two-sided: Success only once the driver's inbound work for this peer has drained.
-        # Queued behind the notices that came before this "done", so the check cannot answer
-        # before the driver has seen all of them.
         if t.state is State.WAITING_FOR_INPUT:
             t._set(State.TRANSFERRING)
-        lane.runner.call(lambda: self._driver_watch_inbound(lane, t))
+        countdown = _Countdown(len(sided), lambda error: self.inbound_settled(t, error))
+        for x in sided:
+            try:
+                x.runner.call(functools.partial(self._driver_watch_inbound, x, t, countdown.one))
+            except KVTransportError:
+                countdown.count -= 1  # the driver is closed: none of its copies runs any more
+        if countdown.count <= 0:
+            self.inbound_settled(t, None)
 
     def expected_bytes(self, t: Transfer) -> int:
         """What a complete transfer writes into the pages (aux slot, state items) ``t`` announced."""
@@ -981,11 +991,14 @@ class Session:
             ("drained", self.id, id(t)), lambda: driver.inbound_idle(self.id), lambda _, error: then(error)
         )
 
-    def _driver_watch_inbound(self, lane: Lane, t: Transfer) -> None:
+    def _driver_watch_inbound(self, lane: Lane, t: Transfer, then: Callable[[KVTransportError | None], None]) -> None:
         driver = lane.driver
-        lane.runner.watch(
-            ("inbound", self.id, id(t)), lambda: driver.inbound_idle(self.id), lambda _, e: self.inbound_settled(t, e)
-        )
+        lane.runner.watch(("inbound", self.id, id(t)), lambda: driver.inbound_idle(self.id), lambda _, e: then(e))
+
+
+def _wire_name(session: Session, lane: Lane | None) -> str:
+    """How "done" names a lane: "" for the decision's chosen driver (whatever its length)."""
+    return "" if lane is None or lane is session.primary else lane.name
 
 
 class _Countdown:

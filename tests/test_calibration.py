@@ -80,6 +80,7 @@ good = {"path": "tcp", "latency_s": 1e-3, "per_run_s": 1e-6, "gbps": 2.0, "peer_
         st.none(),
         st.lists(st.integers(), max_size=2),
         st.integers(min_value=2**63, max_value=2**70),
+        st.just(10**400),
     ),
 )
 def test_a_hostile_model_field_is_a_protocol_error(key: str, value: object) -> None:
@@ -212,14 +213,52 @@ def test_cache_merges_by_slot_and_the_hello_takes_only_the_current_version(tmp_p
     hellos["nixl-ucx"] = dataclasses.replace(
         hellos["nixl-ucx"], status=dataclasses.replace(hellos["nixl-ucx"].status, version="1.0")
     )
-    taken = with_cached_models(hellos, "h", path)
+    taken = with_cached_models(hellos, "h", path, machine="h")
     assert set(taken["nixl-ucx"].costs) == {new, other}
     assert taken["mooncake-gdr"].costs == ()  # its version ("") was never calibrated
 
 
+def test_a_loopback_model_serves_this_boots_host_id_and_survives_a_reboot(tmp_path: Path) -> None:
+    """The cache is filed by machine, and a loopback model names no far host: an endpoint reads
+    it as its own host id, whatever this boot's id is."""
+    path = tmp_path / "calibration.json"
+    write_cache(path, {"nixl-ucx": [CostModel("shm", 1e-3, 1e-6, 3.0, "", version="")]}, "machine-1")
+    for boot in ("boot-a", "boot-b"):
+        taken = with_cached_models(hello(host(boot)).drivers, boot, path, machine="machine-1")
+        assert [m.peer_host for m in taken["nixl-ucx"].costs] == [boot]
+    assert with_cached_models(hello(host("a")).drivers, "a", path, machine="machine-2")["nixl-ucx"].costs == ()
+
+
+def test_a_model_measured_on_other_memory_is_not_used() -> None:
+    figures = {n: (1e-3, 1e-6, 1.0) for n in HOST_DRIVERS}
+    a = _with_models(hello(host("a")), figures, "a")
+    on_cuda = dataclasses.replace(
+        a,
+        drivers={
+            n: dataclasses.replace(e, costs=tuple(dataclasses.replace(m, memory="cuda") for m in e.costs))
+            for n, e in a.drivers.items()
+        },
+    )
+    assert negotiate(a, hello(host("a")), FIRST_PARTY).basis == "calibrated"
+    assert negotiate(on_cuda, hello(host("a")), FIRST_PARTY).basis == "nominal"
+
+
+def test_fit_of_shapes_that_took_no_time_stays_finite() -> None:
+    model = fit([Point(r, b, 0.0) for r, b in SHAPES], path="shm")
+    assert model.gbps > 0 and model.predict(1, 1) >= 0
+
+
 def test_a_corrupt_cache_is_ignored_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "calibration.json"
-    for text in ("{not json", json.dumps({"schema": 99, "models": {}}), json.dumps({"schema": 1, "models": 3})):
+    overflow = '{"schema": 1, "models": {"h": {"nixl-ucx": [{"path": "shm", "latency_s": 1' + "0" * 400 + "}]}}}"
+    texts = (
+        "{not json",
+        json.dumps({"schema": 99, "models": {}}),
+        json.dumps({"schema": 1, "models": 3}),
+        overflow,
+        "[" * 100_000 + "]" * 100_000,
+    )
+    for text in texts:
         path.write_text(text)
         with caplog.at_level(logging.WARNING):
             assert read_cache(path) == {}
@@ -319,17 +358,17 @@ def test_each_transfer_takes_the_lane_its_shape_favours_on_real_engines(tmp_path
     from kvtransport.hello import load_drivers
     from kvtransport.kv_pool import KVPool
     from kvtransport.peer_process import PeerProcess
-    from kvtransport.probe import probe_host
+    from kvtransport.probe import machine_key
 
     names = ("nixl-ucx", "mooncake-staged")
     loaded = load_drivers(names)
-    me = probe_host().host_id
+    me = machine_key()
     versions = {n: loaded.hellos[n].status.version for n in names}  # type: ignore[union-attr]
     cache = tmp_path / "calibration.json"
     paths = {"nixl-ucx": "shm", "mooncake-staged": "tcp"}
     figures = CROSSOVERS[crossover]
     for n in names:
-        write_cache(cache, {n: [CostModel(paths[n], *figures[n], 100.0, me, versions[n])]}, me)
+        write_cache(cache, {n: [CostModel(paths[n], *figures[n], 100.0, "", versions[n])]}, me)
     few_driver = min(names, key=lambda n: figures[n][0] + 4 * figures[n][1])
     many_driver = min(names, key=lambda n: figures[n][0] + 32 * figures[n][1])
     assert few_driver != many_driver
@@ -393,16 +432,75 @@ def test_a_lane_whose_transfers_run_far_slower_than_predicted_is_demoted(caplog:
     from kvtransport.lane import MIN_SAMPLES, Lane
 
     lane = Lane("x", _Driver(), None, b"", (CostModel("shm", 1e-3, 0.0, 1.0),))  # type: ignore[arg-type]
-    with caplog.at_level(logging.INFO, logger="kvtransport.lane"):
+    with caplog.at_level(logging.DEBUG, logger="kvtransport.lane"):
         for _ in range(MIN_SAMPLES):
             lane.observe(0.01, 0.04, "peer")  # 4x slower than predicted
         assert lane.correction == pytest.approx(4.0)
         assert lane.predict(1, 0) == pytest.approx(4 * lane.raw_prediction(1, 0))
         assert "demoted" in caplog.text
         for _ in range(16):
+            lane.observe(0.01, 0.018, "peer")  # 1.8x: inside the 2x band, but not back within 1.5x
+        assert lane.correction == pytest.approx(1.8)
+        for _ in range(16):
             lane.observe(0.01, 0.011, "peer")  # agreeing again
         assert lane.correction == 1.0 and "agree" in caplog.text
+        for _ in range(16):
+            lane.observe(0.01, 0.05, "peer")  # off again: scaled, but warned once per connection
+        assert lane.correction == pytest.approx(5.0)
+    assert sum(r.levelno == logging.WARNING for r in caplog.records) == 1
     within = Lane("y", _Driver(), None, b"", ())  # type: ignore[arg-type]
     for _ in range(8):
         within.observe(0.01, 0.015, "peer")  # 1.5x: within the 2x band
     assert within.correction == 1.0
+
+
+def test_a_done_naming_a_one_sided_lane_still_waits_for_the_two_sided_lanes_copies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer's "done" may name any lane: the receiver does not take its word for which driver
+    moved the bytes, and waits until its two-sided lane's copies into the pages are over."""
+    from kvtransport import session as session_module
+    from kvtransport.endpoint import Endpoint, State
+    from kvtransport.hello import describe_driver
+    from kvtransport.kv_pool import KVPool
+    from kvtransport.probe import machine_key
+    from kvtransport.testing.fake import FakeDriver, FakeTwoSided
+
+    drivers = {"fake": FakeDriver, "fake-two-sided": FakeTwoSided}
+    cache = tmp_path / "calibration.json"
+    # fake wins requests of many descriptors (the connection's chosen driver), fake-two-sided few.
+    figures = {"fake": (5e-3, 0.0), "fake-two-sided": (1e-4, 1e-3)}
+    for n, cls in drivers.items():
+        version = describe_driver(cls).status.version  # type: ignore[union-attr]
+        write_cache(cache, {n: [CostModel("memcpy", *figures[n], 100.0, "", version)]}, machine_key())
+    monkeypatch.setenv("KVTRANSPORT_CALIBRATION", str(cache))
+    # The sender lies: its "done" names the chosen (one-sided) driver whatever lane it took.
+    monkeypatch.setattr(session_module, "_wire_name", lambda session, lane: "")
+    a_pool, b_pool = KVPool(64, 2, 512, 4), KVPool(64, 2, 512, 4)
+    a_pool.fill(1)
+    prefill = Endpoint(a_pool.regions, a_pool.layout, drivers=drivers, name="prefill")
+    decode = Endpoint(
+        b_pool.regions, b_pool.layout, drivers=drivers, name="decode", driver_options={"fake.inbound_delay": "1.0"}
+    )
+    try:
+        recv_conn = decode.connect(prefill.address)
+        send_conn = prefill.accept(5)
+        assert recv_conn.decision is not None and recv_conn.decision.driver == "fake"
+        assert set(recv_conn.decision.lanes) == set(drivers)
+        r = recv_conn.expect("lie", [3])
+        t = send_conn.sender("lie")
+        deadline = time.monotonic() + 5
+        while t.state is State.BOOTSTRAPPING and time.monotonic() < deadline:
+            time.sleep(0.001)
+        t.send([5])
+        t.wait(5)
+        assert t.driver == "fake-two-sided"  # one page: the two-sided lane
+        time.sleep(0.4)
+        assert r.state is not State.SUCCESS, "Success while the two-sided lane was still copying into the page"
+        assert r.wait(5) is State.SUCCESS
+        assert b_pool.page_digests([3]) == a_pool.page_digests([5])
+    finally:
+        prefill.close()
+        decode.close()
+        a_pool.close()
+        b_pool.close()
