@@ -339,10 +339,10 @@ def run(
             order = ["kvtransport", "compare", "raw"]
             for which in order if i % 2 == 0 else order[::-1]:
                 if which == "kvtransport":
-                    _via_kvtransport(sample, conn, peer, src, dst, expected, timeout)
+                    timed_transfer(sample, conn, peer, src, dst, expected, timeout)
                 elif which == "compare" and other is not None:
                     probe = Sample(i, len(runs))
-                    _via_kvtransport(probe, other[2], other[1], src, dst, expected, timeout)
+                    timed_transfer(probe, other[2], other[1], src, dst, expected, timeout)
                     sample.compare_s, sample.compare_ok = probe.end_to_end_s, probe.ok
                 elif which == "raw" and raw is not None:
                     _via_raw(sample, raw, runs, peer, dst, expected, timeout)
@@ -393,7 +393,7 @@ def _open_pair(
     return endpoint, peer, endpoint.accept(timeout)
 
 
-def _via_kvtransport(
+def timed_transfer(
     sample: Sample,
     conn: Connection,
     peer: PeerProcess,
@@ -402,6 +402,10 @@ def _via_kvtransport(
     expected: list[int],
     timeout: float,
 ) -> None:
+    """One request through kvtransport, verified: the decode side's pages poisoned, announced,
+    sent, awaited on both sides; ``sample`` gets the end-to-end and sender seconds, whether every
+    page arrived intact, the driver taken and its prediction. A request the decode side does not
+    end in Success raises. ``sample.request`` names it: unique on its connection."""
     tag = f"bench-{sample.request}"
     peer.call("poison", pages=dst, timeout=timeout)
     peer.call("expect", transfers={tag: dst}, timeout=timeout)

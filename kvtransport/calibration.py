@@ -14,6 +14,7 @@ endpoints read when they build their hello.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import statistics
 import time
@@ -21,9 +22,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, TextIO
 
+from .bench import Sample, timed_transfer
 from .calibration_cache import cache_path, write_cache
 from .cost_model import CostModel, Point, fit
-from .endpoint import Endpoint, State
+from .endpoint import Endpoint
 from .errors import ConfigError, KVTransportError
 from .hello import load_drivers
 from .kv_pool import KVPool
@@ -203,30 +205,19 @@ def _calibrate_one(name: str, pool: KVPool, peer: PeerProcess, reps: int, timeou
         assert conn.decision is not None and conn.peer_regions is not None
         result.path = conn.decision.path.value
         points = []
+        requests = itertools.count()
         for shape, pages in _shapes(PAGES).items():
             runs = plan(pool.regions.kv, conn.peer_regions.kv, pages, pages, max_run_bytes=endpoint.max_run_bytes)
             expected = pool.page_digests(pages)
             seconds = []
             for rep in range(reps + 1):  # the first is a warm-up
-                tag = f"calibrate-{name}-{shape}-{rep}"
-                peer.call("poison", pages=pages, timeout=timeout)
-                peer.call("expect", conn=-1, transfers={tag: pages}, timeout=timeout)
-                t = conn.sender(tag)
-                deadline = time.monotonic() + timeout
-                while t.state is State.BOOTSTRAPPING and time.monotonic() < deadline:
-                    time.sleep(0.0002)
-                start = time.monotonic()
-                t.send(pages, last=True)
-                t.wait(timeout)
-                done = peer.call("wait", tags=[tag], timeout=timeout + 5)
-                state = done["states"][tag]
-                if state[0] != "SUCCESS":
-                    raise KVTransportError(f"the decode side ended {tag!r} in {state[0]}: {state[2]}")
-                if peer.call("digests", pages=pages, timeout=timeout)["digests"] != expected:
-                    raise KVTransportError(f"{tag!r}: the bytes that arrived differ from those sent")
-                peer.call("forget", tags=[tag], timeout=timeout)
+                sample = Sample(next(requests), len(runs))
+                timed_transfer(sample, conn, peer, pages, pages, expected, timeout)
+                if not sample.ok:
+                    raise KVTransportError(f"{shape!r}: the bytes that arrived differ from those sent")
+                peer.call("forget", tags=[f"bench-{sample.request}"], timeout=timeout)
                 if rep:
-                    seconds.append(done["finished"][tag] - start)
+                    seconds.append(sample.end_to_end_s)
             points.append(Point(len(runs), runs.total_bytes, statistics.median(seconds)))
             result.points.append({"shape": shape, "runs": len(runs), "bytes": runs.total_bytes})
         status = endpoint.hello.drivers[name].status

@@ -274,7 +274,9 @@ def test_a_corrupt_cache_is_ignored_with_a_warning(tmp_path: Path, caplog: pytes
 CALIBRATE_ARGS = ("--driver", "nixl-ucx", "--driver", "mooncake-gdr", "--reps", "2", "--json")
 
 
-def test_calibrate_measures_real_engines_saves_and_endpoints_then_rank_by_it(tmp_path: Path) -> None:
+def test_calibrate_measures_real_engines_saves_and_endpoints_then_rank_by_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``kvtransport calibrate`` on two real engines (two processes, bytes verified), then an
     endpoint of this host carries the models and a connection between two processes is
     decided on them."""
@@ -307,8 +309,7 @@ def test_calibrate_measures_real_engines_saves_and_endpoints_then_rank_by_it(tmp
     from kvtransport.peer_process import PeerProcess
     from kvtransport.registry import load_driver
 
-    old = os.environ.get("KVTRANSPORT_CALIBRATION")
-    os.environ["KVTRANSPORT_CALIBRATION"] = str(cache)
+    monkeypatch.setenv("KVTRANSPORT_CALIBRATION", str(cache))
     pool = KVPool(64, 4, 4096, 0, shared=False)
     classes = {n: load_driver(n) for n in ("nixl-ucx", "mooncake-gdr")}
     ep = Endpoint(pool.regions, pool.layout, drivers=classes, name="prefill")
@@ -330,10 +331,6 @@ def test_calibrate_measures_real_engines_saves_and_endpoints_then_rank_by_it(tmp
             peer.close()
         ep.close()
         pool.close()
-        if old is None:
-            os.environ.pop("KVTRANSPORT_CALIBRATION", None)
-        else:
-            os.environ["KVTRANSPORT_CALIBRATION"] = old
 
 
 # --- the choice per transfer ----------------------------------------------------------------
@@ -349,7 +346,9 @@ CROSSOVERS = {
 
 
 @pytest.mark.parametrize("crossover", sorted(CROSSOVERS))
-def test_each_transfer_takes_the_lane_its_shape_favours_on_real_engines(tmp_path: Path, crossover: str) -> None:
+def test_each_transfer_takes_the_lane_its_shape_favours_on_real_engines(
+    tmp_path: Path, crossover: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With models that favour one driver for few descriptors and the other for many, one
     connection between two processes keeps both drivers as lanes and sends each transfer on
     the one its plan predicts faster; every byte arrives on both."""
@@ -372,8 +371,7 @@ def test_each_transfer_takes_the_lane_its_shape_favours_on_real_engines(tmp_path
     few_driver = min(names, key=lambda n: figures[n][0] + 4 * figures[n][1])
     many_driver = min(names, key=lambda n: figures[n][0] + 32 * figures[n][1])
     assert few_driver != many_driver
-    old = os.environ.get("KVTRANSPORT_CALIBRATION")
-    os.environ["KVTRANSPORT_CALIBRATION"] = str(cache)
+    monkeypatch.setenv("KVTRANSPORT_CALIBRATION", str(cache))
     pool = KVPool(64, 4, 4096, 0, shared=False)
     pool.fill(3)
     ep = Endpoint(pool.regions, pool.layout, drivers=loaded.classes, name="prefill")
@@ -416,10 +414,6 @@ def test_each_transfer_takes_the_lane_its_shape_favours_on_real_engines(tmp_path
             peer.close()
         ep.close()
         pool.close()
-        if old is None:
-            os.environ.pop("KVTRANSPORT_CALIBRATION", None)
-        else:
-            os.environ["KVTRANSPORT_CALIBRATION"] = old
 
 
 class _Driver:
