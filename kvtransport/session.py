@@ -806,14 +806,26 @@ class Session:
             return
         if t.state is State.WAITING_FOR_INPUT:
             t._set(State.TRANSFERRING)
-        countdown = _Countdown(len(sided), lambda error: self.inbound_settled(t, error))
+        self.after_inbound(t, self._driver_watch_inbound, lambda error: self.inbound_settled(t, error))
+
+    def after_inbound(
+        self,
+        t: Transfer,
+        watch: Callable[[Lane, Transfer, Callable[[KVTransportError | None], None]], None],
+        then: Callable[[KVTransportError | None], None],
+    ) -> None:
+        """``then(first error or None)`` once every two-sided lane's inbound work from this
+        peer is idle (at once when there is none). Every lane, not the one the peer names: its
+        word on which driver moved a transfer's bytes is not trusted with our pages."""
+        sided = [x for x in self.lanes.values() if x.two_sided]
+        countdown = _Countdown(len(sided), then)
         for x in sided:
             try:
-                x.runner.call(functools.partial(self._driver_watch_inbound, x, t, countdown.one))
+                x.runner.call(functools.partial(watch, x, t, countdown.one))
             except KVTransportError:
                 countdown.count -= 1  # the driver is closed: none of its copies runs any more
         if countdown.count <= 0:
-            self.inbound_settled(t, None)
+            then(None)
 
     def expected_bytes(self, t: Transfer) -> int:
         """What a complete transfer writes into the pages (aux slot, state items) ``t`` announced."""
@@ -874,17 +886,8 @@ class Session:
             log.debug("drained for %r from %s ignored", msg["tag"], self.peer_label)
             return
         # Copies into our pages by a two-sided driver are this side's own work: wait until
-        # they are idle too (on the transfer's lane, or every two-sided lane if it never said).
-        lane = self.lanes.get(t.driver)
-        lanes = [x for x in ([lane] if lane is not None else self.lanes.values()) if x.two_sided]
-        countdown = _Countdown(len(lanes), lambda error: t.drained.set() if error is None else None)
-        for x in lanes:
-            try:
-                x.runner.call(functools.partial(self._driver_watch_drained, x, t, countdown.one))
-            except KVTransportError:
-                countdown.count -= 1  # the driver is closed: none of its copies runs any more
-        if countdown.count <= 0:
-            t.drained.set()
+        # they are idle too.
+        self.after_inbound(t, self._driver_watch_drained, lambda error: t.drained.set() if error is None else None)
 
     def on_notice(self, msg: Message) -> None:
         lane = self.lanes.get(msg["lane"]) if msg["lane"] else self.primary
