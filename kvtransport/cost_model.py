@@ -81,6 +81,12 @@ class CostModel:
         )
 
 
+def slowest_prediction(models: Sequence[CostModel], runs: int, nbytes: int) -> float:
+    """The slowest of ``models``' predictions (the two sides' models of one driver; 0 without
+    a model): what the negotiation and a connection's lanes predict with."""
+    return max((m.predict(runs, nbytes) for m in models), default=0.0)
+
+
 def models_from_list(raw: Any) -> tuple[CostModel, ...]:
     if raw is None:
         return ()

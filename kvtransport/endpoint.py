@@ -268,8 +268,8 @@ class Endpoint:
     # -- set-up ----------------------------------------------------------------------------
 
     def _open_drivers(self, hellos: dict[str, DriverHello], options: Mapping[str, str]) -> None:
-        """Register the regions with every driver that can serve them, once each."""
-        self._hellos = {}
+        """Register the regions with every driver that can serve them, once each (each
+        driver's entry in ``_hellos``, opened or with why not)."""
         memory = self.regions.kv_kind
         for name, entry in hellos.items():
             cls = self.classes.get(name)
@@ -472,8 +472,7 @@ class Endpoint:
         # notice a driver sent before reporting a batch complete always reaches the peer before
         # the "done" that follows that batch.
         session = self.sessions.get(peer)
-        primary = session.primary if session is not None else None
-        data = encode("notice", payload=payload, lane="" if primary is None or primary.name == driver else driver)
+        data = encode("notice", payload=payload, lane=session.wire_name(driver) if session is not None else "")
         self._notices.append((peer, data))
         if self.channel.in_io_thread():
             self.flush_notices()

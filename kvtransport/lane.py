@@ -18,7 +18,7 @@ import logging
 import statistics
 from typing import TYPE_CHECKING
 
-from .cost_model import CostModel
+from .cost_model import CostModel, slowest_prediction
 
 if TYPE_CHECKING:
     from .driver import KVTransport
@@ -68,7 +68,7 @@ class Lane:
 
     def raw_prediction(self, runs: int, nbytes: int) -> float:
         """Seconds the slower side's model gives (0 without a model)."""
-        return max((m.predict(runs, nbytes) for m in self.models), default=0.0)
+        return slowest_prediction(self.models, runs, nbytes)
 
     def predict(self, runs: int, nbytes: int) -> float:
         return self.raw_prediction(runs, nbytes) * self.correction

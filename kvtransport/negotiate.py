@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .cost_model import CostModel
+from .cost_model import CostModel, slowest_prediction
 from .driver import KVTransport, Offer, PeerView, Rejection, TransferPath
 from .errors import ConfigError, DriverUnavailable, KVTransportError, LayoutMismatch, NoUsableDriver
 from .hello import Hello
@@ -257,7 +257,7 @@ def negotiate(
     sliced = sliced_pages(initiator, acceptor)
     runs, nbytes = reference_transfer(initiator, acceptor)
     models = {name: pair_models(initiator, acceptor, name, offer.path) for name, offer in offers.items()}
-    predicted = {name: max(m.predict(runs, nbytes) for m in ms) for name, ms in models.items() if ms}
+    predicted = {name: slowest_prediction(ms, runs, nbytes) for name, ms in models.items() if ms}
     uncalibrated = sorted(n for n in offers if n not in predicted)
     calibrated = bool(offers) and not uncalibrated
 
@@ -317,11 +317,6 @@ def negotiate(
     )
 
 
-def predict(models: tuple[CostModel, ...] | list[CostModel], runs: int, nbytes: int) -> float:
-    """The slower of the two sides' predictions (0 without a model)."""
-    return max((m.predict(runs, nbytes) for m in models), default=0.0)
-
-
 def lane_drivers(ranked: list[str], models: Mapping[str, list[CostModel]], initiator: Hello) -> tuple[str, ...]:
     """The drivers that are the fastest, by their models, for at least one transfer shape of a
     grid (one page to a 32k-token request, in as few descriptors as its regions allow up to one
@@ -336,7 +331,7 @@ def lane_drivers(ranked: list[str], models: Mapping[str, list[CostModel]], initi
     for pages in (1, 16, 256, 2048):
         for per_page in (False, True):
             runs, nbytes = (pages * regions if per_page else regions), pages * page
-            winners.add(min(eligible, key=lambda n: (predict(models[n], runs, nbytes), ranked.index(n))))
+            winners.add(min(eligible, key=lambda n: (slowest_prediction(models[n], runs, nbytes), ranked.index(n))))
     return tuple(n for n in ranked if n in winners)
 
 

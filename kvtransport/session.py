@@ -243,6 +243,16 @@ class Session:
         """The lane of the decision's chosen driver."""
         return next(iter(self.lanes.values()), None)
 
+    def lane_named(self, name: str) -> Lane | None:
+        """The lane a peer's message names ("": the chosen driver's), or ``None``."""
+        return self.lanes.get(name) if name else self.primary
+
+    def wire_name(self, driver: str) -> str:
+        """How this side's messages name the lane of ``driver``: "" for the chosen driver
+        (whatever the length of its name), else its name."""
+        primary = self.primary
+        return "" if primary is None or primary.name == driver else driver
+
     def pick_lane(self, runs: int, nbytes: int) -> Lane:
         """Any thread: the lane with the lowest predicted time for ``runs`` descriptors of
         ``nbytes`` (the chosen driver when only it is a lane, or on a tie)."""
@@ -364,9 +374,10 @@ class Session:
         if lane is None:
             # The first chunk picks the transfer's driver; later chunks follow it.
             lane = self.pick_lane(len(runs), runs.total_bytes)
+            raw = lane.raw_prediction(len(runs), runs.total_bytes)
             transfer.driver = lane.name
-            transfer.predicted_s = lane.predict(len(runs), runs.total_bytes)
-            transfer.raw_predicted_s = lane.raw_prediction(len(runs), runs.total_bytes) if last else 0.0
+            transfer.predicted_s = raw * lane.correction
+            transfer.raw_predicted_s = raw if last else 0.0
             transfer.submitted_at = time.monotonic()
             transfer.lane = lane
             if len(self.lanes) > 1:
@@ -620,8 +631,7 @@ class Session:
     def progress(self, transfer: Transfer) -> None:
         if transfer.last_sent and not transfer.batches and transfer.state is State.TRANSFERRING:
             self.endpoint.flush_notices()
-            lane = transfer.lane
-            self.send("done", tag=transfer.tag, bytes=transfer.bytes, lane=_wire_name(self, lane))
+            self.send("done", tag=transfer.tag, bytes=transfer.bytes, lane=self.wire_name(transfer.driver))
             if transfer.submitted_at:
                 transfer.measured_s = time.monotonic() - transfer.submitted_at
                 if transfer.lane is not None and transfer.raw_predicted_s:
@@ -785,7 +795,7 @@ class Session:
             raise ProtocolError(f"done for transfer {msg['tag']!r}, which this side sends")
         if t.state.final or t.peer_done:
             return
-        lane = self.lanes.get(msg["lane"]) if msg["lane"] else self.primary
+        lane = self.lane_named(msg["lane"])
         if lane is None:
             raise ProtocolError(f"done for {t.tag!r} names {msg['lane'][:64]!r}, not a driver of this connection")
         expected = self.expected_bytes(t)
@@ -800,20 +810,11 @@ class Session:
         # whichever lane "done" names: the peer could name a one-sided one while its chunks
         # are still being copied into our pages. Queued behind the notices that came before
         # this "done", so no check can answer before its driver has seen all of them.
-        sided = [x for x in self.lanes.values() if x.two_sided]
-        if not sided:
-            t._set(State.SUCCESS)
-            return
-        if t.state is State.WAITING_FOR_INPUT:
+        if t.state is State.WAITING_FOR_INPUT and any(x.two_sided for x in self.lanes.values()):
             t._set(State.TRANSFERRING)
-        self.after_inbound(t, self._driver_watch_inbound, lambda error: self.inbound_settled(t, error))
+        self.after_inbound(t, "inbound", lambda error: self.inbound_settled(t, error))
 
-    def after_inbound(
-        self,
-        t: Transfer,
-        watch: Callable[[Lane, Transfer, Callable[[KVTransportError | None], None]], None],
-        then: Callable[[KVTransportError | None], None],
-    ) -> None:
+    def after_inbound(self, t: Transfer, kind: str, then: Callable[[KVTransportError | None], None]) -> None:
         """``then(first error or None)`` once every two-sided lane's inbound work from this
         peer is idle (at once when there is none). Every lane, not the one the peer names: its
         word on which driver moved a transfer's bytes is not trusted with our pages."""
@@ -821,7 +822,7 @@ class Session:
         countdown = _Countdown(len(sided), then)
         for x in sided:
             try:
-                x.runner.call(functools.partial(watch, x, t, countdown.one))
+                x.runner.call(functools.partial(self._driver_watch_idle, kind, x, t, countdown.one))
             except KVTransportError:
                 countdown.count -= 1  # the driver is closed: none of its copies runs any more
         if countdown.count <= 0:
@@ -887,10 +888,10 @@ class Session:
             return
         # Copies into our pages by a two-sided driver are this side's own work: wait until
         # they are idle too.
-        self.after_inbound(t, self._driver_watch_drained, lambda error: t.drained.set() if error is None else None)
+        self.after_inbound(t, "drained", lambda error: t.drained.set() if error is None else None)
 
     def on_notice(self, msg: Message) -> None:
-        lane = self.lanes.get(msg["lane"]) if msg["lane"] else self.primary
+        lane = self.lane_named(msg["lane"])
         if lane is None or not lane.two_sided:
             raise ProtocolError(f"notice for {msg['lane'][:64] or '?'!r}, not a two-sided driver of this connection")
         driver, payload = lane.driver, msg["payload"]
@@ -988,20 +989,14 @@ class Session:
 
         runner.watch(("settle", self.id, next(_SETTLE_IDS)), quiet, lambda _, error: then(error))
 
-    def _driver_watch_drained(self, lane: Lane, t: Transfer, then: Callable[[KVTransportError | None], None]) -> None:
+    def _driver_watch_idle(
+        self, kind: str, lane: Lane, t: Transfer, then: Callable[[KVTransportError | None], None]
+    ) -> None:
+        """Driver thread: ``then`` once ``lane``'s driver has no inbound work from this peer.
+        ``kind`` keeps a transfer's two checks apart ("inbound": before its Success, found early
+        through the driver's ``inbound_progress`` signal; "drained": after its failure)."""
         driver = lane.driver
-        lane.runner.watch(
-            ("drained", self.id, id(t)), lambda: driver.inbound_idle(self.id), lambda _, error: then(error)
-        )
-
-    def _driver_watch_inbound(self, lane: Lane, t: Transfer, then: Callable[[KVTransportError | None], None]) -> None:
-        driver = lane.driver
-        lane.runner.watch(("inbound", self.id, id(t)), lambda: driver.inbound_idle(self.id), lambda _, e: then(e))
-
-
-def _wire_name(session: Session, lane: Lane | None) -> str:
-    """How "done" names a lane: "" for the decision's chosen driver (whatever its length)."""
-    return "" if lane is None or lane is session.primary else lane.name
+        lane.runner.watch((kind, self.id, id(t)), lambda: driver.inbound_idle(self.id), lambda _, error: then(error))
 
 
 class _Countdown:

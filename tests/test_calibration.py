@@ -469,7 +469,12 @@ def test_a_done_naming_a_one_sided_lane_still_waits_for_the_two_sided_lanes_copi
         write_cache(cache, {n: [CostModel("memcpy", *figures[n], 100.0, "", version)]}, machine_key())
     monkeypatch.setenv("KVTRANSPORT_CALIBRATION", str(cache))
     # The sender lies: its "done" names the chosen (one-sided) driver whatever lane it took.
-    monkeypatch.setattr(session_module, "_wire_name", lambda session, lane: "")
+    honest = session_module.encode
+
+    def lying(kind: str, **fields: object) -> bytes:
+        return honest(kind, **{**fields, "lane": ""}) if kind == "done" else honest(kind, **fields)
+
+    monkeypatch.setattr(session_module, "encode", lying)
     a_pool, b_pool = KVPool(64, 2, 512, 4), KVPool(64, 2, 512, 4)
     a_pool.fill(1)
     prefill = Endpoint(a_pool.regions, a_pool.layout, drivers=drivers, name="prefill")
