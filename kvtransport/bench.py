@@ -29,7 +29,7 @@ from .driver import KVTransport
 from .endpoint import Connection, Endpoint, State
 from .errors import KVTransportError, NegotiationError
 from .kv_pool import KVPool
-from .peer_process import PeerProcess
+from .peer_process import Peer, PeerProcess
 from .plan import plan
 from .registry import load_driver
 
@@ -257,8 +257,8 @@ class Report:
 class Progress:
     """A one-line progress bar on a terminal, a line per quarter otherwise; silent if off."""
 
-    def __init__(self, total: int, stream: TextIO | None) -> None:
-        self.total, self.stream, self.done = total, stream, 0
+    def __init__(self, total: int, stream: TextIO | None, unit: str = "requests") -> None:
+        self.total, self.stream, self.done, self.unit = total, stream, 0, unit
         self.tty = bool(stream and stream.isatty())
         self._quarter = -1
 
@@ -279,7 +279,7 @@ class Progress:
                 self.stream.write("\n")
         elif self.done * 4 // self.total > self._quarter:
             self._quarter = self.done * 4 // self.total
-            self.note(f"{self.done}/{self.total} requests {detail}")
+            self.note(f"{self.done}/{self.total} {self.unit} {detail}")
 
 
 def _classes(driver: str | None) -> dict[str, type[KVTransport]] | None:
@@ -396,7 +396,7 @@ def _open_pair(
 def timed_transfer(
     sample: Sample,
     conn: Connection,
-    peer: PeerProcess,
+    peer: Peer,
     src: list[int],
     dst: list[int],
     expected: list[int],
@@ -422,7 +422,8 @@ def timed_transfer(
     state = answer["states"][tag]
     if state[0] != "SUCCESS":
         raise KVTransportError(f"decode side ended request {sample.request} in {state[0]}: {state[2]}")
-    sample.end_to_end_s = answer["finished"][tag] - start
+    # A peer on another host reports on its own clock; its measured offset maps it onto ours.
+    sample.end_to_end_s = answer["finished"][tag] - float(getattr(peer, "clock_offset", 0.0)) - start
     sample.ok = peer.call("digests", pages=dst, timeout=timeout)["digests"] == expected
 
 

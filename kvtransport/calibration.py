@@ -18,11 +18,12 @@ import itertools
 import logging
 import statistics
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, TextIO
 
 from .bench import Sample, timed_transfer
+from .bench_remote import listen_url
 from .calibration_cache import cache_path, write_cache
 from .cost_model import CostModel, Point, fit
 from .endpoint import Endpoint
@@ -30,7 +31,7 @@ from .errors import ConfigError, KVTransportError
 from .hello import load_drivers
 from .kv_pool import KVPool
 from .memory import HOST
-from .peer_process import PeerProcess
+from .peer_process import Peer, PeerProcess
 from .plan import plan
 from .probe import machine_key
 from .registry import Policy
@@ -93,9 +94,10 @@ class CalibrationReport:
             if d.model is None:
                 lines.append(f"  {d.driver:<16} FAILED: {d.error}")
                 continue
+            towards = f"  towards host {d.model.peer_host}" if d.model.peer_host else ""
             lines.append(
                 f"  {d.driver:<16} {d.path:<6} {d.model.describe()}  (off by {d.check_error:+.0%} on "
-                f"{CHECK!r}; {d.seconds:.1f} s)"
+                f"{CHECK!r}; {d.seconds:.1f} s){towards}"
             )
             for p in d.points:
                 note = "" if p["shape"] in FITTED else "  (not fitted)"
@@ -131,8 +133,13 @@ def calibrate(
     save: bool = True,
     timeout: float = 60.0,
     progress: TextIO | None = None,
+    spawn: Callable[[list[str]], Peer] | None = None,
 ) -> CalibrationReport:
-    """Measure every usable driver (or those named), fit their models, and save them."""
+    """Measure every usable driver (or those named), fit their models, and save them.
+
+    ``spawn`` starts the decode side from :mod:`kvtransport.peer` arguments (default: a child
+    process here; ``bench_remote.RemotePeer`` for one on another host, over the real link: its
+    models are then filed under that host)."""
     if reps < 1:
         raise ConfigError(f"calibration needs at least one repetition per shape, got {reps}")
     started = time.monotonic()
@@ -144,14 +151,14 @@ def calibrate(
             raise ConfigError(f"cannot calibrate {', '.join(missing)}: not usable for host memory here (see doctor)")
     pool = KVPool(PAGES, REGIONS, ITEM_BYTES, 0, shared=False)
     pool.fill(7)
-    peer: PeerProcess | None = None
+    peer: Peer | None = None
     results: list[DriverCalibration] = []
+    args = ["--driver", "auto", "--pages", str(PAGES), "--layers", str(REGIONS), "--item", str(ITEM_BYTES)]
+    args += ["--aux-slots", "0", "--private", "--name", "calibrate-decode"]
     try:
-        peer = PeerProcess(
-            *("--driver", "auto", "--pages", str(PAGES), "--layers", str(REGIONS), "--item", str(ITEM_BYTES)),
-            *("--aux-slots", "0", "--private", "--name", "calibrate-decode"),
-            timeout=timeout,
-        )
+        peer = spawn(args) if spawn is not None else PeerProcess(*args, timeout=timeout)
+        if hasattr(peer, "measure_clock"):
+            peer.measure_clock()  # its Success times are on its clock
         for index, name in enumerate(names):
             if progress is not None:
                 progress.write(f"calibrating {name} ({index + 1}/{len(names)})\n")
@@ -191,13 +198,17 @@ def _shapes(pages: int) -> dict[str, list[int]]:
     }
 
 
-def _calibrate_one(name: str, pool: KVPool, peer: PeerProcess, reps: int, timeout: float) -> DriverCalibration:
+def _calibrate_one(name: str, pool: KVPool, peer: Peer, reps: int, timeout: float) -> DriverCalibration:
     result = DriverCalibration(name)
     started = time.monotonic()
     classes = load_drivers([name]).classes
     endpoint: Endpoint | None = None
     try:
-        endpoint = Endpoint(pool.regions, pool.layout, drivers=classes, name=f"calibrate-{name}")
+        # A decode side on another host names the address it reached us on: listen there.
+        here = getattr(peer, "local_host", "127.0.0.1")
+        endpoint = Endpoint(
+            pool.regions, pool.layout, drivers=classes, name=f"calibrate-{name}", listen=listen_url(here)
+        )
         answer = peer.call("connect", address=endpoint.address, timeout=timeout)
         if "error" in answer:
             raise KVTransportError(f"{answer['error']}: {answer.get('message', '')[:300]}")
@@ -223,8 +234,15 @@ def _calibrate_one(name: str, pool: KVPool, peer: PeerProcess, reps: int, timeou
         status = endpoint.hello.drivers[name].status
         fitted = [p for p, e in zip(points, result.points, strict=True) if e["shape"] in FITTED]
         # Loopback: the far host is this one, which the cache files as "" (the host id changes
-        # at each boot; the endpoint that reads the model fills in its own).
-        model = fit(fitted, path=result.path, version=status.version if status else "")
+        # at each boot; the endpoint that reads the model fills in its own). Another host's
+        # models are filed under its id, and count only towards it.
+        far = conn.peer_host_id
+        model = fit(
+            fitted,
+            path=result.path,
+            peer_host="" if far == endpoint.hello.host.host_id else far,
+            version=status.version if status else "",
+        )
         result.model = replace(model, measured_at=time.time())
         for entry, point in zip(result.points, points, strict=True):
             entry["seconds"] = point.seconds

@@ -21,7 +21,7 @@ from typing import Any
 from . import __version__
 from .auth import control_plane_report
 from .calibration_cache import ENV_CALIBRATION, cache_path, with_cached_models
-from .errors import KVTransportError
+from .errors import ConfigError, KVTransportError
 from .hello import DriverHello, Hello, LoadedDrivers, build_hello, load_drivers
 from .memory import KVLayout, MemoryKind
 from .negotiate import Decision, negotiate
@@ -272,6 +272,11 @@ def _add_calibrate(sub: Any) -> None:
     p.add_argument("--no-save", action="store_true", help="print the models without saving them")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds any one step may take")
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--connect",
+        metavar="HOST:PORT",
+        help="measure towards the host serving `kvtransport bench --listen` there, over the real link",
+    )
     p.set_defaults(func=calibrate_cmd)
 
 
@@ -279,6 +284,12 @@ def calibrate_cmd(args: argparse.Namespace) -> int:
     from .calibration import calibrate
 
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+    spawn = None
+    if args.connect:
+        from .bench_remote import RemotePeer, token_from_env
+
+        address, token, timeout = args.connect, token_from_env(), args.timeout
+        spawn = lambda peer_args: RemotePeer(address, peer_args, token, timeout)  # noqa: E731
     with native_stdout_to_stderr():
         report = calibrate(
             args.driver,
@@ -286,6 +297,7 @@ def calibrate_cmd(args: argparse.Namespace) -> int:
             save=not args.no_save,
             timeout=args.timeout,
             progress=None if args.json else sys.stderr,
+            spawn=spawn,
         )
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.render())
     return 0 if report.drivers and all(d.model is not None for d in report.drivers) else 1
@@ -395,13 +407,146 @@ def _add_bench(sub: Any) -> None:
         metavar="N",
         help="instead: rounds of N requests sent at once against rounds of one (aggregate bandwidth)",
     )
+    sweep = p.add_argument_group("sweep", "--sweep: a grid of workloads, every path side by side (docs/performance.md)")
+    sweep.add_argument("--sweep", action="store_true", help="instead: run the grid (full size unless --quick)")
+    sweep.add_argument("--quick", action="store_true", help="the sweep's small grid (a few minutes)")
+    sweep.add_argument("--models", type=_names, help="model presets, comma-separated (see --list-models)")
+    sweep.add_argument("--list-models", action="store_true", help="print the model presets and exit")
+    sweep.add_argument("--tokens", type=_ints, help="prompt lengths, comma-separated")
+    sweep.add_argument("--page-sizes", type=_ints, help="tokens per page, comma-separated")
+    sweep.add_argument("--placements", type=_names, help="contiguous, scattered, mixed (comma-separated)")
+    sweep.add_argument("--concurrency", type=_ints, help="requests in flight, comma-separated")
+    sweep.add_argument("--reps", type=int, help="timed rounds per point and path")
+    sweep.add_argument("--drivers", type=_names, help="drivers to force (default: every usable one)")
+    sweep.add_argument("--max-pool-mib", type=int, help="skip points whose pools need more (MiB per process)")
+    sweep.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        help="instead: serve decode sides to a bench on another host (--connect); token in KVTRANSPORT_BENCH_TOKEN",
+    )
+    sweep.add_argument(
+        "--connect",
+        metavar="HOST:PORT",
+        help="run the decode sides on the host serving --listen (a sweep, or one workload without --sweep)",
+    )
+    sweep.add_argument("--plot", metavar="FILE.png", help="draw bandwidth and latency per path (needs [plot])")
     p.add_argument("--prefill-tp", type=int, default=1, help="prefill ranks (processes), each holding its heads")
     p.add_argument("--decode-tp", type=int, default=1, help="decode ranks (processes), each holding its heads")
     p.set_defaults(func=bench_cmd)
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from . import sweep
+
+    grid = sweep.with_overrides(
+        sweep.QUICK if args.quick else sweep.FULL,
+        models=args.models,
+        tokens=args.tokens,
+        page_tokens=args.page_sizes,
+        placements=args.placements,
+        in_flight=args.concurrency,
+        reps=args.reps,
+        drivers=args.drivers,
+        max_pool_bytes=args.max_pool_mib << 20 if args.max_pool_mib is not None else None,
+        baselines=False if args.no_baseline else None,
+        seed=args.seed,
+        warmup=max(0, args.warmup),
+    )
+    if args.plot:
+        from .sweep_plot import require_matplotlib
+
+        require_matplotlib()
+    runner = sweep.Sweep(grid, timeout=args.timeout, progress=sys.stderr)
+    if args.connect:
+        from .bench_remote import RemotePeer, token_from_env
+
+        address, token, timeout = args.connect, token_from_env(), args.timeout
+        runner.remote = address
+        runner.spawn = lambda peer_args: RemotePeer(address, peer_args, token, timeout)
+        runner.clock_offset = lambda peer: peer.measure_clock()  # type: ignore[attr-defined]
+    with native_stdout_to_stderr():
+        doc = runner.run()
+    # The figures first: a plot that fails must not take a long sweep's results with it.
+    print(json.dumps(doc, indent=2) if args.json else sweep.render(doc), flush=True)
+    if args.plot:
+        from .sweep_plot import plot
+
+        plot(doc, args.plot)
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    return 0 if doc["ok"] else 1
+
+
+#: Flags of the single bench that a sweep (or --connect) would silently ignore.
+_NOT_WITH_SWEEP = {"driver": "--drivers", "compare": "--drivers", "in_flight": "--concurrency", "device": None}
+_SWEEP_ONLY = ("quick", "models", "tokens", "page_sizes", "placements", "concurrency", "reps", "drivers", "plot")
+
+
+def _check_bench_flags(args: argparse.Namespace) -> None:
+    sweeping = args.sweep or args.connect
+    if sweeping:
+        for flag, instead in _NOT_WITH_SWEEP.items():
+            if getattr(args, flag) is not None:
+                hint = f" (use {instead})" if instead else " (the sweep runs on host memory)"
+                raise ConfigError(f"--{flag.replace('_', '-')} does not apply to --sweep/--connect{hint}")
+        if (args.prefill_tp, args.decode_tp) != (1, 1):
+            raise ConfigError("--prefill-tp/--decode-tp do not apply to --sweep/--connect")
+    else:
+        given = [f"--{f.replace('_', '-')}" for f in _SWEEP_ONLY if getattr(args, f) not in (None, False)]
+        if given:
+            raise ConfigError(f"{', '.join(given)} need --sweep (or --connect)")
+
+
+def _listen(args: argparse.Namespace) -> int:
+    from .bench_remote import Listener, new_token, token_from_env
+
+    token = token_from_env()
+    limit = args.max_pool_mib << 20 if args.max_pool_mib is not None else 8 << 30
+    listener = Listener(args.listen, token or new_token(), max_pool_bytes=limit)
+    print(f"kvtransport bench --listen: serving decode sides on {listener.address}", file=sys.stderr)
+    if not token:
+        print(f"  clients need KVTRANSPORT_BENCH_TOKEN={listener.token}", file=sys.stderr)
+    try:
+        listener.serve()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 def bench_cmd(args: argparse.Namespace) -> int:
     from .bench import Workload, run
+
+    if args.list_models:
+        from .presets import PRESETS
+
+        for p in PRESETS.values():
+            print(f"{p.key:<18}{p.name:<17}{p.note}")
+        return 0
+    if args.listen:
+        return _listen(args)
+    _check_bench_flags(args)
+    if args.connect and not args.sweep:
+        # One workload between two hosts: a one-point sweep of the bench's own flags, with no
+        # cap of its own (the listener has one).
+        args.max_pool_mib = args.max_pool_mib or 1 << 30
+        args.models = args.models or ("llama-3-8b",)
+        args.tokens, args.page_sizes = args.tokens or (args.prompt_tokens,), args.page_sizes or (args.page_tokens,)
+        args.placements = args.placements or (args.placement,)
+        args.concurrency, args.reps = args.concurrency or (1,), args.reps or args.requests
+        args.quick, args.sweep = True, True
+    if args.sweep:
+        os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+        return _sweep(args)
 
     if args.connects is not None:
         from .bench import connect_cost, render_connect_cost

@@ -60,6 +60,8 @@ class KVPool:
     #: buffers hold MLA's latent (one replicated row per token) instead of K and V heads.
     tp: tuple[int, int, int] | None = None
     mla: bool = False
+    #: Tokens per page (the layout's ``page_size``; both sides must agree).
+    page_tokens: int = PAGE_TOKENS
     _cuda: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -94,7 +96,7 @@ class KVPool:
         )
         total, tp_size, tp_rank = self.tp if self.tp is not None else (0, 1, 0)
         self.layout = KVLayout(
-            page_size=PAGE_TOKENS,
+            page_size=self.page_tokens,
             dtype="bfloat16",
             num_layers=self.num_layers if self.mla else self.num_layers // 2 or 1,
             kv_split="mla" if self.mla else "kv",
@@ -135,6 +137,13 @@ class KVPool:
             else:
                 b.array.reshape(self.num_pages, self.item_len)[idx] = 0xA5
 
+    def poison_state(self, group: int, items: list[int]) -> None:
+        """Overwrite ``items`` of every buffer of state group ``group`` (host memory)."""
+        item_len = self.state[group][1]
+        idx = np.asarray(items, dtype=np.int64)
+        for b in self.state_buffers[group]:
+            b.array.reshape(-1, item_len)[idx] = 0x5A
+
     def page_digests(self, pages: list[int]) -> list[int]:
         """crc32 of each page across every layer (order matters)."""
         out = []
@@ -164,9 +173,9 @@ class KVPool:
     def _head_rows(self, region: int, pages: np.ndarray[Any, Any], heads: range) -> np.ndarray[Any, Any]:
         """What region ``region`` holds in ``pages`` when filled by :meth:`fill_heads`: bytes
         that are a function of (region, page, token, global head, byte)."""
-        head_bytes = self.item_len // (PAGE_TOKENS * len(heads))
+        head_bytes = self.item_len // (self.page_tokens * len(heads))
         p = pages.astype(np.int64)[:, None, None]
-        t = np.arange(PAGE_TOKENS, dtype=np.int64)[None, :, None]
+        t = np.arange(self.page_tokens, dtype=np.int64)[None, :, None]
         h = np.asarray(list(heads), dtype=np.int64)[None, None, :]
         # The (page, token, head) part on a small array, the byte part added in 16 bits: a GiB
         # pool fills in seconds.
@@ -186,7 +195,7 @@ class KVPool:
         heads = self._heads()
         dst = np.asarray(dst_pages, dtype=np.int64)
         for i, b in enumerate(self.buffers):
-            got = b.array.reshape(self.num_pages, -1)[dst].reshape(len(dst_pages), PAGE_TOKENS, len(heads), -1)
+            got = b.array.reshape(self.num_pages, -1)[dst].reshape(len(dst_pages), self.page_tokens, len(heads), -1)
             want = self._head_rows(i, np.asarray(src_pages), heads)
             bad = np.argwhere(got != want)
             if bad.size:

@@ -24,7 +24,7 @@ from .driver import KVTransport
 from .endpoint import Connection, Endpoint, State, Timeouts, Transfer
 from .errors import KVTransportError
 from .fanin import FanIn, expect_from
-from .kv_pool import KVPool
+from .kv_pool import PAGE_TOKENS, KVPool
 from .registry import load_driver
 from .soak import process_resources
 
@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--state", default="[]", help="state groups, JSON [[items, item_len, buffers], ...]")
     p.add_argument("--tp", default="", help="unequal-TP rank: total KV heads, TP size, TP rank (e.g. 8,2,1)")
     p.add_argument("--mla", action="store_true", help="the buffers hold MLA's latent")
+    p.add_argument("--listen", default="tcp://127.0.0.1:0", help="the endpoint's listen address")
+    p.add_argument("--page-tokens", type=int, default=PAGE_TOKENS, help="tokens per page of the layout")
     args = p.parse_args(argv)
     pool = KVPool(
         args.pages,
@@ -68,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         state=tuple(tuple(g) for g in json.loads(args.state)),
         tp=tuple(int(x) for x in args.tp.split(",")) if args.tp else None,  # type: ignore[arg-type]
         mla=args.mla,
+        page_tokens=args.page_tokens,
     )
     if args.seed:
         pool.fill(args.seed)
@@ -76,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         pool.layout,
         drivers=driver_classes(args.driver),
         name=args.name,
+        listen=args.listen,
         driver_options=json.loads(args.options),
         timeouts=Timeouts(**json.loads(args.timeouts)),
     )
@@ -92,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
                 result = {"error": type(exc).__name__, "message": str(exc)}
             except Exception as exc:  # noqa: BLE001 - report to the driving test
                 result = {"error": type(exc).__name__, "message": traceback.format_exc()}
+            # This process's CPU seconds so far (all threads), so a driver can put a CPU cost on
+            # what happened between two replies.
+            result.setdefault("cpu", time.process_time())
             _reply(result)
             if cmd.get("cmd") == "close":
                 break
@@ -129,8 +136,10 @@ def _run(cmd: dict[str, Any], session: _Session) -> dict[str, Any]:
         conns.append(ep.accept(cmd.get("timeout", 10)))
         return {"decision": conns[-1].decision.to_dict() if conns[-1].decision else None}
     if op == "connect":
+        t0 = time.perf_counter()
         conns.append(ep.connect(cmd["address"], cmd.get("timeout")))
-        return {"decision": conns[-1].decision.to_dict() if conns[-1].decision else None}
+        took = time.perf_counter() - t0
+        return {"decision": conns[-1].decision.to_dict() if conns[-1].decision else None, "seconds": took}
     if op == "connects":
         # Handshake cost: connect, then close, ``count`` times; seconds each.
         seconds = []
@@ -214,7 +223,11 @@ def _run(cmd: dict[str, Any], session: _Session) -> dict[str, Any]:
         return {name: driver.ring_usage() for name, driver in ep.drivers.items() if hasattr(driver, "ring_usage")}
     if op == "poison":
         pool.poison(cmd["pages"])
+        for group, items in enumerate(cmd.get("state", [])):
+            pool.poison_state(group, items)
         return {"ok": True}
+    if op == "cpu":
+        return {"cpu": time.process_time(), "now": time.monotonic()}
     if op == "raw_open":
         cls = load_driver(cmd["driver"])
         raw_cls = raw_engine_of(cls)

@@ -8,7 +8,17 @@ import queue
 import subprocess
 import sys
 import threading
-from typing import Any
+from typing import Any, Protocol
+
+
+class Peer(Protocol):
+    """A decode side the bench drives over the JSON-lines protocol of :mod:`kvtransport.peer`:
+    a :class:`PeerProcess` here, or a ``bench_remote.RemotePeer`` on another host (whose
+    ``clock_offset`` maps its clock onto ours)."""
+
+    def call(self, cmd: str, timeout: float = 60.0, **fields: Any) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
 
 
 class PeerProcess:

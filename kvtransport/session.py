@@ -96,6 +96,12 @@ class Connection:
         return hello.endpoint if hello is not None else ""
 
     @property
+    def peer_host_id(self) -> str:
+        """The peer's host id, as its (authenticated) hello gives it."""
+        hello = self._session.peer_hello
+        return hello.host.host_id if hello is not None else ""
+
+    @property
     def layout(self) -> KVLayout:
         """This side's KV layout (its endpoint's)."""
         return self._session.endpoint.layout

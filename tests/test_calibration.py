@@ -25,6 +25,7 @@ from kvtransport.hello import Hello
 from kvtransport.negotiate import negotiate, pair_models, reference_transfer
 from kvtransport.registry import Policy
 
+from .conftest import require_engines
 from .hellos import FIRST_PARTY, hello, host
 
 SHAPES = ((4, 64 << 10), (4, 64 << 20), (4096, 64 << 20), (1024, 64 << 20))
@@ -503,3 +504,55 @@ def test_a_done_naming_a_one_sided_lane_still_waits_for_the_two_sided_lanes_copi
         decode.close()
         a_pool.close()
         b_pool.close()
+
+
+def test_calibrate_towards_a_listener_files_the_models_under_the_far_host(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``kvtransport calibrate --connect``: the decode side served by ``kvtransport bench
+    --listen`` (here on loopback), its Success times mapped through the measured clock offset,
+    bytes verified; the models are filed under the far host's id (this test's peer claims
+    another one), so they count only towards that host."""
+    import threading
+
+    from kvtransport.bench_remote import Listener, RemotePeer
+    from kvtransport.calibration import calibrate
+    from kvtransport.session import Connection
+
+    require_engines()
+    cache = tmp_path / "calibration.json"
+    monkeypatch.setenv("KVTRANSPORT_CALIBRATION", str(cache))
+    monkeypatch.setattr(Connection, "peer_host_id", property(lambda self: "far-host-0001"))
+    listener = Listener("127.0.0.1:0", "t0ken")
+    thread = threading.Thread(target=listener.serve, daemon=True)
+    thread.start()
+    peers: list[RemotePeer] = []
+
+    def spawn(args: list[str]) -> RemotePeer:
+        peers.append(RemotePeer(listener.address, args, "t0ken"))
+        return peers[-1]
+
+    try:
+        report = calibrate(["nixl-ucx"], reps=1, spawn=spawn)
+    finally:
+        listener.close()
+        thread.join(5)
+    (d,) = report.drivers
+    assert d.model is not None, d.error
+    assert d.model.peer_host == "far-host-0001" and "towards host far-host-0001" in report.render()
+    assert peers[0].clock_error > 0  # the offset was measured before any transfer was timed
+    assert all(p["seconds"] > 0 for p in d.points)
+    (models,) = read_cache(cache).values()
+    assert [m.peer_host for m in models["nixl-ucx"]] == ["far-host-0001"]
+    # An endpoint here carries it as a model towards that host (not rewritten to its own id as
+    # a loopback model is), so a pair of this host's endpoints stays nominal, and a pair with
+    # the far host is calibrated.
+    from kvtransport.hello import load_drivers
+
+    real = load_drivers(["nixl-ucx"]).hellos
+    taken = with_cached_models(real, "this-boot", cache)
+    assert [m.peer_host for m in taken["nixl-ucx"].costs] == ["far-host-0001"]
+    here = dataclasses.replace(hello(host("this-boot")), drivers={"nixl-ucx": taken["nixl-ucx"]})
+    path = TransferPath(d.model.path)
+    assert pair_models(here, hello(host("this-boot")), "nixl-ucx", path) == []
+    assert pair_models(here, hello(host("far-host-0001")), "nixl-ucx", path) == [d.model]
