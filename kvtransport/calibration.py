@@ -1,12 +1,13 @@
 """``kvtransport calibrate``: measure each usable driver's cost model on this host.
 
 A calibration runs a decode endpoint in a child process (every driver open in it) and, per
-driver, a prefill endpoint in this process that offers only that driver. It moves three shapes
+driver, a prefill endpoint in this process that offers only that driver. It moves four shapes
 through the real endpoint API, every byte verified on the far side: one page (the fixed latency
-of a batch), many pages in long contiguous runs (bandwidth) and as many bytes in short
-scattered runs (cost per descriptor). :func:`~kvtransport.cost_model.fit` turns the medians into
-a :class:`~kvtransport.cost_model.CostModel`; a fourth shape, runs of four pages, is measured
-but not fitted, and the report shows the model's error on it.
+of a batch), many pages in long contiguous runs (bandwidth), as many bytes in short scattered
+runs (cost per descriptor), and those runs cut into 4 KiB pieces (the cost per descriptor of
+small pages). :func:`~kvtransport.cost_model.fit` turns the medians into a
+:class:`~kvtransport.cost_model.CostModel`; a fifth shape, runs of four pages, is measured but
+not fitted, and the report shows the model's error on it.
 
 The models are saved to the per-user cache (:mod:`~kvtransport.calibration_cache`), which
 endpoints read when they build their hello.
@@ -184,8 +185,13 @@ def calibrate(
 
 #: The shapes the model is fitted on; ``CHECK`` is measured too but left out of the fit, so the
 #: report shows how well the model predicts a shape it did not see.
-FITTED = ("one page", "contiguous", "scattered")
+FITTED = ("one page", "contiguous", "scattered", "small pieces")
 CHECK = "runs of 4"
+#: The "small pieces" shape sends the scattered pages cut into runs of this many bytes: what a
+#: layout of small pages (one KV head of a TP-8 rank: 4 KiB) gives a driver. A driver's cost per
+#: descriptor depends on the descriptor's size (UCX's is lower for small ones, a staging ring's
+#: gather higher), so the fit must see both sizes.
+SMALL_PIECE = 4 << 10
 
 
 def _shapes(pages: int) -> dict[str, list[int]]:
@@ -194,6 +200,7 @@ def _shapes(pages: int) -> dict[str, list[int]]:
         "one page": [pages // 3],
         "contiguous": list(range(half)),
         "scattered": list(range(0, pages, 2)),
+        "small pieces": list(range(0, pages, 2)),
         CHECK: [p for p in range(pages) if p % 8 < 4],
     }
 
@@ -218,6 +225,8 @@ def _calibrate_one(name: str, pool: KVPool, peer: Peer, reps: int, timeout: floa
         points = []
         requests = itertools.count()
         for shape, pages in _shapes(PAGES).items():
+            # Between transfers (none in flight) the sender's cut of runs may change.
+            endpoint.max_run_bytes = SMALL_PIECE if shape == "small pieces" else None
             runs = plan(pool.regions.kv, conn.peer_regions.kv, pages, pages, max_run_bytes=endpoint.max_run_bytes)
             expected = pool.page_digests(pages)
             seconds = []

@@ -296,10 +296,12 @@ def test_calibrate_measures_real_engines_saves_and_endpoints_then_rank_by_it(
     assert {d["driver"] for d in report["drivers"]} == {"nixl-ucx", "mooncake-gdr"}
     for d in report["drivers"]:
         assert not d["error"] and d["model"]["gbps"] > 0
-        assert {p["shape"] for p in d["points"]} == {"one page", "contiguous", "scattered", "runs of 4"}
+        assert {p["shape"] for p in d["points"]} == {"one page", "contiguous", "scattered", "small pieces", "runs of 4"}
         # more descriptors for the same bytes never cost less (the fit's terms are non-negative)
         by = {p["shape"]: p for p in d["points"]}
         assert by["scattered"]["predicted"] >= by["contiguous"]["predicted"]
+        assert by["small pieces"]["runs"] == 4 * by["scattered"]["runs"]  # 16 KiB pages cut into 4 KiB
+        assert by["small pieces"]["bytes"] == by["scattered"]["bytes"]
     saved = read_cache(cache)
     (host_models,) = saved.values()
     assert set(host_models) == {"nixl-ucx", "mooncake-gdr"}

@@ -24,7 +24,6 @@ from kvtransport.plan import Runs
 from .data_path import _keep_exit_safe
 from .engine_probe import probe_nixl, quiet_nixl_logging
 
-
 #: The longest one raw write may take (the bench's requests take well under a second).
 WRITE_TIMEOUT_S = 120.0
 #: Between two progress calls of an idle raw agent.
@@ -39,7 +38,9 @@ class RawNixl:
         _keep_exit_safe()
         self._mem = "VRAM" if regions.kv_kind.is_cuda else "DRAM"
         self._dev = regions.kv_kind.device or 0
-        self._agent = nixl.nixl_agent(f"raw-{uuid.uuid4().hex[:8]}", nixl.nixl_agent_config(enable_prog_thread=False, backends=[]))
+        self._agent = nixl.nixl_agent(
+            f"raw-{uuid.uuid4().hex[:8]}", nixl.nixl_agent_config(enable_prog_thread=False, backends=[])
+        )
         self._agent.create_backend(facts.backend, dict(facts.backend_params))
         self._reg = self._agent.register_memory([(r.ptr, r.length, self._dev, "") for r in regions.all()], self._mem)
         self._peer = ""
