@@ -38,7 +38,7 @@ def driver_classes(name: str) -> dict[str, type[KVTransport]] | None:
         return {name: fakes[name]}
     if name in ("", "auto"):
         return None
-    return {name: load_driver(name)}
+    return {n: load_driver(n) for n in name.split("+")}  # "A+B": exactly these
 
 
 def main(argv: list[str] | None = None) -> int:

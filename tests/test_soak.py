@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -40,3 +41,31 @@ def test_soak_reports_corruption_it_can_see() -> None:
         "x", transfers=10, succeeded=10, start={"prefill": {"sessions": 1}}, end={"prefill": {"sessions": 2}}
     )
     assert r.leaks == ["prefill.sessions 1 -> 2"] and not r.ok
+
+
+@pytest.mark.engines
+def test_soak_of_a_connection_with_two_lanes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A calibrated connection keeping two drivers as lanes (models that favour nixl-ucx for
+    few descriptors, mooncake-staged for many) under the soak's random sizes, aborts from both
+    sides and 16 in flight: both lanes carry verified transfers, and both processes' tables,
+    handles, threads and fds end where they were after the first wave."""
+    require_engines()
+    from kvtransport.calibration_cache import write_cache
+    from kvtransport.cost_model import CostModel
+    from kvtransport.hello import load_drivers
+    from kvtransport.probe import machine_key
+    from kvtransport.soak import run_soak
+
+    names = ("nixl-ucx", "mooncake-staged")
+    loaded = load_drivers(names)
+    cache = tmp_path / "calibration.json"
+    figures = {"nixl-ucx": ("shm", 1e-4, 5e-5), "mooncake-staged": ("tcp", 5e-3, 0.0)}
+    for n, (path, latency, per_run) in figures.items():
+        version = loaded.hellos[n].status.version  # type: ignore[union-attr]
+        write_cache(cache, {n: [CostModel(path, latency, per_run, 100.0, "", version)]}, machine_key())
+    monkeypatch.setenv("KVTRANSPORT_CALIBRATION", str(cache))  # both processes read it
+    r = run_soak("+".join(names), transfers=min(TRANSFERS, 300))
+    assert r.ok, r.render()
+    assert r.corrupt == 0 and not r.unexpected and not r.leaks, r.render()
+    assert set(r.lanes) == set(names) and min(r.lanes.values()) >= 10, r.lanes
+    assert r.end["prefill"]["handles"] == 0 and r.end["decode"]["handles"] == 0
