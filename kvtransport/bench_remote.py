@@ -37,10 +37,16 @@ log = logging.getLogger(__name__)
 
 TOKEN_ENV = "KVTRANSPORT_BENCH_TOKEN"
 #: The longest first line a client may send (token and arguments), and how long it may take.
-MAX_REQUEST = 64 << 10
-REQUEST_TIMEOUT_S = 10.0
-#: Connections that may be sending their request at once.
+MAX_REQUEST = 16 << 10
+REQUEST_TIMEOUT_S = 5.0
+#: Connections that may be sending their request at once, in all and from one address.
 MAX_UNPROVEN = 32
+MAX_UNPROVEN_PER_HOST = 4
+#: The shortest token a listener accepts (a short one could be guessed online).
+MIN_TOKEN = 16
+#: Bounds of a pool's shape beyond its bytes: regions cost a mapping each.
+MAX_REGIONS = 4096
+MAX_PAGE_TOKENS = 4096
 #: The peer arguments a client may pass: those that shape a KV pool, nothing else.
 VALUED = {"--driver", "--pages", "--layers", "--item", "--aux-slots", "--name", "--page-tokens", "--state"}
 FLAGS = {"--private", "--mla"}
@@ -48,7 +54,7 @@ FLAGS = {"--private", "--mla"}
 
 def parse_address(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not (0 <= int(port) < 65536):
+    if not sep or not port.isdecimal() or not (0 <= int(port) < 65536):
         raise ConfigError(f"{text!r} is not HOST:PORT")
     return host.strip("[]") or "127.0.0.1", int(port)
 
@@ -80,13 +86,18 @@ def checked_args(args: Any, max_pool_bytes: int) -> list[str]:
 
     def count(flag: str, default: int, low: int = 1) -> int:
         text = values.get(flag, str(default))
-        if not text.isdigit() or not low <= int(text) <= MAX_INT:
+        if not (text.isascii() and text.isdecimal()) or not low <= int(text) <= MAX_INT:
             raise ConfigError(f"{flag} {text!r} must be an integer from {low} to {MAX_INT}")
         return int(text)
 
-    size = count("--pages", 256) * count("--layers", 4) * count("--item", 4096)
+    if values.get("--driver", "fake").startswith("fake"):
+        # The test drivers map files the far side names: never for a stranger's peer.
+        raise ConfigError("--driver must name a real driver (or auto) here")
+    layers = count("--layers", 4)
+    size = count("--pages", 256) * layers * count("--item", 4096)
     size += count("--aux-slots", 8, low=0) * 64
-    count("--page-tokens", 16)
+    if count("--page-tokens", 16) > MAX_PAGE_TOKENS:
+        raise ConfigError(f"--page-tokens must be at most {MAX_PAGE_TOKENS}")
     try:
         state = json.loads(values.get("--state", "[]"))
         groups = [[int(x) for x in g] for g in state if all(type(x) is int for x in g) and len(g) == 3]
@@ -98,9 +109,12 @@ def checked_args(args: Any, max_pool_bytes: int) -> list[str]:
         if not all(1 <= x <= MAX_INT for x in group):
             raise ConfigError(f"--state group {group} must hold integers from 1 to {MAX_INT}")
         size += group[0] * group[1] * group[2]
+    if layers + sum(g[2] for g in groups) > MAX_REGIONS:
+        raise ConfigError(f"at most {MAX_REGIONS} KV and state buffers")
     if size > max_pool_bytes:
         raise ConfigError(f"the pool asked for ({size >> 20} MiB) exceeds this listener's {max_pool_bytes >> 20} MiB")
-    return out
+    # Always private memory: a pool in /dev/shm would outlive a peer killed at close.
+    return out if "--private" in out else [*out, "--private"]
 
 
 def listen_url(host: str) -> str:
@@ -112,11 +126,17 @@ class Listener:
     """Serves decode peers to bench clients, one process per client connection."""
 
     def __init__(self, address: str, token: str, *, max_sessions: int = 16, max_pool_bytes: int = 8 << 30) -> None:
+        if len(token) < MIN_TOKEN:
+            raise ConfigError(
+                f"a bench listener needs a token of at least {MIN_TOKEN} characters "
+                "(KVTRANSPORT_BENCH_TOKEN, or leave it unset for a generated one)"
+            )
         host, port = parse_address(address)
         self.token = token
         self.max_sessions = max_sessions
         self.max_pool_bytes = max_pool_bytes
-        self.sock = socket.create_server((host, port), reuse_port=False)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.create_server((host, port), family=family, reuse_port=False)
         self.sock.settimeout(0.2)
         self.address = "{}:{}".format(*self.sock.getsockname()[:2])
         self._children: list[subprocess.Popen[bytes]] = []
@@ -124,6 +144,7 @@ class Listener:
         self._lock = threading.Lock()
         #: Connections that have not yet sent their request: a stranger cannot hold more.
         self._unproven = threading.BoundedSemaphore(MAX_UNPROVEN)
+        self._unproven_from: dict[str, int] = {}
         self.stop = threading.Event()
 
     def serve(self) -> None:
@@ -141,13 +162,18 @@ class Listener:
                     log.warning("bench listener: accept failed (%s); retrying", exc)
                     time.sleep(0.5)
                     continue
-                if not self._unproven.acquire(blocking=False):
-                    conn.close()  # too many connections still owe their request
+                source = _host_of(conn)
+                with self._lock:
+                    crowded = self._unproven_from.get(source, 0) >= MAX_UNPROVEN_PER_HOST
+                if crowded or not self._unproven.acquire(blocking=False):
+                    _refuse(conn, "busy: too many connections still owe their request; try again")
                     continue
+                with self._lock:
+                    self._unproven_from[source] = self._unproven_from.get(source, 0) + 1
                 try:
-                    threading.Thread(target=self._session, args=(conn,), daemon=True).start()
+                    threading.Thread(target=self._session, args=(conn, source), daemon=True).start()
                 except RuntimeError:
-                    self._unproven.release()
+                    self._proven(source)
                     conn.close()
         finally:
             self.close()
@@ -156,13 +182,23 @@ class Listener:
         with self._lock:
             self._children = [c for c in self._children if c.poll() is None]
 
-    def _session(self, conn: socket.socket) -> None:
+    def _proven(self, source: str) -> None:
+        """A connection's request is in (or it gave up): its unproven slot is free."""
+        self._unproven.release()
+        with self._lock:
+            left = self._unproven_from.get(source, 1) - 1
+            if left > 0:
+                self._unproven_from[source] = left
+            else:
+                self._unproven_from.pop(source, None)
+
+    def _session(self, conn: socket.socket, source: str) -> None:
         reserved = False
         try:
             try:
                 request = _read_line(conn, time.monotonic() + REQUEST_TIMEOUT_S)
             finally:
-                self._unproven.release()
+                self._proven(source)
             msg = json.loads(request)
             if not isinstance(msg, dict) or not hmac.compare_digest(
                 str(msg.get("token", "")).encode(), self.token.encode()
@@ -224,21 +260,40 @@ def _keepalive(conn: socket.socket) -> None:
             conn.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
+def _host_of(conn: socket.socket) -> str:
+    try:
+        return str(conn.getpeername()[0])
+    except OSError:
+        return "?"
+
+
+def _refuse(conn: socket.socket, why: str) -> None:
+    try:
+        conn.setblocking(False)
+        conn.send((json.dumps({"error": "ConfigError", "message": why}) + "\n").encode())
+    except OSError:
+        pass
+    conn.close()
+
+
 def _read_line(conn: socket.socket, deadline: float) -> str:
-    """One line, read a byte at a time (nothing after it may be taken from the socket: the
-    child reads the rest), all of it before ``deadline``."""
+    """One line, all of it before ``deadline``. Nothing after it may be taken from the
+    socket (the child reads the rest), so each read peeks first and then takes only up to the
+    newline."""
     data = bytearray()
     while len(data) < MAX_REQUEST:
         left = deadline - time.monotonic()
         if left <= 0:
             raise ConfigError(f"no request within {REQUEST_TIMEOUT_S:.0f} s")
         conn.settimeout(left)
-        b = conn.recv(1)
-        if not b:
+        seen = conn.recv(min(4096, MAX_REQUEST - len(data)), socket.MSG_PEEK)
+        if not seen:
             raise ConfigError("the client closed before its request")
-        if b == b"\n":
-            return data.decode()
-        data += b
+        end = seen.find(b"\n")
+        taken = conn.recv(len(seen) if end < 0 else end + 1)
+        data += taken
+        if data.endswith(b"\n"):
+            return data[:-1].decode()
     raise ConfigError(f"request longer than {MAX_REQUEST} bytes")
 
 

@@ -158,9 +158,9 @@ def calibrate(
     args += ["--aux-slots", "0", "--private", "--name", "calibrate-decode"]
     try:
         peer = spawn(args) if spawn is not None else PeerProcess(*args, timeout=timeout)
-        if hasattr(peer, "measure_clock"):
-            peer.measure_clock()  # its Success times are on its clock
         for index, name in enumerate(names):
+            if hasattr(peer, "measure_clock"):
+                peer.measure_clock()  # its Success times are on its clock, which drifts from ours
             if progress is not None:
                 progress.write(f"calibrating {name} ({index + 1}/{len(names)})\n")
                 progress.flush()
@@ -224,9 +224,10 @@ def _calibrate_one(name: str, pool: KVPool, peer: Peer, reps: int, timeout: floa
         result.path = conn.decision.path.value
         points = []
         requests = itertools.count()
+        cut = endpoint.max_run_bytes
         for shape, pages in _shapes(PAGES).items():
             # Between transfers (none in flight) the sender's cut of runs may change.
-            endpoint.max_run_bytes = SMALL_PIECE if shape == "small pieces" else None
+            endpoint.max_run_bytes = SMALL_PIECE if shape == "small pieces" else cut
             runs = plan(pool.regions.kv, conn.peer_regions.kv, pages, pages, max_run_bytes=endpoint.max_run_bytes)
             expected = pool.page_digests(pages)
             seconds = []

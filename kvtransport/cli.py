@@ -533,6 +533,7 @@ def bench_cmd(args: argparse.Namespace) -> int:
             print(f"{p.key:<18}{p.name:<17}{p.note}")
         return 0
     if args.listen:
+        os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # the peers it starts inherit it
         return _listen(args)
     _check_bench_flags(args)
     if args.connect and not args.sweep:

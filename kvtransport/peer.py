@@ -233,6 +233,9 @@ def _run(cmd: dict[str, Any], session: _Session) -> dict[str, Any]:
         raw_cls = raw_engine_of(cls)
         if raw_cls is None:
             return {"info": None}
+        if session.raw is not None:  # one raw engine at a time
+            session.raw.close()
+            session.raw = None
         session.raw = raw_cls(pool.regions, ep.host)
         return {"info": base64.b64encode(session.raw.info()).decode()}
     if op == "raw_close":

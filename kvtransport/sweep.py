@@ -567,13 +567,28 @@ class Sweep:
         start = time.monotonic()
         for j, s in enumerate(senders):
             s.send(work.src[j], last=True, state=work.state_of(work.src_slots, j) if work.groups else None)
+        # Our side first, with the whole timeout: the peer's own wait is short (its default),
+        # and a transfer still running when a round gives up would write into the pages the
+        # next round poisons and checks.
+        end = time.monotonic() + timeout
+        for s in senders:
+            try:
+                s.wait(max(0.0, end - time.monotonic()))
+            except KVTransportError:
+                pass
         answer = peer.call("wait", tags=tags, timeout=timeout + 5)
         wall = time.monotonic() - start
-        cpu = time.process_time() - before + answer["cpu"] - before_peer - (idle_here + pair.idle_cpu) * wall
-        for t in tags:
-            st = answer["states"][t]
-            if st[0] != "SUCCESS":
-                raise KVTransportError(f"decode side ended {t} in {st[0]}: {st[2]}")
+        # Less what this process spends meanwhile on nothing (the other paths' idle endpoints
+        # and engines live here too); the decode process serves this path alone.
+        cpu = time.process_time() - before + answer["cpu"] - before_peer - idle_here * wall
+        failed = [(t, answer["states"][t]) for t in tags if answer["states"][t][0] != "SUCCESS"]
+        if failed or any(s.state is not State.SUCCESS for s in senders):
+            for s in senders:
+                s.abort("sweep: the round failed")
+            for t in tags:
+                peer.call("abort", tag=t, reason="sweep: the round failed", timeout=timeout)
+            pair.broken = f"{pair.label}: a round did not end in Success ({failed[:1] or 'prefill side'})"
+            raise KVTransportError(pair.broken)
         finished = [answer["finished"][t] - pair.clock_offset - start for t in tags]
         ok = self._verified(peer, work)
         if timed:
@@ -614,10 +629,12 @@ class Sweep:
         try:
             raw.write(runs)
         except Exception as exc:  # the raw engine's own error, reported as this path's
-            raise KVTransportError(f"raw engine write failed: {exc}") from exc
+            # Its writes may still land: nothing more goes through this peer's pages.
+            pair.broken = f"raw engine write failed: {exc}"
+            raise KVTransportError(pair.broken) from exc
         seconds = time.monotonic() - start
         cpu = time.process_time() - before + peer.call("cpu", timeout=timeout)["cpu"] - before_peer
-        cpu -= (idle_here + pair.idle_cpu) * seconds
+        cpu -= idle_here * seconds
         ok = self._verified(peer, work)
         # The raw engine returns when every byte is at the peer: each request's latency (from
         # the round's start to its completion) is the whole batch's.
@@ -728,16 +745,21 @@ def _verdicts(paths: dict[str, dict[str, Any]]) -> dict[str, Any]:
     against memcpy."""
 
     def gbps(label: str) -> float:
-        return float(paths.get(label, {}).get("median_gbps", 0.0))
+        f = paths.get(label, {})
+        return 0.0 if f.get("corrupt") or f.get("error") else float(f.get("median_gbps", 0.0))
 
-    forced = [label for label, f in paths.items() if f["kind"] == "kvtransport" and label != "choice"]
+    # A path that corrupted a byte or failed is never the best, whatever its median.
+    sound = {label for label, f in paths.items() if not f.get("corrupt") and not f.get("error")}
+    forced = [
+        label for label, f in paths.items() if f["kind"] == "kvtransport" and label != "choice" and label in sound
+    ]
     out: dict[str, Any] = {}
     if forced:
         best = max(forced, key=gbps)
         out["best_forced"] = best
         if gbps(best) and gbps("choice"):
             out["ratio_choice_best"] = round(gbps("choice") / gbps(best), 3)
-    moving = [label for label, f in paths.items() if f["kind"] != "memcpy"]
+    moving = [label for label, f in paths.items() if f["kind"] != "memcpy" and label in sound]
     if moving and gbps("memcpy"):
         best_any = max(moving, key=gbps)
         out["best_path"] = best_any

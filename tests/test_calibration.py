@@ -525,13 +525,13 @@ def test_calibrate_towards_a_listener_files_the_models_under_the_far_host(
     cache = tmp_path / "calibration.json"
     monkeypatch.setenv("KVTRANSPORT_CALIBRATION", str(cache))
     monkeypatch.setattr(Connection, "peer_host_id", property(lambda self: "far-host-0001"))
-    listener = Listener("127.0.0.1:0", "t0ken")
+    listener = Listener("127.0.0.1:0", "t0ken-t0ken-t0ken")
     thread = threading.Thread(target=listener.serve, daemon=True)
     thread.start()
     peers: list[RemotePeer] = []
 
     def spawn(args: list[str]) -> RemotePeer:
-        peers.append(RemotePeer(listener.address, args, "t0ken"))
+        peers.append(RemotePeer(listener.address, args, "t0ken-t0ken-t0ken"))
         return peers[-1]
 
     try:

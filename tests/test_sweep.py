@@ -24,6 +24,10 @@ from kvtransport.presets import PRESETS, preset
 from .conftest import require_engines, run_cli
 
 #: Every kind of layout (GQA, MLA, hybrid with state) at short requests, two engines.
+TOKEN = "s3cret-s3cret-s3cret"
+#: A peer a listener may start quickly: one real engine, no NIXL import.
+QUICK_PEER = ["--driver", "mooncake-gdr", "--pages", "8", "--layers", "1"]
+
 SMALL = sweep.Grid(
     models=("llama-3-70b-tp8", "deepseek-v3-mla", "qwen3-next-tp2"),
     tokens=(96,),
@@ -212,7 +216,7 @@ def test_a_raw_engine_that_writes_nothing_is_caught(monkeypatch: pytest.MonkeyPa
 
 @pytest.fixture
 def listener() -> Iterator[Listener]:
-    server = Listener("127.0.0.1:0", "s3cret", max_pool_bytes=64 << 20)
+    server = Listener("127.0.0.1:0", TOKEN, max_pool_bytes=64 << 20)
     thread = threading.Thread(target=server.serve, daemon=True)
     thread.start()
     yield server
@@ -225,7 +229,7 @@ def test_a_sweep_runs_its_decode_sides_through_a_listener(listener: Listener) ->
     grid = sweep.Grid(("llama-3-8b",), (16, 64), (16,), ("mixed",), (1, 2), reps=1, warmup=0, drivers=("mooncake-gdr",))
     runner = sweep.Sweep(
         grid,
-        spawn=lambda args: RemotePeer(listener.address, args, "s3cret"),
+        spawn=lambda args: RemotePeer(listener.address, args, TOKEN),
         clock_offset=lambda peer: peer.measure_clock(),  # type: ignore[attr-defined]
         remote=listener.address,
     )
@@ -234,7 +238,7 @@ def test_a_sweep_runs_its_decode_sides_through_a_listener(listener: Listener) ->
     assert doc["clock_error_ms"] > 0 and doc["remote"] == listener.address
     assert "decode sides at" in sweep.render(doc)
     # One host, one monotonic clock: each offset measured is zero within its own error bound.
-    peer = RemotePeer(listener.address, ["--driver", "fake", "--pages", "8", "--layers", "1"], "s3cret")
+    peer = RemotePeer(listener.address, QUICK_PEER, TOKEN)
     try:
         for _ in range(3):
             assert abs(peer.measure_clock()) <= peer.clock_error + 2e-4
@@ -243,23 +247,38 @@ def test_a_sweep_runs_its_decode_sides_through_a_listener(listener: Listener) ->
 
 
 def test_a_listener_refuses_strangers_foreign_arguments_and_oversized_pools(listener: Listener) -> None:
+    require_engines()
     with pytest.raises(KVTransportError, match="token"):
-        RemotePeer(listener.address, ["--driver", "fake"], "guess")
+        RemotePeer(listener.address, ["--driver", "mooncake-gdr"], "guess")
+    with pytest.raises(KVTransportError, match="real driver"):  # the test drivers map files a peer names
+        RemotePeer(listener.address, ["--driver", "fake"], TOKEN)
+    with pytest.raises(KVTransportError, match="page-tokens"):
+        RemotePeer(listener.address, ["--driver", "auto", "--page-tokens", str(1 << 30)], TOKEN)
+    with pytest.raises(KVTransportError, match="buffers"):
+        RemotePeer(listener.address, ["--driver", "auto", "--layers", "100000", "--item", "1"], TOKEN)
+    with pytest.raises(KVTransportError, match="integer"):
+        RemotePeer(listener.address, ["--driver", "auto", "--pages", "\u00b2"], TOKEN)
     with pytest.raises(KVTransportError, match="not allowed"):
-        RemotePeer(listener.address, ["--options", '{"x": "y"}'], "s3cret")
+        RemotePeer(listener.address, ["--options", '{"x": "y"}'], TOKEN)
     with pytest.raises(KVTransportError, match="exceeds"):
-        RemotePeer(listener.address, ["--pages", "100000", "--layers", "64", "--item", "32768"], "s3cret")
+        RemotePeer(
+            listener.address, ["--driver", "auto", "--pages", "100000", "--layers", "64", "--item", "32768"], TOKEN
+        )
     with pytest.raises(KVTransportError, match="exceeds"):  # aux slots are memory too
-        RemotePeer(listener.address, ["--aux-slots", "100000000000"], "s3cret")
+        RemotePeer(listener.address, ["--driver", "auto", "--aux-slots", "100000000000"], TOKEN)
     with pytest.raises(KVTransportError, match="must be an integer"):  # no negative to offset a huge state
-        RemotePeer(listener.address, ["--layers", "-1", "--state", "[[1000, 1000000, 1000]]"], "s3cret")
+        RemotePeer(
+            listener.address, ["--driver", "auto", "--layers", "-1", "--state", "[[1000, 1000000, 1000]]"], TOKEN
+        )
     for state in ("[[1e400, 1, 1]]", "[[1.5, 1, 1]]", "[[Infinity, 1, 1]]", "{}", "[" * 5000):
         with pytest.raises(KVTransportError, match="state"):
-            RemotePeer(listener.address, ["--state", state], "s3cret")
+            RemotePeer(listener.address, ["--driver", "auto", "--state", state], TOKEN)
     with pytest.raises(KVTransportError, match="token"):
-        RemotePeer(listener.address, ["--driver", "fake"], "s3crét")
+        RemotePeer(listener.address, ["--driver", "mooncake-gdr"], TOKEN[:-1] + "é")
+    with pytest.raises(ConfigError, match="at least 16"):
+        Listener("127.0.0.1:0", "short")
     # ... and keeps serving the client that has the token.
-    peer = RemotePeer(listener.address, ["--driver", "fake", "--pages", "8", "--layers", "1"], "s3cret")
+    peer = RemotePeer(listener.address, QUICK_PEER, TOKEN)
     try:
         assert abs(peer.measure_clock()) <= peer.clock_error + 1e-3
     finally:
@@ -271,11 +290,13 @@ ALLOWED = {"--driver", "--pages", "--layers", "--item", "--aux-slots", "--name",
 
 @given(st.lists(st.sampled_from([*ALLOWED, "--private", "--mla", "--options", "--device", "--timeouts", "4", "x"])))
 def test_listener_arguments_are_whitelisted(args: list[str]) -> None:
+    args = ["--driver", "auto", *args]
     try:
         out = checked_args(args, 1 << 40)
     except ConfigError:
         return
-    assert out == args  # accepted unchanged, or refused: never rewritten
+    # accepted unchanged but for private memory, or refused
+    assert out == (args if "--private" in args else [*args, "--private"])
     i = 0
     while i < len(args):  # every position is a known flag, or the value right after a valued one
         assert args[i] in ALLOWED | {"--private", "--mla"}
@@ -285,7 +306,7 @@ def test_listener_arguments_are_whitelisted(args: list[str]) -> None:
 @pytest.mark.parametrize("flag", ["--options", "--device", "--timeouts", "--seed", "--listen"])
 def test_listener_refuses_arguments_beyond_the_pool(flag: str) -> None:
     with pytest.raises(ConfigError, match="not allowed"):
-        checked_args([flag, "1"], 1 << 30)
+        checked_args(["--driver", "auto", flag, "1"], 1 << 30)
 
 
 def test_sweep_cli_json_and_text(tmp_path: Path) -> None:
@@ -315,6 +336,7 @@ def test_a_stranger_that_sends_nothing_or_floods_cannot_stop_the_listener(
 
     from kvtransport import bench_remote
 
+    require_engines()
     monkeypatch.setattr(bench_remote, "REQUEST_TIMEOUT_S", 0.5)
     silent = [socket.create_connection(("127.0.0.1", int(listener.address.rsplit(":", 1)[1]))) for _ in range(40)]
     try:
@@ -323,7 +345,7 @@ def test_a_stranger_that_sends_nothing_or_floods_cannot_stop_the_listener(
         import time
 
         time.sleep(1.0)  # every silent one is past its deadline and dropped
-        peer = RemotePeer(listener.address, ["--driver", "fake", "--pages", "8", "--layers", "1"], "s3cret")
+        peer = RemotePeer(listener.address, QUICK_PEER, TOKEN)
         peer.close()
     finally:
         for conn in silent:
@@ -339,19 +361,17 @@ def test_one_workload_between_hosts_runs_with_the_benchs_own_flags(tmp_path: Pat
     import sys
     import time
 
-    env = {**os.environ, "KVTRANSPORT_BENCH_TOKEN": "tok"}
-    server = subprocess.Popen(
-        [sys.executable, "-m", "kvtransport.cli", "bench", "--listen", "127.0.0.1:0"],
-        env=env,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    env = {**os.environ, "KVTRANSPORT_BENCH_TOKEN": TOKEN}
+    log = tmp_path / "listener.log"  # a file, not a pipe: the peers log there too, and never block
+    with open(log, "w") as sink:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "kvtransport.cli", "bench", "--listen", "127.0.0.1:0"], env=env, stderr=sink
+        )
     try:
-        assert server.stderr is not None
-        line = server.stderr.readline()
         deadline = time.monotonic() + 30
-        while "serving decode sides on" not in line and time.monotonic() < deadline:
-            line = server.stderr.readline()
+        while "serving decode sides on" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        line = next(x for x in log.read_text().splitlines() if "serving decode sides on" in x)
         address = line.rsplit(" ", 1)[1].strip()
         proc = run_cli(
             "bench",
@@ -364,7 +384,7 @@ def test_one_workload_between_hosts_runs_with_the_benchs_own_flags(tmp_path: Pat
             "--no-baseline",
             "--json",
             timeout=240,
-            env={"KVTRANSPORT_BENCH_TOKEN": "tok"},
+            env={"KVTRANSPORT_BENCH_TOKEN": TOKEN},
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
         doc = json.loads(proc.stdout)

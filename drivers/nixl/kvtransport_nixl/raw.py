@@ -4,7 +4,7 @@ transfer of the same descriptors, completion by spinning on ``check_xfer_state``
 The agents run without NIXL's progress thread: the Python API starts it with no delay, so
 each raw agent would spin a core for as long as it exists, idle or not, and on a small host
 slow down every other path the bench measures beside it. Instead a thread of ours progresses
-the agent every millisecond (UCX needs the target to accept its connection), and the writer
+the agent every 5 ms (UCX needs the target to accept its connection), and the writer
 progresses its transfer itself through ``check_xfer_state``."""
 
 from __future__ import annotations
@@ -46,6 +46,9 @@ class RawNixl:
         self._peer = ""
         self._peer_dev = 0
         self._lock = threading.Lock()  # one caller of the agent at a time
+        #: A transfer that outlived its deadline: kept (releasing it could free what the engine
+        #: still writes from), and no further write goes through this agent.
+        self._stuck: Any = None
         self._closed = threading.Event()
         self._progress = threading.Thread(target=self._progress_loop, name="raw-nixl-progress", daemon=True)
         self._progress.start()
@@ -74,6 +77,8 @@ class RawNixl:
         local = np.stack([runs.src, runs.length, np.full(n, self._dev, np.uint64)], axis=1)
         remote = np.stack([runs.dst, runs.length, np.full(n, self._peer_dev, np.uint64)], axis=1)
         with self._lock:
+            if self._stuck is not None:
+                raise RuntimeError("an earlier NIXL transfer never finished; this raw engine is unusable")
             self._write(local, remote)
 
     def _write(self, local: Any, remote: Any) -> None:
@@ -89,6 +94,7 @@ class RawNixl:
             state = self._agent.check_xfer_state(handle)
         if state == "PROC":
             # Still running: releasing the handle now could free what the engine writes from.
+            self._stuck = handle
             raise RuntimeError(f"NIXL transfer still running after {WRITE_TIMEOUT_S:.0f} s")
         self._agent.release_xfer_handle(handle)
         if state != "DONE":
@@ -97,6 +103,16 @@ class RawNixl:
     def close(self) -> None:
         self._closed.set()
         self._progress.join(5)
+        with self._lock:
+            self._teardown()
+
+    def _teardown(self) -> None:
+        if self._stuck is not None:
+            try:
+                self._agent.release_xfer_handle(self._stuck)
+            except Exception:  # noqa: BLE001 - best effort: the engine may still hold it
+                pass
+            self._stuck = None
         if self._peer:
             self._agent.remove_remote_agent(self._peer)
         self._agent.deregister_memory(self._reg)
