@@ -142,6 +142,8 @@ class Listener:
         self._children: list[subprocess.Popen[bytes]] = []
         self._reserved = 0  # sessions past the token check whose peer is being started
         self._lock = threading.Lock()
+        #: Notified whenever a session gives back its reservation (``close`` waits for none).
+        self._settled = threading.Condition(self._lock)
         #: Connections that have not yet sent their request: a stranger cannot hold more.
         self._unproven = threading.BoundedSemaphore(MAX_UNPROVEN)
         self._unproven_from: dict[str, int] = {}
@@ -224,6 +226,7 @@ class Listener:
                 self._children.append(child)
                 self._reserved -= 1
                 reserved = False
+                self._settled.notify_all()
                 late = self.stop.is_set()
             if late:
                 child.terminate()
@@ -237,12 +240,16 @@ class Listener:
             if reserved:
                 with self._lock:
                     self._reserved -= 1
+                    self._settled.notify_all()
             conn.close()  # the child holds its own copy
 
     def close(self) -> None:
         self.stop.set()
         self.sock.close()
         with self._lock:
+            # A session past the token check may be starting its peer: let it finish, so that
+            # peer is in the list below (no new one starts once ``stop`` is set).
+            self._settled.wait_for(lambda: self._reserved == 0, timeout=10)
             children, self._children = self._children, []
         for c in children:
             c.terminate()
