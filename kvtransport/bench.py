@@ -18,6 +18,7 @@ import dataclasses
 import math
 import statistics
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
@@ -26,7 +27,7 @@ import numpy.typing as npt
 
 from .baseline import RawEngine, raw_engine_of
 from .driver import KVTransport
-from .endpoint import Connection, Endpoint, State
+from .endpoint import Connection, Endpoint, State, Transfer
 from .errors import KVTransportError, NegotiationError
 from .kv_pool import KVPool
 from .peer_process import Peer, PeerProcess
@@ -145,9 +146,8 @@ class Report:
         def stats(values: list[float]) -> dict[str, float]:
             if not values:
                 return {}
-            ordered = sorted(values)
-            p90 = ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)]
-            med = statistics.median(ordered)
+            p90 = nearest_rank(values, 0.9)
+            med = statistics.median(values)
             return {
                 "median_gbps": round(self._gbps(med), 3),
                 "p50_ms": round(med * 1e3, 2),
@@ -280,6 +280,23 @@ class Progress:
         elif self.done * 4 // self.total > self._quarter:
             self._quarter = self.done * 4 // self.total
             self.note(f"{self.done}/{self.total} {self.unit} {detail}")
+
+
+def nearest_rank(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` by nearest rank (one of the values; the largest for a
+    high ``q`` over few values)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def await_announced(senders: Iterable[Transfer], timeout: float) -> None:
+    """Return once no sender still waits for the receiver's announcement of its pages;
+    :class:`KVTransportError` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while any(s.state is State.BOOTSTRAPPING for s in senders):
+        if time.monotonic() > deadline:
+            raise KVTransportError("the decode side's announcements did not arrive")
+        time.sleep(0.0005)
 
 
 def _classes(driver: str | None) -> dict[str, type[KVTransport]] | None:
@@ -548,11 +565,7 @@ def in_flight(
                 peer.call("poison", pages=dst_all, timeout=timeout)
                 peer.call("expect", transfers={t: d for t, (_, d) in tags.items()}, timeout=timeout)
                 senders = {t: conn.sender(t) for t in tags}
-                deadline = time.monotonic() + timeout
-                while any(s.state is State.BOOTSTRAPPING for s in senders.values()):
-                    if time.monotonic() > deadline:
-                        raise KVTransportError("the decode side's announcements did not arrive")
-                    time.sleep(0.0005)
+                await_announced(senders.values(), timeout)
                 start = time.monotonic()
                 for t, (src, _) in tags.items():
                     senders[t].send(src, last=True)

@@ -29,8 +29,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
+from .bounded import ConnectionQuota
 from .errors import ConfigError, KVTransportError
 
 log = logging.getLogger(__name__)
@@ -145,8 +147,7 @@ class Listener:
         #: Notified whenever a session gives back its reservation (``close`` waits for none).
         self._settled = threading.Condition(self._lock)
         #: Connections that have not yet sent their request: a stranger cannot hold more.
-        self._unproven = threading.BoundedSemaphore(MAX_UNPROVEN)
-        self._unproven_from: dict[str, int] = {}
+        self._unproven = ConnectionQuota(MAX_UNPROVEN, MAX_UNPROVEN_PER_HOST)
         self.stop = threading.Event()
 
     def serve(self) -> None:
@@ -165,17 +166,13 @@ class Listener:
                     time.sleep(0.5)
                     continue
                 source = _host_of(conn)
-                with self._lock:
-                    crowded = self._unproven_from.get(source, 0) >= MAX_UNPROVEN_PER_HOST
-                if crowded or not self._unproven.acquire(blocking=False):
+                if not self._unproven.admit(source):
                     _refuse(conn, "busy: too many connections still owe their request; try again")
                     continue
-                with self._lock:
-                    self._unproven_from[source] = self._unproven_from.get(source, 0) + 1
                 try:
                     threading.Thread(target=self._session, args=(conn, source), daemon=True).start()
                 except RuntimeError:
-                    self._proven(source)
+                    self._unproven.release(source)
                     conn.close()
         finally:
             self.close()
@@ -184,23 +181,13 @@ class Listener:
         with self._lock:
             self._children = [c for c in self._children if c.poll() is None]
 
-    def _proven(self, source: str) -> None:
-        """A connection's request is in (or it gave up): its unproven slot is free."""
-        self._unproven.release()
-        with self._lock:
-            left = self._unproven_from.get(source, 1) - 1
-            if left > 0:
-                self._unproven_from[source] = left
-            else:
-                self._unproven_from.pop(source, None)
-
     def _session(self, conn: socket.socket, source: str) -> None:
         reserved = False
         try:
             try:
                 request = _read_line(conn, time.monotonic() + REQUEST_TIMEOUT_S)
             finally:
-                self._proven(source)
+                self._unproven.release(source)  # its request is in, or it gave up
             msg = json.loads(request)
             if not isinstance(msg, dict) or not hmac.compare_digest(
                 str(msg.get("token", "")).encode(), self.token.encode()
@@ -373,6 +360,13 @@ class RemotePeer:
                 f.close()
             except OSError:
                 pass
+
+
+def remote_peers(address: str, timeout: float) -> Callable[[list[str]], RemotePeer]:
+    """What ``--connect HOST:PORT`` starts decode sides with: peers served by the listener
+    there, under the token in ``KVTRANSPORT_BENCH_TOKEN``."""
+    token = token_from_env()
+    return lambda args: RemotePeer(address, args, token, timeout)
 
 
 def token_from_env() -> str:

@@ -286,10 +286,9 @@ def calibrate_cmd(args: argparse.Namespace) -> int:
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     spawn = None
     if args.connect:
-        from .bench_remote import RemotePeer, token_from_env
+        from .bench_remote import remote_peers
 
-        address, token, timeout = args.connect, token_from_env(), args.timeout
-        spawn = lambda peer_args: RemotePeer(address, peer_args, token, timeout)  # noqa: E731
+        spawn = remote_peers(args.connect, args.timeout)
     with native_stdout_to_stderr():
         report = calibrate(
             args.driver,
@@ -469,11 +468,10 @@ def _sweep(args: argparse.Namespace) -> int:
         require_matplotlib()
     runner = sweep.Sweep(grid, timeout=args.timeout, progress=sys.stderr)
     if args.connect:
-        from .bench_remote import RemotePeer, token_from_env
+        from .bench_remote import remote_peers
 
-        address, token, timeout = args.connect, token_from_env(), args.timeout
-        runner.remote = address
-        runner.spawn = lambda peer_args: RemotePeer(address, peer_args, token, timeout)
+        runner.remote = args.connect
+        runner.spawn = remote_peers(args.connect, args.timeout)
         runner.clock_offset = lambda peer: peer.measure_clock()  # type: ignore[attr-defined]
     with native_stdout_to_stderr():
         doc = runner.run()

@@ -19,11 +19,12 @@ request. Per layout and path: the handshake's time. A point whose pools would ex
 from __future__ import annotations
 
 import base64
+import json
 import math
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, TextIO
@@ -31,7 +32,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from .baseline import RawEngine, raw_engine_of
-from .bench import Progress
+from .bench import Progress, await_announced, nearest_rank
 from .bench_remote import listen_url
 from .endpoint import Connection, Endpoint, State
 from .errors import ConfigError, KVTransportError, NegotiationError
@@ -124,10 +125,6 @@ class Layout:
     state_slots: int
 
     @property
-    def regions(self) -> int:
-        return self.preset.layers * self.preset.kv_per_layer
-
-    @property
     def item_len(self) -> int:
         return self.preset.page_bytes(self.page_tokens)
 
@@ -141,7 +138,7 @@ class Layout:
     def pool(self) -> KVPool:
         return KVPool(
             self.pool_pages,
-            self.regions,
+            self.preset.regions,
             self.item_len,
             0,
             shared=False,
@@ -151,12 +148,10 @@ class Layout:
         )
 
     def peer_args(self, driver: str) -> list[str]:
-        args = ["--driver", driver, "--pages", str(self.pool_pages), "--layers", str(self.regions)]
+        args = ["--driver", driver, "--pages", str(self.pool_pages), "--layers", str(self.preset.regions)]
         args += ["--item", str(self.item_len), "--aux-slots", "0", "--private", "--name", "decode"]
         args += ["--page-tokens", str(self.page_tokens)]
         if self.state:
-            import json
-
             args += ["--state", json.dumps([list(g) for g in self.state])]
         if self.preset.kv_per_layer == 1:
             args.append("--mla")
@@ -220,11 +215,6 @@ def draw_pages(rng: np.random.Generator, placement: str, n: int, k: int, total: 
     raise ConfigError(f"unknown placement {placement!r}")
 
 
-def _nearest_rank(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
 @dataclass
 class PathResult:
     """One path at one point: per timed round its seconds and CPU, per request its latency."""
@@ -249,7 +239,7 @@ class PathResult:
             out["round_p50_ms"] = round(med * 1e3, 3)
         if self.latencies_s:
             out["p50_ms"] = round(statistics.median(self.latencies_s) * 1e3, 3)
-            out["p99_ms"] = round(_nearest_rank(self.latencies_s, 0.99) * 1e3, 3)
+            out["p99_ms"] = round(nearest_rank(self.latencies_s, 0.99) * 1e3, 3)
         if self.cpu_s and round_bytes:
             out["cpu_s_per_gb"] = round(statistics.median(self.cpu_s) / (round_bytes / 1e9), 3)
         if self.descriptor_counts:
@@ -270,7 +260,8 @@ class Pair:
     connect_s: float
     #: Offset of the peer's monotonic clock against ours (0 on one host), measured per point.
     clock_offset: float = 0.0
-    #: CPU seconds per second the peer process spends with nothing to do (subtracted).
+    #: CPU seconds per second the peer process spends with nothing to do (reported; not
+    #: subtracted, since that process serves this path alone).
     idle_cpu: float = 0.0
     #: Set once the peer's protocol may be out of step (it failed or timed out a command).
     broken: str = ""
@@ -400,9 +391,9 @@ class Sweep:
                 self.doc["clock_error_ms"] = round(max(self.doc["clock_error_ms"], error), 3)
 
     def _idle_rates(self, pairs: list[Pair], seconds: float = 0.5) -> float:
-        """CPU seconds per second this process and each peer use with nothing moving: what the
-        endpoints of the other paths, their engines' threads and heartbeats cost meanwhile,
-        subtracted from each path's CPU."""
+        """CPU seconds per second this process (returned) and each peer (``Pair.idle_cpu``) use
+        with nothing moving. This process's rate, what the other paths' endpoints, engines and
+        heartbeats cost meanwhile, is subtracted from each path's CPU."""
         before = {p.label: float(p.peer.call("cpu", timeout=self.timeout)["cpu"]) for p in pairs}
         here = time.process_time()
         time.sleep(seconds)
@@ -498,6 +489,7 @@ class Sweep:
             if p.broken:
                 results[p.label].error = p.broken
         labels = list(results)
+        by_label = {p.label: p for p in pairs}
         planning: list[float] = []
         copy = _Memcpy(pool, layout, n, k)
         peer_regions = pairs[0].conn.peer_regions
@@ -520,7 +512,7 @@ class Sweep:
                 result = results[label]
                 if result.error:
                     continue
-                pair = next((p for p in pairs if p.label == label), None)
+                pair = by_label.get(label)
                 try:
                     if result.kind == "kvtransport":
                         assert pair is not None
@@ -558,11 +550,7 @@ class Sweep:
             "expect", transfers=dict(zip(tags, work.dst, strict=True)), state=state, timeout=timeout
         )["cpu"]
         senders = [conn.sender(t) for t in tags]
-        deadline = time.monotonic() + timeout
-        while any(s.state is State.BOOTSTRAPPING for s in senders):
-            if time.monotonic() > deadline:
-                raise KVTransportError("the decode side's announcements did not arrive")
-            time.sleep(0.0002)
+        await_announced(senders, timeout)
         before = time.process_time()
         start = time.monotonic()
         for j, s in enumerate(senders):
@@ -695,10 +683,11 @@ class _Memcpy:
         self.pool, self.n, self.k = pool, n, k
         self.size = n * layout.item_len
         self.items = [item for item, _ in layout.preset.state]
-        per_request = self.size * len(pool.buffers) + sum(
-            i * b for i, (_, b) in zip(self.items, layout.preset.state, strict=True)
-        )
-        self.dst = np.empty(per_request * k, np.uint8)
+        # Per request: one copy of its pages per KV region, one of its slot per state buffer.
+        self.lengths = [self.size] * len(pool.buffers) + [
+            i for i, g in zip(self.items, pool.state_buffers, strict=True) for _ in g
+        ]
+        self.dst = np.empty(layout.request_bytes(n) * k, np.uint8)
 
     def round(self, work: _Round, result: PathResult, idle_here: float, *, timed: bool) -> None:
         pool, size = self.pool, self.size
@@ -714,9 +703,7 @@ class _Memcpy:
                 for b in group:
                     spans.append((b.array, slot * item, at))
                     at += item
-        lengths = [size] * len(pool.buffers) + [
-            i for i, g in zip(self.items, pool.state_buffers, strict=True) for _ in g
-        ]
+        lengths = self.lengths
         before = time.process_time()
         start = time.monotonic()
         latencies, per = [], len(lengths)

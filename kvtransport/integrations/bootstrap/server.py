@@ -14,6 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, cast
 
 from ...auth import RateLimitedLog, Secret, control_plane_policy, load_secret
+from ...bounded import ConnectionQuota
 from ...errors import ConfigError, ProtocolError
 from .routes import (
     DEFAULT_MAX_ROOMS,
@@ -202,8 +203,7 @@ class _HTTPServer(ThreadingHTTPServer):
         self.table, self.rooms, self.verifier, self.request_timeout = table, rooms, verifier, request_timeout
         self.max_connections, self.max_per_client = max_connections, max_per_client
         self.warnings = RateLimitedLog(log)
-        self._open: dict[str, int] = {}
-        self._open_lock = threading.Lock()
+        self._quota = ConnectionQuota(max_connections, max_per_client)
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         # StreamRequestHandler applies its class attribute ``timeout`` to each connection's socket.
         handler = type("BootstrapHandler", (_Handler,), {"timeout": request_timeout})
@@ -216,40 +216,25 @@ class _HTTPServer(ThreadingHTTPServer):
 
     def process_request(self, request: Any, client_address: Any) -> None:
         client = str(client_address[0])
-        if not self._admit(client):
+        if not self._quota.admit(client):
             self.warnings.warning("bootstrap: too many connections open; closing one from %s", client)
             self._close_at_once(request)
             return
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._release(client)
+            self._quota.release(client)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._release(str(client_address[0]))
+            self._quota.release(str(client_address[0]))
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A client that vanishes mid-reply is routine; never a traceback on stderr.
         log.debug("bootstrap: connection from %s failed", client_address[0], exc_info=True)
-
-    def _admit(self, client: str) -> bool:
-        with self._open_lock:
-            if sum(self._open.values()) >= self.max_connections or self._open.get(client, 0) >= self.max_per_client:
-                return False
-            self._open[client] = self._open.get(client, 0) + 1
-        return True
-
-    def _release(self, client: str) -> None:
-        with self._open_lock:
-            left = self._open.get(client, 1) - 1
-            if left > 0:
-                self._open[client] = left
-            else:
-                self._open.pop(client, None)
 
     def _close_at_once(self, request: socket.socket) -> None:
         try:
