@@ -103,6 +103,11 @@ class Limits:
     max_queued_calls: int = 65536
     #: Distinct unknown peers remembered for "warn once" logging.
     max_warned_peers: int = 1024
+    #: A batch of at most this many bytes is handed to a ``thread_agnostic`` driver on the
+    #: thread that calls ``send`` (when the driver's thread is idle); bigger ones go through
+    #: the driver's thread, since an engine may copy inside ``submit`` (UCX's shared memory
+    #: does) and ``send`` should not take the copy's time.
+    inline_submit_bytes: int = 2 << 20
 
     ENV: ClassVar[dict[str, str]] = {
         "max_connections": "KVTRANSPORT_MAX_CONNECTIONS",
@@ -116,6 +121,7 @@ class Limits:
         "frames_per_pass": "KVTRANSPORT_FRAMES_PER_PASS",
         "max_queued_calls": "KVTRANSPORT_MAX_QUEUED_CALLS",
         "max_warned_peers": "KVTRANSPORT_MAX_WARNED_PEERS",
+        "inline_submit_bytes": "KVTRANSPORT_INLINE_SUBMIT_BYTES",
     }
 
     def __post_init__(self) -> None:

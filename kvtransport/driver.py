@@ -248,6 +248,12 @@ class KVTransport(ABC):
     #: a busy progress thread): the core calls ``progress()`` with back-off while any transfer
     #: of this driver is receiving here, and never when none is.
     progress_while_receiving: ClassVar[bool] = False
+    #: ``submit`` and ``poll`` may run on the thread that calls ``Transfer.send`` and on the
+    #: thread that calls ``context.completed``, when the driver's thread has nothing queued or
+    #: running: a thread hop fewer each (the hops, not the engine, are most of a small
+    #: request's latency). Calls stay one at a time; declare it only if the engine does not
+    #: care which thread calls it and ``submit`` never blocks.
+    thread_agnostic: ClassVar[bool] = False
     #: ``"module:Class"`` of a :class:`~kvtransport.baseline.RawEngine` that drives the same
     #: engine directly, for ``kvtransport bench`` to compare against; empty if none.
     raw_engine: ClassVar[str] = ""

@@ -262,7 +262,7 @@ class Endpoint:
             raise
         self.address = self.channel.address
         for name, driver in self.drivers.items():
-            self.runners[name] = DriverRunner(name, driver, self._post)
+            self.runners[name] = DriverRunner(name, driver, self.post)
         log.debug("endpoint %s listening on %s", self.name, self.address)
 
     # -- set-up ----------------------------------------------------------------------------
@@ -452,18 +452,22 @@ class Endpoint:
 
     # -- any thread --------------------------------------------------------------------------
 
-    def call(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the I/O thread (soon)."""
+    def check_running(self) -> None:
+        """Raise what :meth:`call` would raise now: the endpoint is closed or its I/O thread is down."""
         if self._closed:
             raise KVTransportError(f"endpoint {self.name} is closed")
         if self._down is not None:
             raise self._down
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the I/O thread (soon)."""
+        self.check_running()
         try:
             self.channel.call_soon(fn)
         except ChannelDown as exc:
             raise self._down or EndpointDown(f"endpoint {self.name}: {exc}") from exc
 
-    def _post(self, fn: Callable[[], None]) -> None:
+    def post(self, fn: Callable[[], None]) -> None:
         """From a runner thread: a driver call's result, to the I/O thread."""
         self.channel.call_soon(fn)
 
@@ -516,7 +520,8 @@ class Endpoint:
             driver.progress()
             return False
 
-        runner.watch(("progress",), progress, lambda _, error: None)
+        # Not spun: spinning here would take a core from the sender's own threads on a small host.
+        runner.watch(("progress",), progress, lambda _, error: None, spin=False)
 
     def next_batch_id(self) -> int:
         """Any thread (``next`` on an ``itertools.count`` is atomic)."""

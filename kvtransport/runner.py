@@ -2,8 +2,11 @@
 
 Each open driver gets one :class:`DriverRunner`, whose thread makes every call into the driver
 after ``open()`` (connect, submit, poll, abort, on_notice, inbound_idle, disconnect), so a
-driver sees one thread and the endpoint's I/O thread never waits on an engine: a ``connect``
-that takes a second stalls that driver's queue, never a heartbeat.
+driver sees one call at a time and the endpoint's I/O thread never waits on an engine: a
+``connect`` that takes a second stalls that driver's queue, never a heartbeat. A driver that
+declares ``thread_agnostic`` also takes a call on the thread that makes it (``call_here``: a
+sender's submit) or signals it (``signal``: a completion), while its runner has nothing queued
+or running: a thread hand-off fewer, which on a small host is most of a small request's latency.
 
 Completion: the runner keeps *watches* (an in-flight batch, a peer's inbound work) and checks
 each one when the driver signals it (``DriverContext.completed`` / ``inbound_progress``, from
@@ -62,6 +65,14 @@ class _Watch:
         self.then = then
 
 
+def _first_then(first: Callable[[], None], then: Then) -> Then:
+    def both(result: Any, error: KVTransportError | None) -> None:
+        first()
+        then(result, error)
+
+    return both
+
+
 class DriverRunner:
     def __init__(self, name: str, driver: KVTransport, post: Post) -> None:
         self.name = name
@@ -78,6 +89,12 @@ class DriverRunner:
         self._next_check = 0.0
         self._spin_until = 0.0
         self._stop = False
+        #: Set (under ``_cv``) while a thread runs driver calls: the runner's thread for what
+        #: it took off the queue, or a caller running a submit in place (``call_here``).
+        self._busy = False
+        self._inline = bool(getattr(driver, "thread_agnostic", False))
+        #: Calls run on their caller's thread (``call_here``).
+        self.inline_calls = 0
         #: Times the thread woke up (an idle runner does not).
         self.wakeups = 0
         self._thread = threading.Thread(target=self._run, name=f"kvtransport-driver {name}", daemon=True)
@@ -93,11 +110,54 @@ class DriverRunner:
             self._calls.append((fn, then))
             self._cv.notify()
 
-    def signal(self, key: Hashable) -> None:
-        """The driver says watch ``key`` may have finished: check it now."""
+    def call_here(self, fn: Callable[[], Any], then: Then | None = None) -> None:
+        """Like :meth:`call`, but run ``fn`` on this thread, now, when the driver allows it
+        (``thread_agnostic``) and its thread has nothing queued or running: calls stay one
+        at a time and in order, and a small request skips a thread hop on its way to the
+        engine. ``then`` still runs on the I/O thread."""
         with self._cv:
-            self._signals.add(key)
-            self._cv.notify()
+            if self._stop:
+                raise DriverError(f"{self.name}: the driver is closed")
+            if not self._claim_here():
+                self._calls.append((fn, then))
+                self._cv.notify()
+                return
+        try:
+            self.inline_calls += 1
+            self._run_call(fn, then)
+        finally:
+            self._release_here()
+
+    def signal(self, key: Hashable) -> None:
+        """The driver says watch ``key`` may have finished: check it now, on this thread when
+        the driver allows it (``thread_agnostic``) and its thread is idle, else on the
+        driver's thread."""
+        with self._cv:
+            if not self._claim_here():
+                self._signals.add(key)
+                self._cv.notify()
+                return
+        try:
+            w = self._watches.get(key)
+            if w is not None and self._check(key, w):
+                with self._cv:
+                    self._watches.pop(key, None)
+                    self._delay = POLL_MIN_S
+        finally:
+            self._release_here()
+
+    def _claim_here(self) -> bool:
+        """``_cv`` held: may this (non-runner) thread make driver calls now? If so it must
+        call :meth:`_release_here` after them."""
+        here = self._inline and not self._busy and not self._calls and not self._stop and not self.in_runner_thread()
+        if here:
+            self._busy = True
+        return here
+
+    def _release_here(self) -> None:
+        with self._cv:
+            self._busy = False
+            self._cv.notify()  # the thread re-reads its watches and anything queued meanwhile
 
     def signal_prefix(self, prefix: tuple[Any, ...]) -> None:
         """Check every watch whose key (a tuple) starts with ``prefix``."""
@@ -123,17 +183,33 @@ class DriverRunner:
 
     # -- driver thread ---------------------------------------------------------------------
 
-    def watch(self, key: Hashable, check: Callable[[], bool], then: Then) -> None:
+    def watch(
+        self,
+        key: Hashable,
+        check: Callable[[], bool],
+        then: Then,
+        first: Callable[[], None] | None = None,
+        *,
+        spin: bool = True,
+    ) -> None:
         """Driver thread: check ``check()`` until it returns ``True`` or raises, then post
-        ``then``. Checked once now (a batch that completed inside ``submit``)."""
-        w = _Watch(check, then)
-        if not self._check(key, w):
-            self._watches[key] = w
-            self._delay = POLL_MIN_S
-            now = time.monotonic()
-            self._next_check = now + self._delay
-            if not self._signalled_driver:
-                self._spin_until = now + SPIN_S
+        ``then``. Checked once now (a batch that completed inside ``submit``). ``first`` runs
+        on the I/O thread before ``then``: in the same wake-up when that first check ends it.
+        ``spin=False`` for a watch that only keeps an engine moving (no batch of its own ends
+        sooner for checking it back to back): back-off from the start."""
+        w = _Watch(check, then if first is None else _first_then(first, then))
+        done = self._check(key, w)
+        if not done and first is not None:
+            w.then = then
+            self._post_then(lambda _, __: first(), None, None)
+        if not done:
+            with self._cv:  # a caller's thread may add a watch (``call_here``)
+                self._watches[key] = w
+                self._delay = POLL_MIN_S
+                now = time.monotonic()
+                self._next_check = now + self._delay
+                if spin and not self._signalled_driver:
+                    self._spin_until = now + SPIN_S
 
     def unwatch(self, key: Hashable) -> None:
         self._watches.pop(key, None)
@@ -166,8 +242,8 @@ class DriverRunner:
         while True:
             spin = False
             with self._cv:
-                while not (self._calls or self._signals or self._prefixes or self._stop):
-                    if not self._watches:
+                while self._busy or not (self._calls or self._signals or self._prefixes or self._stop):
+                    if not self._watches or self._busy:
                         self._cv.wait()
                         continue
                     now = time.monotonic()
@@ -184,31 +260,48 @@ class DriverRunner:
                 calls, self._calls = self._calls, collections.deque()
                 signals, self._signals = self._signals, set()
                 prefixes, self._prefixes = self._prefixes, set()
-            for fn, then in calls:
-                try:
-                    result = fn()
-                except Exception as exc:  # noqa: BLE001 - contained to this call
-                    error = as_error(self.name, exc)
-                    if then is None:
-                        log.warning("%s: %s", self.name, error)
-                    else:
-                        self._post_then(then, None, error)
-                else:
-                    if then is not None:
-                        self._post_then(then, result, None)
-            for prefix in prefixes:
-                n = len(prefix)
-                signals.update(k for k in self._watches if isinstance(k, tuple) and k[:n] == prefix)
-            for key in signals:
-                w = self._watches.get(key)
-                if w is not None and self._check(key, w):
-                    self._watches.pop(key, None)
-                    self._delay = POLL_MIN_S
-            if spin:
-                time.sleep(0)  # let the engine's and the caller's threads run between checks
-                self._check_all()
-                continue
-            if self._watches and time.monotonic() >= self._next_check:
-                finished = self._check_all()
-                self._delay = POLL_MIN_S if finished else min(self._delay * 2, self._cap)
-                self._next_check = time.monotonic() + self._delay
+                self._busy = True
+            try:
+                self._work(calls, signals, prefixes, spin)
+            finally:
+                with self._cv:
+                    self._busy = False
+
+    def _run_call(self, fn: Callable[[], Any], then: Then | None) -> None:
+        try:
+            result = fn()
+        except Exception as exc:  # noqa: BLE001 - contained to this call
+            error = as_error(self.name, exc)
+            if then is None:
+                log.warning("%s: %s", self.name, error)
+            else:
+                self._post_then(then, None, error)
+        else:
+            if then is not None:
+                self._post_then(then, result, None)
+
+    def _work(
+        self,
+        calls: collections.deque[tuple[Callable[[], Any], Then | None]],
+        signals: set[Hashable],
+        prefixes: set[tuple[Any, ...]],
+        spin: bool,
+    ) -> None:
+        for fn, then in calls:
+            self._run_call(fn, then)
+        for prefix in prefixes:
+            n = len(prefix)
+            signals.update(k for k in self._watches if isinstance(k, tuple) and k[:n] == prefix)
+        for key in signals:
+            w = self._watches.get(key)
+            if w is not None and self._check(key, w):
+                self._watches.pop(key, None)
+                self._delay = POLL_MIN_S
+        if spin:
+            time.sleep(0)  # let the engine's and the caller's threads run between checks
+            self._check_all()
+            return
+        if self._watches and time.monotonic() >= self._next_check:
+            finished = self._check_all()
+            self._delay = POLL_MIN_S if finished else min(self._delay * 2, self._cap)
+            self._next_check = time.monotonic() + self._delay

@@ -396,15 +396,28 @@ class Session:
                     runs.total_bytes,
                     transfer.predicted_s * 1e3,
                 )
-        # The I/O thread learns of the batch first, then the driver's thread gets it straight
-        # from here (one thread hop fewer on the way to the engine); its result reaches the I/O
-        # thread after the bookkeeping below, through the same queue.
-        ep.call(lambda: self.submitted(transfer, bid, runs.total_bytes, last))
-        if bid:
-            lane.runner.call(
-                lambda: self._driver_submit(lane, transfer, bid, runs),
-                lambda _, error: self.batch_failed(transfer, bid, error) if error else None,
-            )
+
+        def noted() -> None:
+            self.submitted(transfer, bid, runs.total_bytes, last)
+
+        if not bid:
+            ep.call(noted)
+            return
+        ep.check_running()
+
+        def submit() -> None:
+            self._driver_submit(lane, transfer, bid, runs, noted)
+
+        def failed(_: Any, error: KVTransportError | None) -> None:
+            if error is not None:
+                self.batch_failed(transfer, bid, error)
+
+        if runs.total_bytes <= ep.limits.inline_submit_bytes:
+            # On this thread when the driver allows it and its thread is idle: a small request
+            # then reaches the engine with no thread hop.
+            lane.runner.call_here(submit, failed)
+        else:
+            lane.runner.call(submit, failed)
 
     def shape(self, *, sending: bool) -> PairShape:
         """What this side moves into the peer's pages (``sending``), or the peer into this
@@ -943,11 +956,20 @@ class Session:
 
     # -- driver thread -------------------------------------------------------------------------
 
-    def _driver_submit(self, lane: Lane, transfer: Transfer, bid: int, runs: Runs) -> None:
+    def _driver_submit(self, lane: Lane, transfer: Transfer, bid: int, runs: Runs, noted: Callable[[], None]) -> None:
+        """Driver thread (or the sender's, ``call_here``): hand the batch to the driver and watch
+        it. The I/O thread hears of the batch (``noted``) after the engine has it, so that no
+        wake-up of the I/O thread competes with posting it, and before its result, in the
+        same wake-up when the engine finished it inside ``submit``."""
         driver, runner = lane.driver, lane.runner
         if transfer.state.final or transfer.driver_stopped:
+            self.endpoint.post(noted)
             return  # failed or aborted before its batch got here: nothing may be written now
-        handle = driver.submit(self.id, runs)
+        try:
+            handle = driver.submit(self.id, runs)
+        except BaseException:
+            self.endpoint.post(noted)  # before the failure, which the runner posts next
+            raise
         lane.handles[bid] = (handle, transfer)
 
         def check() -> bool:
@@ -963,7 +985,7 @@ class Session:
                 lane.handles.pop(bid, None)
             return done
 
-        runner.watch(("batch", handle), check, lambda _, error: self.batch_finished(transfer, bid, error))
+        runner.watch(("batch", handle), check, lambda _, error: self.batch_finished(transfer, bid, error), noted)
 
     def _driver_abort(
         self, lane: Lane, transfer: Transfer, tag: str, then: Callable[[KVTransportError | None], None]

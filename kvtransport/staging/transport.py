@@ -22,6 +22,8 @@ class StagedTransport(KVTransport):
     the pages the peer's transfers announced (``context.check_inbound``) before it is written."""
 
     signals_completion: ClassVar[bool] = True
+    #: Posting (or queueing for the pipeline) never blocks, and the engine takes calls from any thread.
+    thread_agnostic: ClassVar[bool] = True
     _pipeline: StagingPipeline | None = None
 
     @property

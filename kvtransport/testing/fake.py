@@ -48,6 +48,8 @@ class FakeDriver(KVTransport):
     capabilities: ClassVar[Capabilities] = Capabilities(
         reads=frozenset({"host"}), writes=frozenset({"host"}), same_host_only=True
     )
+    #: Pure Python, no thread state: the core's tests cover submits and polls from the caller's thread.
+    thread_agnostic: ClassVar[bool] = True
 
     @classmethod
     def probe(cls) -> DriverStatus:

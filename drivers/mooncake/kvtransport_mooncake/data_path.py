@@ -66,6 +66,8 @@ class MooncakeDataPath(KVTransport):
     #: Small batches are posted at once and polled (by the core's runner, which spins briefly);
     #: large ones are written by a worker, whose future signals the core when it is done.
     signals_completion: ClassVar[bool] = False
+    #: Posting (or queueing for the pipeline) never blocks, and the engine takes calls from any thread.
+    thread_agnostic: ClassVar[bool] = True
 
     def __init__(self, context: DriverContext) -> None:
         super().__init__(context)

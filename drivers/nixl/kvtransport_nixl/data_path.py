@@ -82,6 +82,8 @@ class NixlDataPath(KVTransport):
     core calls ``progress`` on the receiving side while transfers are arriving."""
 
     progress_while_receiving: ClassVar[bool] = True
+    #: Posting a WRITE never blocks, and the agent takes calls (one at a time) from any thread.
+    thread_agnostic: ClassVar[bool] = True
 
     def __init__(self, context: DriverContext) -> None:
         super().__init__(context)

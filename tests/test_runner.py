@@ -1,0 +1,207 @@
+"""The driver runner: calls one at a time and in order, on the caller's thread only when the
+driver allows it and the runner is idle, and completions checked where they are signalled."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from kvtransport.config import Limits
+from kvtransport.driver import KVTransport
+from kvtransport.endpoint import Endpoint, State
+from kvtransport.kv_pool import KVPool
+from kvtransport.runner import DriverRunner
+from kvtransport.testing.fake import FakeDriver
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class _Engine:
+    """What the runner reads of a driver: its two class flags. It records who called it."""
+
+    signals_completion = True
+
+    def __init__(self, thread_agnostic: bool) -> None:
+        self.thread_agnostic = thread_agnostic
+
+
+class _Posted:
+    """Stands in for the I/O thread: what the runner posts, run by the test."""
+
+    def __init__(self) -> None:
+        self.q: queue.Queue[Callable[[], None]] = queue.Queue()
+
+    def __call__(self, fn: Callable[[], None]) -> None:
+        self.q.put(fn)
+
+    def run(self, n: int, timeout: float = 5.0) -> None:
+        for _ in range(n):
+            self.q.get(timeout=timeout)()
+
+
+def _runner(thread_agnostic: bool) -> tuple[DriverRunner, _Posted]:
+    posted = _Posted()
+    return DriverRunner("stub", _Engine(thread_agnostic), posted), posted  # type: ignore[arg-type]
+
+
+def test_call_here_runs_on_the_callers_thread_when_idle() -> None:
+    runner, posted = _runner(True)
+    try:
+        seen: list[Any] = []
+        runner.call_here(lambda: threading.get_ident(), lambda result, error: seen.append((result, error)))
+        posted.run(1)
+        assert seen == [(threading.get_ident(), None)]
+        assert runner.inline_calls == 1
+    finally:
+        assert runner.stop()
+
+
+def test_call_here_goes_through_the_thread_unless_the_driver_allows_it() -> None:
+    runner, posted = _runner(False)
+    try:
+        seen: list[Any] = []
+        runner.call_here(lambda: threading.get_ident(), lambda result, error: seen.append(result))
+        posted.run(1)
+        assert seen and seen[0] != threading.get_ident()
+        assert runner.inline_calls == 0
+    finally:
+        assert runner.stop()
+
+
+def test_a_busy_runner_queues_in_order_and_calls_never_overlap() -> None:
+    runner, posted = _runner(True)
+    release = threading.Event()
+    inside = threading.Lock()
+    order: list[int] = []
+    overlaps: list[int] = []
+
+    def step(i: int, block: bool = False) -> Callable[[], int]:
+        def fn() -> int:
+            if not inside.acquire(blocking=False):
+                overlaps.append(i)
+                return i
+            try:
+                if block:
+                    release.wait(5)
+                order.append(i)
+                return threading.get_ident()
+            finally:
+                inside.release()
+
+        return fn
+
+    try:
+        runner.call(step(0, block=True))
+        time.sleep(0.05)  # the runner's thread is inside call 0 now
+        for i in range(1, 5):
+            runner.call_here(step(i))  # must queue behind call 0, not run beside it
+        assert order == [] and runner.inline_calls == 0
+        release.set()
+        deadline = time.monotonic() + 5
+        while len(order) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert order == [0, 1, 2, 3, 4]
+        # From many threads at once: every call ran alone.
+        threads = [
+            threading.Thread(target=lambda k=k: [runner.call_here(step(100 * k + j)) for j in range(50)])
+            for k in range(1, 5)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        deadline = time.monotonic() + 5
+        while len(order) < 205 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(order) == 205 and not overlaps
+        for k in range(1, 5):
+            mine = [i for i in order if 100 * k <= i < 100 * k + 50]
+            assert mine == sorted(mine), "one thread's calls ran out of order"
+    finally:
+        release.set()
+        assert runner.stop()
+    assert posted.q.empty()  # no ``then`` was given
+
+
+def test_a_signalled_watch_is_checked_on_the_signalling_thread() -> None:
+    runner, posted = _runner(True)
+    done = threading.Event()
+    checked_on: list[int] = []
+
+    def check() -> bool:
+        checked_on.append(threading.get_ident())
+        return done.is_set()
+
+    results: list[Any] = []
+    try:
+        runner.call(lambda: runner.watch(("batch", 1), check, lambda r, e: results.append((r, e)), lambda: None))
+        posted.run(1)  # ``first``: the batch is known to the I/O thread before its result
+        assert checked_on and runner.watching == 1
+        done.set()
+        signaller: list[int] = []
+
+        def signal() -> None:
+            signaller.append(threading.get_ident())
+            runner.signal(("batch", 1))
+
+        t = threading.Thread(target=signal)
+        t.start()
+        t.join(5)
+        posted.run(1)
+        assert results == [(True, None)]
+        assert checked_on[-1] == signaller[0]
+        assert runner.watching == 0
+    finally:
+        assert runner.stop()
+
+
+def test_a_watch_done_at_once_posts_first_and_result_in_one_call() -> None:
+    runner, posted = _runner(True)
+    events: list[str] = []
+    try:
+        runner.call_here(
+            lambda: runner.watch(
+                ("batch", 2), lambda: True, lambda r, e: events.append("result"), lambda: events.append("first")
+            )
+        )
+        posted.run(1)
+        assert events == ["first", "result"]
+        assert posted.q.empty()
+    finally:
+        assert runner.stop()
+
+
+@pytest.mark.parametrize("inline_bytes", [Limits().inline_submit_bytes, 1])
+def test_send_submits_small_batches_on_the_callers_thread(inline_bytes: int) -> None:
+    """Through an endpoint pair on the fake driver: a batch within ``inline_submit_bytes``
+    is submitted on the sender's thread, a bigger one on the driver's thread; both land."""
+    a_pool, b_pool = KVPool(16, 2, 512, 4), KVPool(16, 2, 512, 4)
+    a_pool.fill(3)
+    drivers: dict[str, type[KVTransport]] = {"fake": FakeDriver}
+    try:
+        with (
+            Endpoint(
+                a_pool.regions, a_pool.layout, drivers=drivers, limits=Limits(inline_submit_bytes=inline_bytes)
+            ) as a,
+            Endpoint(b_pool.regions, b_pool.layout, drivers=drivers) as b,
+        ):
+            recv_conn = b.connect(a.address)
+            send_conn = a.accept(5)
+            rx = recv_conn.expect("t", [5, 6])
+            tx = send_conn.sender("t")
+            deadline = time.monotonic() + 5
+            while tx.state is State.BOOTSTRAPPING and time.monotonic() < deadline:
+                time.sleep(0.001)
+            tx.send([1, 2])
+            tx.wait(10)
+            rx.wait(10)
+            assert a.runners["fake"].inline_calls == (1 if inline_bytes > 1 else 0)
+            assert b_pool.page_digests([5, 6]) == a_pool.page_digests([1, 2])
+    finally:
+        a_pool.close()
+        b_pool.close()
