@@ -198,10 +198,12 @@ class DriverRunner:
         ``spin=False`` for a watch that only keeps an engine moving (no batch of its own ends
         sooner for checking it back to back): back-off from the start."""
         w = _Watch(check, then if first is None else _first_then(first, then))
-        done = self._check(key, w)
+        # ``first`` must reach the I/O thread: posting it raises (``ChannelDown``) rather than
+        # dropping it, and the watch is not kept then.
+        done = self._check(key, w, strict=first is not None)
         if not done and first is not None:
             w.then = then
-            self._post_then(lambda _, __: first(), None, None)
+            self._post(first)
         if not done:
             with self._cv:  # a caller's thread may add a watch (``call_here``)
                 self._watches[key] = w
@@ -214,16 +216,21 @@ class DriverRunner:
     def unwatch(self, key: Hashable) -> None:
         self._watches.pop(key, None)
 
-    def _check(self, key: Hashable, w: _Watch) -> bool:
-        """``True`` when the watch is over (its result posted)."""
+    def _check(self, key: Hashable, w: _Watch, strict: bool = False) -> bool:
+        """``True`` when the watch is over (its result posted; ``strict``: or raised, when
+        the I/O thread would not take it)."""
+        post = self._post_strict if strict else self._post_then
         try:
             done = bool(w.check())
         except Exception as exc:  # noqa: BLE001 - the watch's owner gets the typed error
-            self._post_then(w.then, None, as_error(self.name, exc))
+            post(w.then, None, as_error(self.name, exc))
             return True
         if done:
-            self._post_then(w.then, True, None)
+            post(w.then, True, None)
         return done
+
+    def _post_strict(self, then: Then, result: Any, error: KVTransportError | None) -> None:
+        self._post(lambda: then(result, error))
 
     def _check_all(self) -> bool:
         """Check every watch; ``True`` if any of them ended."""
@@ -276,6 +283,12 @@ class DriverRunner:
                 log.warning("%s: %s", self.name, error)
             else:
                 self._post_then(then, None, error)
+        except BaseException as exc:
+            # An interrupt on a caller's thread (``call_here``): the call's owner still hears
+            # of it, so nothing waits for a result that will not come; the caller gets it too.
+            if then is not None:
+                self._post_then(then, None, DriverError(f"{self.name}: interrupted: {type(exc).__name__}"))
+            raise
         else:
             if then is not None:
                 self._post_then(then, result, None)

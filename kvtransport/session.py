@@ -15,6 +15,7 @@ thread, except the ``_driver_*`` methods, which run on the driver's runner threa
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
 import functools
 import itertools
@@ -29,7 +30,9 @@ import numpy.typing as npt
 
 from .bounded import put_newest
 from .errors import (
+    ChannelDown,
     DriverError,
+    EndpointDown,
     InvalidPages,
     KVTransportError,
     PeerLost,
@@ -400,16 +403,24 @@ class Session:
         def noted() -> None:
             self.submitted(transfer, bid, runs.total_bytes, last)
 
-        if not bid:
-            ep.call(noted)
-            return
         ep.check_running()
+        refused: list[ChannelDown] = []
 
         def submit() -> None:
-            self._driver_submit(lane, transfer, bid, runs, noted)
+            try:
+                if bid:
+                    self._driver_submit(lane, transfer, bid, runs, noted)
+                else:
+                    # Through the lane's queue all the same: a chunk without runs (the last one
+                    # of a secondary rank, say) must not overtake a chunk queued before it,
+                    # whose batch would then be left out of "done".
+                    ep.post(noted)
+            except ChannelDown as exc:
+                refused.append(exc)
+                raise
 
         def failed(_: Any, error: KVTransportError | None) -> None:
-            if error is not None:
+            if error is not None and bid:
                 self.batch_failed(transfer, bid, error)
 
         if runs.total_bytes <= ep.limits.inline_submit_bytes:
@@ -418,6 +429,10 @@ class Session:
             lane.runner.call_here(submit, failed)
         else:
             lane.runner.call(submit, failed)
+        if refused:
+            # Run here, and the I/O thread would not take the batch (stopped, or backed up for
+            # longer than a caller waits): the driver let go of it; the caller hears so now.
+            raise EndpointDown(f"endpoint {ep.name}: {refused[0]}") from refused[0]
 
     def shape(self, *, sending: bool) -> PairShape:
         """What this side moves into the peer's pages (``sending``), or the peer into this
@@ -971,6 +986,7 @@ class Session:
             self.endpoint.post(noted)  # before the failure, which the runner posts next
             raise
         lane.handles[bid] = (handle, transfer)
+        watched = False
 
         def check() -> bool:
             try:
@@ -985,7 +1001,15 @@ class Session:
                 lane.handles.pop(bid, None)
             return done
 
-        runner.watch(("batch", handle), check, lambda _, error: self.batch_finished(transfer, bid, error), noted)
+        try:
+            runner.watch(("batch", handle), check, lambda _, error: self.batch_finished(transfer, bid, error), noted)
+            watched = True
+        finally:
+            if not watched and lane.handles.pop(bid, None) is not None:
+                # The I/O thread would not take the batch's news: nothing may go on writing
+                # that nobody tracks.
+                with contextlib.suppress(Exception):
+                    driver.abort(handle)
 
     def _driver_abort(
         self, lane: Lane, transfer: Transfer, tag: str, then: Callable[[KVTransportError | None], None]

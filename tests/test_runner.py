@@ -205,3 +205,37 @@ def test_send_submits_small_batches_on_the_callers_thread(inline_bytes: int) -> 
     finally:
         a_pool.close()
         b_pool.close()
+
+
+def test_a_chunk_without_runs_does_not_overtake_a_queued_one() -> None:
+    """The last chunk carries no runs while the chunk before it still waits in the driver's
+    queue: "done" must count that chunk's batch (the receiver checks the bytes)."""
+    a_pool, b_pool = KVPool(16, 2, 512, 4), KVPool(16, 2, 512, 4)
+    a_pool.fill(5)
+    drivers: dict[str, type[KVTransport]] = {"fake": FakeDriver}
+    try:
+        with (
+            Endpoint(a_pool.regions, a_pool.layout, drivers=drivers) as a,
+            Endpoint(b_pool.regions, b_pool.layout, drivers=drivers) as b,
+        ):
+            recv_conn = b.connect(a.address)
+            send_conn = a.accept(5)
+            rx = recv_conn.expect("t", [7, 8, 9])
+            tx = send_conn.sender("t")
+            deadline = time.monotonic() + 5
+            while tx.state is State.BOOTSTRAPPING and time.monotonic() < deadline:
+                time.sleep(0.001)
+            gate = threading.Event()
+            a.runners["fake"].call(lambda: gate.wait(5))  # the driver's thread is busy
+            time.sleep(0.02)
+            tx.send([1, 2, 3], last=False)  # queued behind the busy call
+            tx.send([], last=True)  # no runs: must wait its turn in the same queue
+            time.sleep(0.05)
+            assert not tx.state.final, "the sender finished before its batch reached the driver"
+            gate.set()
+            tx.wait(10)
+            rx.wait(10)
+            assert b_pool.page_digests([7, 8, 9]) == a_pool.page_digests([1, 2, 3])
+    finally:
+        a_pool.close()
+        b_pool.close()

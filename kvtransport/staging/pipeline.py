@@ -388,20 +388,24 @@ class StagingPipeline:
             except Exception as exc:  # noqa: BLE001 - the batch fails, the slots come back
                 with self._lock:
                     job.batch.moving -= 1
-                    self._fail(job.batch, EngineError(f"{self.name}: gathering a chunk failed: {exc}"))
+                    failed = self._fail(job.batch, EngineError(f"{self.name}: gathering a chunk failed: {exc}"))
                     self._free_out.append(local)
                     out.credits.append(remote)
                     self._lock.notify_all()
+                if failed:
+                    self._completed(job.batch.handle)
                 continue
             with self._lock:
                 self._wire.append((out, job, local, remote))
                 self._lock.notify_all()
 
-    def _fail(self, batch: _Batch, error: KVTransportError) -> None:
-        """Lock held."""
-        if not batch.finished:
-            batch.error = error
-            self._completed(batch.handle)
+    def _fail(self, batch: _Batch, error: KVTransportError) -> bool:
+        """Lock held. ``True`` when the batch just failed: the caller then reports it with
+        ``_completed`` once it has released the lock (the core may poll right there)."""
+        if batch.finished:
+            return False
+        batch.error = error
+        return True
 
     def _wire_loop(self) -> None:
         inflight: list[tuple[Any, _Outbound, _Job, int, int]] = []
@@ -457,7 +461,8 @@ class StagingPipeline:
                             completed.append(job.batch.handle)
                     for out, job, local, remote, error in failed:
                         job.batch.moving -= 1
-                        self._fail(job.batch, error)
+                        if self._fail(job.batch, error):
+                            completed.append(job.batch.handle)
                         self._free_out.append(local)
                         if not out.closed:
                             out.credits.append(remote)  # nothing usable landed there: reuse it
