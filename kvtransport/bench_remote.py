@@ -181,6 +181,13 @@ class Listener:
         with self._lock:
             self._children = [c for c in self._children if c.poll() is None]
 
+    @property
+    def peers(self) -> int:
+        """Decode processes running or being started now (those whose client left are reaped)."""
+        self._reap()
+        with self._lock:
+            return len(self._children) + self._reserved
+
     def _session(self, conn: socket.socket, source: str) -> None:
         reserved = False
         try:

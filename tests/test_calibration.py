@@ -318,7 +318,8 @@ def test_calibrate_measures_real_engines_saves_and_endpoints_then_rank_by_it(
     ep = Endpoint(pool.regions, pool.layout, drivers=classes, name="prefill")
     peer = None
     try:
-        assert ep.hello.drivers["nixl-ucx"].costs
+        hello = ep.hello.drivers["nixl-ucx"]
+        assert hello.costs, (hello.status, [m.version for m in host_models["nixl-ucx"]])
         peer = PeerProcess(
             *("--driver", "auto", "--pages", "64", "--layers", "4", "--item", "4096", "--aux-slots", "0"),
             "--private",

@@ -12,10 +12,13 @@ from kvtransport.testing.conformance import DriverUnderTest
 from .conftest import require_engines
 
 
-@pytest.fixture(scope="module", params=["nixl-ucx", "mooncake-gdr"])
+@pytest.fixture(scope="module", params=["nixl-ucx", "nixl-ucx/split", "mooncake-gdr"])
 def conformance_driver(request: pytest.FixtureRequest) -> DriverUnderTest:
+    """``nixl-ucx/split``: every batch of two runs or more is cut into parts that two threads
+    post at once (its ``driver_options``), so the whole suite runs on that path."""
     require_engines()
-    name = str(request.param)
+    name, _, variant = str(request.param).partition("/")
     status = load_driver(name).probe()
     assert status.available, f"{name} must be usable on this machine: {status.reason} ({status.fix})"
-    return DriverUnderTest(name)
+    options = {"nixl.split_bytes": "1", "nixl.posters": "2"} if variant == "split" else {}
+    return DriverUnderTest(name, options)

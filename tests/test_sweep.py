@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -244,6 +245,20 @@ def test_a_sweep_runs_its_decode_sides_through_a_listener(listener: Listener) ->
             assert abs(peer.measure_clock()) <= peer.clock_error + 2e-4
     finally:
         peer.close()
+    _no_peers_left(listener)
+    # A client that vanishes without a word (its socket just closes): its peer ends too.
+    gone = RemotePeer(listener.address, QUICK_PEER, TOKEN)
+    assert listener.peers == 1
+    gone.sock.close()
+    gone._file.close()
+    _no_peers_left(listener)
+
+
+def _no_peers_left(listener: Listener, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while listener.peers and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert listener.peers == 0, "a decode process outlived its client"
 
 
 def test_a_listener_refuses_strangers_foreign_arguments_and_oversized_pools(listener: Listener) -> None:

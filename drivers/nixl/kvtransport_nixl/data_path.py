@@ -11,11 +11,12 @@ driver, the backend and what NIXL said.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import os
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
 import msgpack
@@ -27,6 +28,7 @@ from kvtransport.memory import MemoryKind, RegionSet
 from kvtransport.plan import Runs
 
 from .engine_probe import probe_nixl, quiet_nixl_logging
+from .posters import Part, Posters, posters_from_env, split_points
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +71,13 @@ class _Peer:
 
 @dataclass
 class _Batch:
-    handle: Any  # nixl_xfer_handle
+    handle: Any  # nixl_xfer_handle of the part this driver posted (and polls)
     peer: str
     bytes: int
+    #: The parts helper threads post and drive themselves (large host batches only).
+    parts: list[Part] = field(default_factory=list)
+    #: The driver's own part ended, in this state ("DONE"/"ERR"); its handle is released.
+    own_state: str = ""
 
 
 class NixlDataPath(KVTransport):
@@ -84,6 +90,8 @@ class NixlDataPath(KVTransport):
     progress_while_receiving: ClassVar[bool] = True
     #: Posting a WRITE never blocks, and the agent takes calls (one at a time) from any thread.
     thread_agnostic: ClassVar[bool] = True
+    #: Large host batches are cut into parts posted by several threads (``posters.py``).
+    parallel_posts: ClassVar[bool] = False
 
     def __init__(self, context: DriverContext) -> None:
         super().__init__(context)
@@ -96,8 +104,12 @@ class NixlDataPath(KVTransport):
         self._peers: dict[str, _Peer] = {}
         self._batches: dict[int, _Batch] = {}
         self._unreleased: list[Any] = []
-        self._unsettled: dict[int, Any] = {}  # aborted handles NIXL could not release yet
+        #: Aborted batches still able to write: the handle NIXL could not release yet (or
+        #: ``None``) and the helpers' parts still running.
+        self._unsettled: dict[int, tuple[Any, list[Part]]] = {}
         self._next = 0
+        self._posters: Posters | None = None
+        self._split_bytes = 0
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -137,13 +149,25 @@ class NixlDataPath(KVTransport):
         self._backend = facts.backend
         name = f"kvt-{self.context.endpoint_id}-{uuid.uuid4().hex[:8]}"
         self._name = name
-        config = self._nixl.nixl_agent_config(enable_prog_thread=False, backends=[])
+        params = dict(facts.backend_params)
+        posters, self._split_bytes = posters_from_env(self.context.options) if self.parallel_posts else (1, 0)
+        if posters > 1:
+            # Threads posting at once need a thread-safe agent, and a UCX worker each: NIXL
+            # binds each calling thread to the next worker (the caller's, the runner's and
+            # the helpers' threads, hence twice as many workers as posting threads).
+            sync = self._nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW
+            config = self._nixl.nixl_agent_config(enable_prog_thread=False, backends=[], sync_mode=sync)
+            params.setdefault("num_workers", str(2 * posters))
+        else:
+            config = self._nixl.nixl_agent_config(enable_prog_thread=False, backends=[])
         self._agent = self._call("agent creation", lambda: self._nixl.nixl_agent(name, config), DriverUnavailable)
         self._call(
             "backend creation",
-            lambda: self._agent.create_backend(facts.backend, dict(facts.backend_params)),
+            lambda: self._agent.create_backend(facts.backend, params),
             DriverUnavailable,
         )
+        if posters > 1:
+            self._posters = Posters(posters - 1, self._agent, self.name)
         return name
 
     def _known_agents(self) -> set[str]:
@@ -205,54 +229,101 @@ class NixlDataPath(KVTransport):
         remote[:, 0], remote[:, 1], remote[:, 2] = runs.dst, runs.length, target.device
         agent = self._agent
 
-        def start() -> tuple[Any, str]:
-            src = agent.get_xfer_descs(local, local_mem)
-            dst = agent.get_xfer_descs(remote, target.mem_type)
-            if src is None or dst is None:
-                raise ValueError("NIXL rejected the descriptor lists")
-            handle = agent.initialize_xfer("WRITE", src, dst, target.agent)
-            return handle, agent.transfer(handle)
+        def post(lo: int, hi: int) -> Callable[[], tuple[Any, str]]:
+            def start() -> tuple[Any, str]:
+                src = agent.get_xfer_descs(local[lo:hi], local_mem)
+                dst = agent.get_xfer_descs(remote[lo:hi], target.mem_type)
+                if src is None or dst is None:
+                    raise ValueError("NIXL rejected the descriptor lists")
+                handle = agent.initialize_xfer("WRITE", src, dst, target.agent)
+                return handle, agent.transfer(handle)
 
-        handle, state = self._call(f"WRITE of {n} descriptors to {target.agent}", start)
+            return start
+
+        cuts = [0, n]
+        if self._posters is not None and local_mem == "DRAM" and runs.total_bytes >= self._split_bytes:
+            cuts = split_points(runs.length, self._posters.threads)
+        # The helpers' parts first, so that they copy while this thread posts its own.
+        parts = [
+            self._posters.start(post(lo, hi), f"a WRITE of {hi - lo} descriptors to {target.agent}")
+            for lo, hi in itertools.pairwise(cuts[1:])
+            if self._posters is not None
+        ]
+        try:
+            handle, state = self._call(f"WRITE of {cuts[1]} descriptors to {target.agent}", post(0, cuts[1]))
+        except BaseException:
+            self._stop_parts(parts)
+            raise
         if state == "ERR":
             self._release(handle)
+            self._stop_parts(parts)
             raise EngineError(f"{self.name}: NIXL {self._backend} refused to post a WRITE of {n} descriptors")
         self._next += 1
-        self._batches[self._next] = _Batch(handle, peer, runs.total_bytes)
+        self._batches[self._next] = _Batch(handle, peer, runs.total_bytes, parts)
         return self._next
+
+    def _stop_parts(self, parts: list[Part]) -> None:
+        """Cancel helper parts and wait for them (a failed ``submit`` leaves nothing writing)."""
+        for part in parts:
+            part.cancel.set()
+        for part in parts:
+            try:
+                part.future.result(timeout=None)
+            except BaseException:  # noqa: BLE001 - the submit's own error is what is raised
+                pass
 
     def poll(self, handle: int) -> bool:
         batch = self._batches.get(handle)
         if batch is None:
             raise DriverError(f"{self.name}: unknown handle {handle}")
-        state = self._call("transfer state query", lambda: self._agent.check_xfer_state(batch.handle))
-        if state == "PROC":
+        if not batch.own_state:
+            state = self._call("transfer state query", lambda: self._agent.check_xfer_state(batch.handle))
+            if state == "PROC":
+                return False
+            batch.own_state = state
+            self._release(batch.handle)
+            if state != "DONE":
+                for part in batch.parts:
+                    part.cancel.set()  # the batch failed: its other parts need not finish
+        if not all(part.done() for part in batch.parts):
             return False
         del self._batches[handle]
-        self._release(batch.handle)
-        if state == "DONE":
+        errors = [e for e in (part.error() for part in batch.parts) if e is not None]
+        if batch.own_state == "DONE" and not errors:
             return True
+        where = self._peers[batch.peer].agent if batch.peer in self._peers else batch.peer
+        detail = f": {errors[0]}" if errors else ""
         raise EngineError(
-            f"{self.name}: NIXL {self._backend} reported an error for a WRITE of {batch.bytes} bytes "
-            f"to {self._peers[batch.peer].agent if batch.peer in self._peers else batch.peer}"
+            f"{self.name}: NIXL {self._backend} reported an error for a WRITE of {batch.bytes} bytes to {where}{detail}"
         )
 
     def abort(self, handle: int) -> None:
         batch = self._batches.pop(handle, None)
+        if batch is None:
+            return
+        for part in batch.parts:
+            part.cancel.set()  # its helper releases (cancels) it and stops driving it
         # NIXL cancels an active transfer on release; one it could not release may still write.
-        if batch is not None and not self._release(batch.handle):
-            self._unsettled[handle] = batch.handle
+        own = None if batch.own_state or self._release(batch.handle) else batch.handle
+        running = [part for part in batch.parts if not part.done()]
+        if own is not None or running:
+            self._unsettled[handle] = (own, running)
 
     def settled(self, handle: int) -> bool:
-        nixl_handle = self._unsettled.get(handle)
-        if nixl_handle is None:
+        entry = self._unsettled.get(handle)
+        if entry is None:
             return True
-        try:
-            self._agent.release_xfer_handle(nixl_handle)
-        except Exception:  # noqa: BLE001 - still active: ask again later
+        own, parts = entry
+        if own is not None:
+            try:
+                self._agent.release_xfer_handle(own)
+            except Exception:  # noqa: BLE001 - still active: ask again later
+                return False
+            self._unreleased = [h for h in self._unreleased if h is not own]
+            self._unsettled[handle] = (None, parts)
+        if not all(part.done() for part in parts):
             return False
         del self._unsettled[handle]
-        self._unreleased = [h for h in self._unreleased if h is not nixl_handle]
         return True
 
     def pending(self) -> int:
@@ -282,6 +353,10 @@ class NixlDataPath(KVTransport):
         for handle in list(self._batches):
             self.abort(handle)
         self._unsettled.clear()  # their handles are in _unreleased, retried just below
+        if self._posters is not None:
+            self._posters.close()  # every part cancelled above: its helper lets go of it
+            self._unreleased.extend(self._posters.unreleased)
+            self._posters = None
         pending, self._unreleased = self._unreleased, []
         for _ in range(_RELEASE_RETRIES):
             if not pending:

@@ -24,6 +24,8 @@ from kvtransport.probe import probe_host
 
 from .data_path import NixlDataPath
 from .engine_probe import ENV_VARS, probe_nixl
+from .posters import ENV_VARS as POSTER_ENV_VARS
+from .posters import posters_from_env
 
 #: Estimates. Shared memory as ``kvtransport bench`` measured it between processes here
 #: (512 MiB Llama-3-8B requests: 1.6 GB/s with scattered pages, 2.5 GB/s with contiguous ones;
@@ -84,8 +86,9 @@ class NixlUCX(NixlDataPath):
     capabilities: ClassVar[Capabilities] = Capabilities(
         reads=frozenset({"host", "cuda"}), writes=frozenset({"host", "cuda"})
     )
-    env_vars: ClassVar[tuple[str, ...]] = ENV_VARS
+    env_vars: ClassVar[tuple[str, ...]] = (*ENV_VARS, *POSTER_ENV_VARS)
     raw_engine: ClassVar[str] = "kvtransport_nixl.raw:RawNixl"
+    parallel_posts: ClassVar[bool] = True
 
     @classmethod
     def probe(cls) -> DriverStatus:
@@ -101,8 +104,12 @@ class NixlUCX(NixlDataPath):
             notes["cuda"] = f"no CUDA device on this host ({host.cuda_note or 'none visible'})"
         else:
             memory.append("cuda")
+        posters, _ = posters_from_env()
         return replace(
             facts.status,
+            # Calibrated models are kept per version: one measured with another number of
+            # posting threads does not describe this data path.
+            version=f"{facts.status.version}+{posters}p",
             memory=tuple(memory),
             memory_notes=notes,
             info={
