@@ -14,6 +14,7 @@ import ctypes
 import itertools
 import logging
 import os
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ T = TypeVar("T")
 
 #: How many times ``close`` retries releasing a handle NIXL could not cancel at once.
 _RELEASE_RETRIES = 50
+#: How long ``disconnect`` waits for the helpers' parts of that peer's batches to stop.
+DISCONNECT_GRACE_S = 5.0
 
 
 def _mem_type(kind: MemoryKind) -> str:
@@ -78,6 +81,7 @@ class _Batch:
     parts: list[Part] = field(default_factory=list)
     #: The driver's own part ended, in this state ("DONE"/"ERR"); its handle is released.
     own_state: str = ""
+    own_error: EngineError | None = None
 
 
 class NixlDataPath(KVTransport):
@@ -262,39 +266,52 @@ class NixlDataPath(KVTransport):
         self._batches[self._next] = _Batch(handle, peer, runs.total_bytes, parts)
         return self._next
 
-    def _stop_parts(self, parts: list[Part]) -> None:
-        """Cancel helper parts and wait for them (a failed ``submit`` leaves nothing writing)."""
+    def _stop_parts(self, parts: list[Part], timeout: float | None = None) -> bool:
+        """Stop helper parts and wait for them (a failed ``submit`` leaves nothing writing);
+        ``True`` once none can write."""
         for part in parts:
-            part.cancel.set()
+            part.stop()
+        deadline = None if timeout is None else time.monotonic() + timeout
         for part in parts:
             try:
-                part.future.result(timeout=None)
-            except BaseException:  # noqa: BLE001 - the submit's own error is what is raised
+                part.future.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+            except BaseException:  # noqa: BLE001 - cancelled, failed, or still running (timeout)
                 pass
+        return all(part.settled() for part in parts)
 
     def poll(self, handle: int) -> bool:
         batch = self._batches.get(handle)
         if batch is None:
             raise DriverError(f"{self.name}: unknown handle {handle}")
         if not batch.own_state:
-            state = self._call("transfer state query", lambda: self._agent.check_xfer_state(batch.handle))
+            try:
+                state = self._call("transfer state query", lambda: self._agent.check_xfer_state(batch.handle))
+            except EngineError as exc:
+                state, batch.own_error = "ERR", exc
             if state == "PROC":
                 return False
             batch.own_state = state
             self._release(batch.handle)
             if state != "DONE":
                 for part in batch.parts:
-                    part.cancel.set()  # the batch failed: its other parts need not finish
+                    part.stop()  # the batch failed: its other parts need not finish
+        # Never raise while a part may still write: the core then counts the batch as over.
         if not all(part.done() for part in batch.parts):
             return False
         del self._batches[handle]
+        kept = [part for part in batch.parts if part.kept]
+        if kept:
+            self._unsettled[handle] = (None, kept)  # ``settled`` stays False for it
         errors = [e for e in (part.error() for part in batch.parts) if e is not None]
         if batch.own_state == "DONE" and not errors:
             return True
+        if batch.own_error is not None:
+            raise batch.own_error
+        if errors and isinstance(errors[0], EngineError):
+            raise errors[0]
         where = self._peers[batch.peer].agent if batch.peer in self._peers else batch.peer
-        detail = f": {errors[0]}" if errors else ""
         raise EngineError(
-            f"{self.name}: NIXL {self._backend} reported an error for a WRITE of {batch.bytes} bytes to {where}{detail}"
+            f"{self.name}: NIXL {self._backend} reported an error for a WRITE of {batch.bytes} bytes to {where}"
         )
 
     def abort(self, handle: int) -> None:
@@ -302,10 +319,10 @@ class NixlDataPath(KVTransport):
         if batch is None:
             return
         for part in batch.parts:
-            part.cancel.set()  # its helper releases (cancels) it and stops driving it
+            part.stop()  # its helper releases (cancels) it and stops driving it
         # NIXL cancels an active transfer on release; one it could not release may still write.
         own = None if batch.own_state or self._release(batch.handle) else batch.handle
-        running = [part for part in batch.parts if not part.done()]
+        running = [part for part in batch.parts if not part.settled()]
         if own is not None or running:
             self._unsettled[handle] = (own, running)
 
@@ -321,7 +338,7 @@ class NixlDataPath(KVTransport):
                 return False
             self._unreleased = [h for h in self._unreleased if h is not own]
             self._unsettled[handle] = (None, parts)
-        if not all(part.done() for part in parts):
+        if not all(part.settled() for part in parts):
             return False
         del self._unsettled[handle]
         return True
@@ -336,9 +353,15 @@ class NixlDataPath(KVTransport):
 
     def disconnect(self, peer: str) -> None:
         target = self._peers.pop(peer, None)
+        parts: list[Part] = []
         for handle, batch in list(self._batches.items()):
             if batch.peer == peer:
+                parts.extend(batch.parts)
                 self.abort(handle)
+        # Helpers let go of their parts before the peer's agent goes: a handle of a removed
+        # agent is not one NIXL documents releasing.
+        if parts and not self._stop_parts(parts, timeout=DISCONNECT_GRACE_S):
+            log.warning("%s: parts of batches to %s still running at disconnect", self.name, peer)
         if target is not None and self._agent is not None:
             try:
                 self._agent.remove_remote_agent(target.agent)

@@ -35,8 +35,16 @@ ENV_VARS = (ENV_POSTERS, ENV_SPLIT_BYTES)
 DEFAULT_POSTERS = 2
 #: Batches smaller than this are posted whole: a hand-off costs more than it saves.
 DEFAULT_SPLIT_BYTES = 8 << 20
-#: A helper gives up on its part (and reports an error) after this long.
-PART_TIMEOUT_S = 120.0
+#: A helper checks its part back to back for this long, then with sleeps growing to
+#: ``PART_NAP_MAX_S`` (a stalled part must not spin a core until the core aborts it).
+PART_SPIN_S = 0.05
+PART_NAP_MAX_S = 1e-3
+#: Safety net only: a part still running after this long fails (the core's own transfer
+#: timeout aborts a batch long before).
+PART_TIMEOUT_S = 600.0
+#: After a cancel, how long a helper keeps trying to release a part NIXL cannot let go of; it
+#: then keeps the handle (``Part.kept``) and the batch is never reported settled.
+RELEASE_GRACE_S = 30.0
 
 
 #: ``driver_options`` keys that override the variables for one endpoint.
@@ -77,14 +85,25 @@ def split_points(lengths: npt.NDArray[np.uint64], parts: int) -> list[int]:
 class Part:
     """A slice of a batch that a helper thread posts and drives to its end."""
 
-    __slots__ = ("cancel", "future")
+    __slots__ = ("cancel", "future", "kept")
 
     def __init__(self, future: Future[None], cancel: threading.Event) -> None:
         self.future = future
         self.cancel = cancel
+        #: The helper could not release the part's handle: it may still write.
+        self.kept = False
+
+    def stop(self) -> None:
+        """Ask the helper to let go of the part (a part still queued never starts)."""
+        self.future.cancel()
+        self.cancel.set()
 
     def done(self) -> bool:
         return self.future.done()
+
+    def settled(self) -> bool:
+        """Nothing of this part can write any more."""
+        return self.future.done() and not self.kept
 
     def error(self) -> BaseException | None:
         if not self.future.done() or self.future.cancelled():
@@ -108,46 +127,62 @@ class Posters:
     def start(self, post: Callable[[], tuple[Any, str]], what: str) -> Part:
         """Run ``post()`` (returns ``(handle, state)``) on a helper, then drive the handle."""
         cancel = threading.Event()
-        future = self._pool.submit(self._own, post, cancel, what)
-        return Part(future, cancel)
+        part = Part(Future(), cancel)
+        part.future = self._pool.submit(self._own, post, part, what)
+        return part
 
-    def _own(self, post: Callable[[], tuple[Any, str]], cancel: threading.Event, what: str) -> None:
-        agent = self._agent
+    def _own(self, post: Callable[[], tuple[Any, str]], part: Part, what: str) -> None:
+        agent, cancel = self._agent, part.cancel
         if cancel.is_set():
             return
         try:
             handle, state = post()
         except Exception as exc:
-            raise EngineError(f"{self._name}: posting {what} failed: {type(exc).__name__}: {exc}") from exc
-        deadline = time.monotonic() + PART_TIMEOUT_S
+            raise EngineError(f"{self._name}: NIXL could not post {what}: {type(exc).__name__}: {exc}") from exc
+        start = time.monotonic()
+        nap = 0.0
+        error: EngineError | None = None
         try:
             while state == "PROC" and not cancel.is_set():
-                if time.monotonic() > deadline:
-                    raise EngineError(f"{self._name}: {what} still running after {PART_TIMEOUT_S:g} s")
+                now = time.monotonic()
+                if now - start > PART_TIMEOUT_S:
+                    error = EngineError(f"{self._name}: {what} still running after {PART_TIMEOUT_S:g} s")
+                    break
+                if now - start > PART_SPIN_S:
+                    nap = min(max(nap * 2, 1e-5), PART_NAP_MAX_S)
+                    time.sleep(nap)
                 state = agent.check_xfer_state(handle)
+        except Exception as exc:  # noqa: BLE001 - reported as the part's error, after the release
+            error = EngineError(f"{self._name}: NIXL failed checking {what}: {type(exc).__name__}: {exc}")
+            state = "ERR"
         finally:
-            self._release(handle, deadline)
+            if not self._release(handle):
+                part.kept = True
+        if error is not None:
+            raise error
         if state == "ERR":
             raise EngineError(f"{self._name}: NIXL reported an error for {what}")
 
-    def _release(self, handle: Any, deadline: float) -> None:
+    def _release(self, handle: Any) -> bool:
         """Release ``handle`` (NIXL cancels an active transfer on release); while it cannot,
-        drive it on until it ends, so that nothing it writes outlives this part."""
+        drive it on and try again, for ``RELEASE_GRACE_S``; ``False`` if it never could (the
+        handle is kept for ``close`` to retry, and the part counts as able to write)."""
         agent = self._agent
+        give_up = time.monotonic() + RELEASE_GRACE_S
         while True:
             try:
                 agent.release_xfer_handle(handle)
-                return
+                return True
             except Exception:  # noqa: BLE001 - still active: progress it and try again
-                if time.monotonic() > deadline:
+                if time.monotonic() > give_up:
                     self.unreleased.append(handle)
-                    return
+                    return False
                 try:
                     if agent.check_xfer_state(handle) != "PROC":
                         continue
                 except Exception:  # noqa: BLE001
                     pass
-                os.sched_yield()
+                time.sleep(1e-4)
 
     def close(self) -> None:
         """Wait for every part (callers cancel theirs first); idempotent."""

@@ -20,6 +20,7 @@ from kvtransport.driver import (
     Rejection,
     TransferPath,
 )
+from kvtransport.errors import ConfigError
 from kvtransport.probe import probe_host
 
 from .data_path import NixlDataPath
@@ -104,7 +105,10 @@ class NixlUCX(NixlDataPath):
             notes["cuda"] = f"no CUDA device on this host ({host.cuda_note or 'none visible'})"
         else:
             memory.append("cuda")
-        posters, _ = posters_from_env()
+        try:
+            posters, _ = posters_from_env()
+        except ConfigError as exc:
+            return replace(facts.status, available=False, reason=str(exc), fix="fix or unset it")
         return replace(
             facts.status,
             # Calibrated models are kept per version: one measured with another number of
