@@ -116,11 +116,8 @@ class DriverRunner:
         at a time and in order, and a small request skips a thread hop on its way to the
         engine. ``then`` still runs on the I/O thread."""
         with self._cv:
-            if self._stop:
-                raise DriverError(f"{self.name}: the driver is closed")
             if not self._claim_here():
-                self._calls.append((fn, then))
-                self._cv.notify()
+                self.call(fn, then)  # queued (raises once the driver is closed)
                 return
         try:
             self.inline_calls += 1
@@ -138,11 +135,7 @@ class DriverRunner:
                 self._cv.notify()
                 return
         try:
-            w = self._watches.get(key)
-            if w is not None and self._check(key, w):
-                with self._cv:
-                    self._watches.pop(key, None)
-                    self._delay = POLL_MIN_S
+            self._check_key(key)
         finally:
             self._release_here()
 
@@ -232,6 +225,14 @@ class DriverRunner:
     def _post_strict(self, then: Then, result: Any, error: KVTransportError | None) -> None:
         self._post(lambda: then(result, error))
 
+    def _check_key(self, key: Hashable) -> None:
+        """Check the watch ``key`` (if still watched); forget it once it is over."""
+        w = self._watches.get(key)
+        if w is not None and self._check(key, w):
+            with self._cv:  # the runner's wait loop reads the watches under it
+                self._watches.pop(key, None)
+                self._delay = POLL_MIN_S
+
     def _check_all(self) -> bool:
         """Check every watch; ``True`` if any of them ended."""
         finished = [k for k, w in list(self._watches.items()) if self._check(k, w)]
@@ -306,10 +307,7 @@ class DriverRunner:
             n = len(prefix)
             signals.update(k for k in self._watches if isinstance(k, tuple) and k[:n] == prefix)
         for key in signals:
-            w = self._watches.get(key)
-            if w is not None and self._check(key, w):
-                self._watches.pop(key, None)
-                self._delay = POLL_MIN_S
+            self._check_key(key)
         if spin:
             time.sleep(0)  # let the engine's and the caller's threads run between checks
             self._check_all()

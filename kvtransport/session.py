@@ -986,7 +986,6 @@ class Session:
             self.endpoint.post(noted)  # before the failure, which the runner posts next
             raise
         lane.handles[bid] = (handle, transfer)
-        watched = False
 
         def check() -> bool:
             try:
@@ -1003,13 +1002,13 @@ class Session:
 
         try:
             runner.watch(("batch", handle), check, lambda _, error: self.batch_finished(transfer, bid, error), noted)
-            watched = True
-        finally:
-            if not watched and lane.handles.pop(bid, None) is not None:
+        except BaseException:
+            if lane.handles.pop(bid, None) is not None:
                 # The I/O thread would not take the batch's news: nothing may go on writing
                 # that nobody tracks.
                 with contextlib.suppress(Exception):
                     driver.abort(handle)
+            raise
 
     def _driver_abort(
         self, lane: Lane, transfer: Transfer, tag: str, then: Callable[[KVTransportError | None], None]
