@@ -234,15 +234,27 @@ class ChallengeCookies:
 
 
 class Seal:
-    """One session's message authentication, one key per direction. Not thread-safe: the
-    endpoint's I/O thread seals and opens every frame of a session."""
+    """One session's message authentication, one key per direction. ``channel`` names what
+    it seals: the control channel (``b"session"``) or the express stream (``b"express"``),
+    keys of their own, so a frame of one never verifies on the other. Not thread-safe: one
+    thread at a time seals (the I/O thread, or the express stream's writer under its lock),
+    and the I/O thread opens."""
 
     __slots__ = ("_recv_mac", "_recv_seq", "_send_mac", "_send_seq", "rejected")
 
-    def __init__(self, secret: Secret, conn: str, nonce_i: bytes, nonce_a: bytes, *, initiator: bool) -> None:
+    def __init__(
+        self,
+        secret: Secret,
+        conn: str,
+        nonce_i: bytes,
+        nonce_a: bytes,
+        *,
+        initiator: bool,
+        channel: bytes = b"session",
+    ) -> None:
         parts = (conn.encode(), nonce_i, nonce_a)
-        i2a = secret.derive(b"session initiator->acceptor", *parts)
-        a2i = secret.derive(b"session acceptor->initiator", *parts)
+        i2a = secret.derive(channel + b" initiator->acceptor", *parts)
+        a2i = secret.derive(channel + b" acceptor->initiator", *parts)
         send_key, recv_key = (i2a, a2i) if initiator else (a2i, i2a)
         # Keyed once; each frame copies the keyed state (a third cheaper than hmac.digest).
         self._send_mac = hmac.new(send_key, digestmod=hashlib.sha256)

@@ -16,8 +16,11 @@ from typing import ClassVar
 from .errors import ConfigError
 
 
-def env_number(name: str, default: float, *, integer: bool = False, env: Mapping[str, str] | None = None) -> float:
-    """The positive number in environment variable ``name`` (``default`` when unset or empty)."""
+def env_number(
+    name: str, default: float, *, integer: bool = False, env: Mapping[str, str] | None = None, zero: bool = False
+) -> float:
+    """The positive number in environment variable ``name`` (``default`` when unset or empty;
+    ``zero``: 0 is allowed too)."""
     raw = (os.environ if env is None else env).get(name, "").strip()
     if not raw:
         return default
@@ -27,13 +30,16 @@ def env_number(name: str, default: float, *, integer: bool = False, env: Mapping
         raise ConfigError(
             f"{name}={raw!r} is not {'a whole number' if integer else 'a number'}; unset it or give e.g. {default:g}"
         ) from None
-    if not value > 0 or value != value or value == float("inf"):
-        raise ConfigError(f"{name}={raw!r} must be positive and finite; unset it or give e.g. {default:g}")
+    if not (value >= 0 if zero else value > 0) or value != value or value == float("inf"):
+        raise ConfigError(
+            f"{name}={raw!r} must be {'0 or more' if zero else 'positive'} and finite; "
+            f"unset it or give e.g. {default:g}"
+        )
     return value
 
 
-def env_int(name: str, default: int, env: Mapping[str, str] | None = None) -> int:
-    return int(env_number(name, default, integer=True, env=env))
+def env_int(name: str, default: int, env: Mapping[str, str] | None = None, *, zero: bool = False) -> int:
+    return int(env_number(name, default, integer=True, env=env, zero=zero))
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,10 @@ class Limits:
     #: the driver's thread, since an engine may copy inside ``submit`` (UCX's shared memory
     #: does) and ``send`` should not take the copy's time.
     inline_submit_bytes: int = 2 << 20
+    #: Microseconds the caller's thread keeps checking a batch of at most 256 KiB it submitted
+    #: (above) before the driver's thread takes over: a small request then completes with no
+    #: thread wake-up (mooncake-gdr, 64 KiB: 0.1 ms less). 0 turns it off.
+    inline_wait_us: int = 250
 
     ENV: ClassVar[dict[str, str]] = {
         "max_connections": "KVTRANSPORT_MAX_CONNECTIONS",
@@ -122,19 +132,39 @@ class Limits:
         "max_queued_calls": "KVTRANSPORT_MAX_QUEUED_CALLS",
         "max_warned_peers": "KVTRANSPORT_MAX_WARNED_PEERS",
         "inline_submit_bytes": "KVTRANSPORT_INLINE_SUBMIT_BYTES",
+        "inline_wait_us": "KVTRANSPORT_INLINE_WAIT_US",
     }
+    #: Limits that may be 0 (off).
+    MAY_BE_ZERO: ClassVar[frozenset[str]] = frozenset({"inline_wait_us"})
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"limit {f.name}={value!r} must be a positive whole number")
+            least = 0 if f.name in self.MAY_BE_ZERO else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ConfigError(
+                    f"limit {f.name}={value!r} must be a {'non-negative' if least == 0 else 'positive'} whole number"
+                )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Limits:
         d = cls()
-        return cls(**{k: env_int(v, getattr(d, k), env=env) for k, v in cls.ENV.items()})
+        return cls(**{k: env_int(v, getattr(d, k), env=env, zero=k in cls.MAY_BE_ZERO) for k, v in cls.ENV.items()})
+
+
+ENV_EXPRESS = "KVTRANSPORT_EXPRESS"
+
+
+def express_from_env(env: Mapping[str, str] | None = None) -> bool:
+    """Whether sessions open an express stream for "done" (``KVTRANSPORT_EXPRESS``: 1, the
+    default, or 0; docs/architecture.md says what it is)."""
+    raw = (os.environ if env is None else env).get(ENV_EXPRESS, "").strip().lower()
+    if raw in ("", "1", "on", "true", "yes"):
+        return True
+    if raw in ("0", "off", "false", "no"):
+        return False
+    raise ConfigError(f"{ENV_EXPRESS}={raw!r} must be 1 or 0; unset it for the default (1)")
 
 
 #: Every variable this module reads (the registry's unknown-variable warning knows them).
-ENV_VARS: tuple[str, ...] = (*Timeouts.ENV.values(), *Limits.ENV.values())
+ENV_VARS: tuple[str, ...] = (*Timeouts.ENV.values(), *Limits.ENV.values(), ENV_EXPRESS)

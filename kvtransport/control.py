@@ -96,6 +96,8 @@ class ControlChannel:
         self._calls_space = threading.Condition(self._wake_lock)
         self._max_queued_calls = max_queued_calls
         self._dealers: dict[str, zmq.Socket[bytes]] = {}
+        #: Plain file descriptors the loop waits on beside its sockets (the express streams).
+        self._fds: dict[int, Callable[[int], None]] = {}
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
         self._poller.register(self._wake_rx, zmq.POLLIN)
@@ -198,6 +200,22 @@ class ControlChannel:
                 self._poller.unregister(sock)
                 sock.close(0)
 
+    def watch_fd(self, fd: int, on_ready: Callable[[int], None], *, writable: bool = False) -> None:
+        """Call ``on_ready(fd)`` on this thread each time ``fd`` is readable (or ``writable``);
+        a raising handler is logged, never stops the loop. Watching again replaces the events."""
+        if fd in self._fds:
+            self._poller.unregister(fd)
+        self._fds[fd] = on_ready
+        self._poller.register(fd, zmq.POLLOUT if writable else zmq.POLLIN)
+
+    def unwatch_fd(self, fd: int) -> None:
+        if self._fds.pop(fd, None) is not None:
+            self._poller.unregister(fd)
+
+    @property
+    def fd_count(self) -> int:
+        return len(self._fds)
+
     @property
     def dealer_count(self) -> int:
         return len(self._dealers)
@@ -237,6 +255,12 @@ class ControlChannel:
                     # A handler may have closed a later dealer during this pass.
                     if sock in events and self._dealers.get(key) is sock:
                         self._receive(sock, key)
+                for fd, handler in list(self._fds.items()):
+                    if fd in events and self._fds.get(fd) is handler:
+                        try:
+                            handler(fd)
+                        except Exception:
+                            log.exception("kvtransport: handling a ready stream failed")
                 self.timers.run_due(time.monotonic())
             self._drain_calls()
         except BaseException as exc:

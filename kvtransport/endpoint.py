@@ -50,7 +50,7 @@ from .auth import (
 )
 from .bounded import put_newest
 from .calibration_cache import with_cached_models
-from .config import Limits, Timeouts
+from .config import Limits, Timeouts, express_from_env
 from .control import ControlChannel, Route, advertised_host
 from .driver import DriverStatus, KVTransport
 from .errors import (
@@ -67,6 +67,7 @@ from .errors import (
     ProtocolError,
     TransferAborted,
 )
+from .express import ExpressPort
 from .handshake import check_agreement, decide, label_of, read_peer, regions_from_dict, regions_to_dict
 from .hello import DriverHello, Hello, build_hello, describe_driver, load_drivers
 from .inbound import U64
@@ -145,11 +146,12 @@ class PendingAuth:
     """Acceptor side of a route whose initiator proved the secret, until its hello. (Before
     the proof nothing is kept: the challenge is a cookie, see ``ChallengeCookies``.)"""
 
-    __slots__ = ("conn", "seal", "timer")
+    __slots__ = ("conn", "express_seal", "seal", "timer")
 
-    def __init__(self, conn: str, seal: Seal) -> None:
+    def __init__(self, conn: str, seal: Seal, express_seal: Seal) -> None:
         self.conn = conn
         self.seal = seal
+        self.express_seal = express_seal
         self.timer: Any = None
 
 
@@ -170,6 +172,7 @@ class Endpoint:
         driver_options: Mapping[str, str] | None = None,
         max_run_bytes: int | None = None,
         secret: bytes | str | Secret | None = None,
+        express: bool | None = None,
     ) -> None:
         if layout.kv_item_lens != regions.kv_item_lens:
             raise MemoryLayoutError(
@@ -204,6 +207,7 @@ class Endpoint:
         self._cookies = ChallengeCookies()
         self.timeouts = timeouts or Timeouts.from_env()
         self.limits = limits or Limits.from_env()
+        use_express = express_from_env() if express is None else express
         if max_run_bytes is not None and max_run_bytes <= 0:
             raise ValueError(f"max_run_bytes must be positive, got {max_run_bytes}")
         self.max_run_bytes = max_run_bytes
@@ -260,6 +264,14 @@ class Endpoint:
         except BaseException:
             self._close_drivers()
             raise
+        #: The express streams (express.py), unless KVTRANSPORT_EXPRESS=0 or its port cannot open.
+        self.express: ExpressPort | None = None
+        if use_express:
+            try:
+                self.express = ExpressPort(self, listen.split("://", 1)[-1].rsplit(":", 1)[0])
+                self.channel.call_soon(self.express.start)
+            except OSError as exc:
+                log.warning("endpoint %s: no express streams (%s); 'done' takes the control channel", self.name, exc)
         self.address = self.channel.address
         for name, driver in self.drivers.items():
             self.runners[name] = DriverRunner(name, driver, self.post)
@@ -406,6 +418,8 @@ class Endpoint:
             "tag_owners": len(self.tag_owners),
             "timers": len(self.channel.timers),
             "dealers": self.channel.dealer_count,
+            "express_links": self.express.links if self.express is not None else 0,
+            "express_unbound": self.express.unbound if self.express is not None else 0,
             "warned": len(self._warned),
             "watches": sum(r.watching for r in self.runners.values()),
             "handles": sum(_pending_handles(d) for d in self.drivers.values()),
@@ -442,6 +456,8 @@ class Endpoint:
             self.channel.close(final)
         except Exception:
             log.exception("closing the control channel failed")
+        if self.express is not None:
+            self.express.close()
         self._close_drivers()
 
     def __enter__(self) -> Endpoint:
@@ -541,6 +557,8 @@ class Endpoint:
     def end_session(self, session: Session, error: KVTransportError, *, notify: bool) -> None:
         """Close ``session`` and forget it with everything it held."""
         session.close(error, notify=notify)
+        if self.express is not None:
+            self.express.detach(session, "its session ended")
         if self.sessions.get(session.id) is session:
             del self.sessions[session.id]
         if self._by_route.get(session.route) is session:
@@ -641,9 +659,9 @@ class Endpoint:
                 log.exception("kvtransport: handling a hello from %s failed", self._describe(route))
             return
         assert session is not None
-        self._on_message(route, session, msg)
+        self.on_message(route, session, msg)
 
-    def _on_message(self, route: Route, session: Session, msg: Message) -> None:
+    def on_message(self, route: Route, session: Session, msg: Message) -> None:
         """An authenticated message of ``session``."""
         if session.held is not None and msg.type not in ("welcome", "refuse", "ping"):
             # Initiator between welcome and its driver's connect: the acceptor is ready and may
@@ -713,7 +731,11 @@ class Endpoint:
             # Only holders of the secret get here: the oldest of them that never said hello goes.
             _, old = self._pending_auth.popitem(last=False)
             self.channel.timers.cancel(old.timer)
-        entry = PendingAuth(conn, Seal(self.secret, conn, nonce_i, nonce_a, initiator=False))
+        entry = PendingAuth(
+            conn,
+            Seal(self.secret, conn, nonce_i, nonce_a, initiator=False),
+            Seal(self.secret, conn, nonce_i, nonce_a, initiator=False, channel=b"express"),
+        )
 
         def expire() -> None:
             if self._pending_auth.get(route) is entry:
@@ -747,6 +769,9 @@ class Endpoint:
             )
             return
         session.seal = Seal(self.secret, session.id, session.nonce_i, session.nonce_a, initiator=True)
+        session.express_seal = Seal(
+            self.secret, session.id, session.nonce_i, session.nonce_a, initiator=True, channel=b"express"
+        )
         session.auth_step = "done"
         session.send("hello", conn=session.id, hello=self.hello.to_dict(), regions=self._regions_doc)
 
@@ -835,6 +860,7 @@ class Endpoint:
             return
         session = Session(self, conn_id, route, label_of(peer_hello), "", initiator=False)
         session.seal = seal
+        session.express_seal = auth.express_seal
         session.peer_hello = peer_hello
         del self._pending_auth[route]
         self.channel.timers.cancel(auth.timer)
@@ -856,6 +882,7 @@ class Endpoint:
                 hello=self.hello.to_dict(),
                 regions=self._regions_doc,
                 decision=decision.to_dict(),
+                express=self.express.port if self.express is not None else 0,
             )
             self._ready(session)
             log.info("accepted %s from %s: %s", conn_id[:8], session.peer_label, decision.summary())
@@ -881,6 +908,8 @@ class Endpoint:
             return
         session.decision, session.peer_regions, session.lanes = decision, peer_regions, lanes
         session.held = []
+        if self.express is not None and msg["express"]:
+            self.express.dial(session, msg["express"])
 
         def connected(_: Any, error: KVTransportError | None) -> None:
             held, session.held = session.held or [], None

@@ -10,6 +10,7 @@ registered memory.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,8 +38,10 @@ class Runs:
     def __len__(self) -> int:
         return int(self.length.shape[0])
 
-    @property
+    @functools.cached_property
     def total_bytes(self) -> int:
+        # Cached: a send reads it several times, and each sum is a numpy call (the arrays of
+        # a planned Runs are never changed in place).
         return int(self.length.sum(dtype=np.uint64))
 
     def batches(self, max_runs: int) -> list[Runs]:

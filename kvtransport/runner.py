@@ -184,16 +184,24 @@ class DriverRunner:
         first: Callable[[], None] | None = None,
         *,
         spin: bool = True,
+        here_s: float = 0.0,
     ) -> None:
         """Driver thread: check ``check()`` until it returns ``True`` or raises, then post
         ``then``. Checked once now (a batch that completed inside ``submit``). ``first`` runs
         on the I/O thread before ``then``: in the same wake-up when that first check ends it.
         ``spin=False`` for a watch that only keeps an engine moving (no batch of its own ends
-        sooner for checking it back to back): back-off from the start."""
+        sooner for checking it back to back): back-off from the start. ``here_s``: on a
+        caller's thread (``call_here``), keep checking for up to that long before the runner
+        takes the watch over: a batch that finishes within it is seen with no thread wake-up,
+        as the engine's own API sees it when its caller polls."""
         w = _Watch(check, then if first is None else _first_then(first, then))
         # ``first`` must reach the I/O thread: posting it raises (``ChannelDown``) rather than
         # dropping it, and the watch is not kept then.
         done = self._check(key, w, strict=first is not None)
+        if not done and here_s > 0 and not self.in_runner_thread():
+            until = time.monotonic() + here_s
+            while not done and time.monotonic() < until:
+                done = self._check(key, w, strict=first is not None)
         if not done and first is not None:
             w.then = then
             self._post(first)

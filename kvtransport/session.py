@@ -53,11 +53,16 @@ if TYPE_CHECKING:
     from .config import Timeouts
     from .control import Route
     from .endpoint import Endpoint
+    from .express import ExpressLink
     from .hello import Hello
     from .negotiate import Decision
     from .timers import Timer
 
 log = logging.getLogger(__name__)
+
+#: Largest batch whose caller keeps checking it for ``Limits.inline_wait_us`` after submitting
+#: it (``call_here``): at the host engines' >= 1 GB/s a bigger one takes longer than the wait.
+INLINE_WAIT_MAX_BYTES = 256 << 10
 
 
 class Phase(enum.Enum):
@@ -235,6 +240,9 @@ class Session:
         self.held: list[Message] | None = None
         #: This session's message authentication, once the secret was proved both ways.
         self.seal: Seal | None = None
+        #: Its express stream (express.py) once bound, and that stream's seal.
+        self.express: ExpressLink | None = None
+        self.express_seal: Seal | None = None
         #: Initiator: its step in the authentication exchange ("auth", "proof", "done") and
         #: the two nonces the session's keys are bound to.
         self.auth_step = ""
@@ -403,13 +411,16 @@ class Session:
         def noted() -> None:
             self.submitted(transfer, bid, runs.total_bytes, last)
 
+        # A transfer of one batch: the thread that sees it finish may send "done" itself.
+        express = bool(bid) and last and start == 0 and self.express is not None and not self.two_sided
+
         ep.check_running()
         refused: list[ChannelDown] = []
 
         def submit() -> None:
             try:
                 if bid:
-                    self._driver_submit(lane, transfer, bid, runs, noted)
+                    self._driver_submit(lane, transfer, bid, runs, noted, express)
                 else:
                     # Through the lane's queue all the same: a chunk without runs (the last one
                     # of a secondary rank, say) must not overtake a chunk queued before it,
@@ -433,6 +444,25 @@ class Session:
             # Run here, and the I/O thread would not take the batch (stopped, or backed up for
             # longer than a caller waits): the driver let go of it; the caller hears so now.
             raise EndpointDown(f"endpoint {ep.name}: {refused[0]}") from refused[0]
+
+    @property
+    def two_sided(self) -> bool:
+        """Whether any lane's driver is two-sided (its notices must precede "done")."""
+        return any(x.two_sided for x in self.lanes.values())
+
+    def express_done(self, transfer: Transfer, nbytes: int) -> None:
+        """Any thread, the one that saw a one-batch transfer's batch finish (under the runner's
+        claim, so no abort of it runs in the driver meanwhile): "done" straight to the peer on
+        the express stream, unless the I/O thread has started failing the transfer. When it
+        cannot go out, the I/O thread sends it on the control channel as usual."""
+        link = self.express
+        if link is None:
+            return
+        with transfer.express_lock:
+            if transfer.stopping or transfer.state.final or self.closing:
+                return
+            data = encode("done", tag=transfer.tag, bytes=nbytes, lane=self.wire_name(transfer.driver))
+            transfer.done_sent = link.send(data)
 
     def shape(self, *, sending: bool) -> PairShape:
         """What this side moves into the peer's pages (``sending``), or the peer into this
@@ -664,8 +694,9 @@ class Session:
 
     def progress(self, transfer: Transfer) -> None:
         if transfer.last_sent and not transfer.batches and transfer.state is State.TRANSFERRING:
-            self.endpoint.flush_notices()
-            self.send("done", tag=transfer.tag, bytes=transfer.bytes, lane=self.wire_name(transfer.driver))
+            if not transfer.done_sent:
+                self.endpoint.flush_notices()
+                self.send("done", tag=transfer.tag, bytes=transfer.bytes, lane=self.wire_name(transfer.driver))
             if transfer.submitted_at:
                 transfer.measured_s = time.monotonic() - transfer.submitted_at
                 if transfer.lane is not None and transfer.raw_predicted_s:
@@ -680,10 +711,19 @@ class Session:
         notify: bool,
         local: bool = False,
         error: KVTransportError | None = None,
+        by_peer: bool = False,
     ) -> None:
         if transfer.state.final:
             return
         tag, sending = transfer.tag, transfer.role == SEND
+        if sending:
+            with transfer.express_lock:
+                transfer.stopping = True
+                if transfer.done_sent and not by_peer and not self.closing:
+                    # Its only batch finished and "done" is on its way to the receiver, which
+                    # will see Success: this side's Success follows with the batch's news.
+                    log.debug("abort of %r comes after its express done: ignored (%s)", tag, reason)
+                    return
         transfer.batches = set()
         settling = False
         if sending and self.lanes:
@@ -897,6 +937,7 @@ class Session:
                 f"aborted by peer {self.peer_label}: {reason}",
                 notify=False,
                 error=TransferAborted(f"transfer {t.tag!r} aborted by peer {self.peer_label}: {reason}"),
+                by_peer=True,
             )
             return
         if self.tag_owned_elsewhere(tag) is not None:
@@ -971,7 +1012,9 @@ class Session:
 
     # -- driver thread -------------------------------------------------------------------------
 
-    def _driver_submit(self, lane: Lane, transfer: Transfer, bid: int, runs: Runs, noted: Callable[[], None]) -> None:
+    def _driver_submit(
+        self, lane: Lane, transfer: Transfer, bid: int, runs: Runs, noted: Callable[[], None], express: bool = False
+    ) -> None:
         """Driver thread (or the sender's, ``call_here``): hand the batch to the driver and watch
         it. The I/O thread hears of the batch (``noted``) after the engine has it, so that no
         wake-up of the I/O thread competes with posting it, and before its result, in the
@@ -998,10 +1041,20 @@ class Session:
                 raise
             if done:
                 lane.handles.pop(bid, None)
+                if express:
+                    self.express_done(transfer, runs.total_bytes)
             return done
 
+        # A small batch's caller waits for it a little, as the engine's own callers do.
+        wait = self.endpoint.limits.inline_wait_us * 1e-6 if runs.total_bytes <= INLINE_WAIT_MAX_BYTES else 0.0
         try:
-            runner.watch(("batch", handle), check, lambda _, error: self.batch_finished(transfer, bid, error), noted)
+            runner.watch(
+                ("batch", handle),
+                check,
+                lambda _, error: self.batch_finished(transfer, bid, error),
+                noted,
+                here_s=wait,
+            )
         except BaseException:
             if lane.handles.pop(bid, None) is not None:
                 # The I/O thread would not take the batch's news: nothing may go on writing

@@ -73,6 +73,12 @@ class Transfer:
         self.peer_done = False  # receiver: the sender said every byte was written
         self.peer_prefix = 0  # sender: how much the receiver holds already (its announcement)
         self.driver_stopped = False  # sender, driver thread only: aborted there, submit nothing more
+        #: Sender: the one-batch transfer's "done" went out on the express stream (set by the
+        #: thread that saw the batch finish), and the I/O thread started failing it (``stopping``);
+        #: whichever comes first under ``express_lock`` wins.
+        self.express_lock = threading.Lock()
+        self.done_sent = False
+        self.stopping = False
         #: Receiver: set once nothing of this transfer can be written into the announced pages
         #: any more: it succeeded, or it failed and the sender confirmed its writes settled
         #: (``drained``). A serving engine frees the pages of a failed request only then.

@@ -64,7 +64,11 @@ SCHEMAS: dict[str, dict[str, Field]] = {
     # initiator -> acceptor: open a connection
     "hello": {"conn": Text(64), "hello": dict, "regions": dict},
     # acceptor -> initiator: accepted, with the acceptor's hello and the decision it computed
-    "welcome": {"conn": Text(64), "hello": dict, "regions": dict, "decision": dict},
+    "welcome": {"conn": Text(64), "hello": dict, "regions": dict, "decision": dict, "express": Int(0, 65535)},
+    # initiator -> acceptor, the first frame on an express stream (express.py), sealed with the
+    # session's express key: binds the stream to connection ``conn``; ``express`` in the welcome
+    # is the acceptor's express port (0: none)
+    "express": {"conn": Text(64)},
     # acceptor -> initiator: refused, with the reason
     "refuse": {"conn": Text(64), "reason": Text()},
     # receiver -> sender: pages of transfer ``tag`` go to these destination pages (aux -1: none);

@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 
 # --- the wire schema, as read from kvtransport/wire.py (deliberately not imported) -----------
 
-VERSION = 5
+VERSION = 6
 LIMIT = 4 << 20  # DEFAULT_MAX_MESSAGE_BYTES
 #: Frames larger than this make zmq drop the connection (MAXMSGSIZE: the limit plus framing room):
 #: the attacker's DEALER reconnects with a new route, so a session on the old one is orphaned.
@@ -54,7 +54,8 @@ SCHEMA: dict[str, dict[str, type]] = {
     "challenge": {"conn": str, "nonce": bytes},
     "proof": {"conn": str, "nonce_i": bytes, "nonce_a": bytes, "mac": bytes},
     "hello": {"conn": str, "hello": dict, "regions": dict},
-    "welcome": {"conn": str, "hello": dict, "regions": dict, "decision": dict},
+    "welcome": {"conn": str, "hello": dict, "regions": dict, "decision": dict, "express": int},
+    "express": {"conn": str},
     "refuse": {"conn": str, "reason": str},
     "expect": {"tag": str, "pages": bytes, "aux": int, "prefix": int, "state": list},
     "done": {"tag": str, "bytes": int, "lane": str},

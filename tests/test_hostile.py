@@ -1000,7 +1000,7 @@ def test_sixteen_violations_close_the_session_with_a_bye(rig_factory: Callable[.
     assert SOCKET_TAKEN in rig.sync(s.attacker, "15 violations"), "the victim closed the session before 16 violations"
     state = rig.victim.ok("state", tags=s.recv_tags)["states"][s.recv_tags[0]]
     assert state[0] == "FAILED", f"a done with a wrong byte count left its transfer {state}"
-    rig.send(s.attacker, [message("welcome", conn="c", hello={}, regions={}, decision={})])
+    rig.send(s.attacker, [message("welcome", conn="c", hello={}, regions={}, decision={}, express=0)])
     reason = rig.sync(s.attacker, "16 violations")
     assert SOCKET_TAKEN not in reason, "the victim keeps a session after 16 protocol violations"
     byes = [unpack(f) for f in s.attacker.inbox if (well_formed(f) or {}).get("t") == "bye"]
@@ -1128,7 +1128,7 @@ def test_welcome_on_an_accepted_connection(rig_factory: Callable[..., Rig]) -> N
     rig = rig_factory("fake", private=False)
     s = rig.session("atk")
     hello_doc = rig.captured.hello_obj["hello"]
-    rig.send(s.attacker, [message("welcome", conn="x", hello=hello_doc, regions={"kv": "abc"}, decision={})])
+    rig.send(s.attacker, [message("welcome", conn="x", hello=hello_doc, regions={"kv": "abc"}, decision={}, express=0)])
     rig.sync(s.attacker, "welcome on an accepted connection")
     rig.check("welcome on an accepted connection")
 

@@ -239,3 +239,32 @@ def test_a_chunk_without_runs_does_not_overtake_a_queued_one() -> None:
     finally:
         a_pool.close()
         b_pool.close()
+
+
+@pytest.mark.parametrize("here_s", [0.0, 5.0])
+def test_a_callers_wait_sees_a_quick_batch_finish_on_its_own_thread(here_s: float) -> None:
+    """``watch(here_s=...)`` from a caller's thread: a check that turns true within the wait is
+    finished there (its result posted by the caller); without a wait the runner takes it over."""
+    runner, posted = _runner(True)
+    try:
+        checked_on: list[int] = []
+        seen: list[Any] = []
+
+        def check() -> bool:
+            checked_on.append(threading.get_ident())
+            return len(checked_on) >= 3
+
+        def submit() -> None:
+            runner.watch(("batch", 1), check, lambda result, error: seen.append((result, error)), here_s=here_s)
+
+        runner.call_here(submit)
+        if here_s:
+            assert set(checked_on) == {threading.get_ident()} and len(checked_on) == 3
+            assert runner.watching == 0
+        posted.run(1)
+        assert seen == [(True, None)]
+        if not here_s:
+            assert checked_on[0] == threading.get_ident()
+            assert any(t != threading.get_ident() for t in checked_on[1:]), "the runner should finish the watch"
+    finally:
+        runner.stop()

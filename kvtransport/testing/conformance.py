@@ -40,6 +40,7 @@ from .fake import FakeDriver
 __all__ = [
     "DriverUnderTest",
     "test_write_and_verify_bytes",
+    "test_a_one_batch_transfer_says_done_on_the_express_stream",
     "test_many_pages_coalesced_and_scattered",
     "test_chunked_send_with_aux",
     "test_state_items_go_with_the_last_chunk",
@@ -158,6 +159,22 @@ def _send_and_verify(p: Pair, transfers: dict[str, tuple[list[int], list[int]]],
 
 def test_write_and_verify_bytes(pair: Pair) -> None:
     _send_and_verify(pair, {"one": ([3, 4, 5], [10, 11, 12])})
+
+
+def test_a_one_batch_transfer_says_done_on_the_express_stream(pair: Pair) -> None:
+    """A transfer of one batch: "done" leaves on the session's express stream from the thread
+    that saw the batch finish, unless the driver is two-sided (its notices go first, on the
+    control channel); a chunked transfer's "done" takes the control channel. Bytes verified."""
+    link = pair.conn._session.express
+    assert link is not None, "the session should have bound an express stream"
+    decision = pair.conn.decision
+    assert decision is not None
+    two_sided = type(pair.local.drivers[decision.driver]).capabilities.two_sided
+    before = link.sent
+    _send_and_verify(pair, {"express-one": ([7, 8, 9], [20, 21, 22])})
+    assert link.sent == before + (0 if two_sided else 1)
+    _send_and_verify(pair, {"express-chunked": ([30, 31, 32, 33], [40, 41, 42, 43])}, chunks=2)
+    assert link.sent == before + (0 if two_sided else 1), "a chunked transfer's done must not go express"
 
 
 def test_many_pages_coalesced_and_scattered(pair: Pair) -> None:

@@ -1,0 +1,436 @@
+"""The express stream: one plain TCP connection per session, beside the zmq control channel,
+for the one message a waiting request is blocked on, "done".
+
+Why it exists: on a small host one zmq message between Python threads of two processes takes
+0.22-0.26 ms (three wake-ups: zmq's I/O thread on each side, then the receiving thread), and
+the sending I/O thread costs one more wake-up before it can send; over a plain socket the same
+hop is 13-20 us (one wake-up, the reader's). For a 64 KiB request that was most of its time
+(docs/performance.md, "Small requests"). So the thread that sees a transfer's only batch
+finish (the caller's, the driver's runner, or the engine's signalling thread) seals "done" and
+writes it to the stream itself, and the peer's I/O thread, which waits on the stream's
+descriptor in the same poll as its zmq sockets, handles it like any other message.
+
+What it carries: only "done" (after the binding frame). Everything else stays on the control
+channel, and "done" needs no order against it: it follows the announcement (the receiver's own
+earlier message), and it goes express only for a transfer whose one batch finished, on a
+connection without two-sided drivers (whose notices must reach the peer before "done"). A
+stream that breaks, or never opened, costs latency and nothing else: "done" then takes the
+control channel as before.
+
+Security: frames are sealed like the control channel's (:class:`~kvtransport.auth.Seal`) with
+keys of their own, derived from the same handshake. The first frame binds the stream to its
+session: the connection id in clear, then a sealed "express" message naming it, which only a
+holder of that session's keys can produce. A stranger who connects is closed at its first bad
+frame or after the connect timeout, and unbound streams are capped (the oldest goes first). A
+frame that fails authentication closes the stream; the session goes on over the control channel.
+
+Threads: the I/O thread accepts, dials, binds, reads and closes; any thread may write a sealed
+frame to a bound stream (one at a time, under the stream's lock).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import errno
+import functools
+import logging
+import socket
+import struct
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from .auth import RateLimitedLog, Seal
+from .errors import ProtocolError
+from .wire import decode, encode
+
+if TYPE_CHECKING:
+    from .endpoint import Endpoint
+    from .session import Session
+
+log = logging.getLogger(__name__)
+
+_LENGTH = struct.Struct(">I")
+#: Largest frame either side takes: "done" with a 256-character tag is under 1.2 KiB sealed.
+MAX_FRAME_BYTES = 4096
+#: Bytes read from one stream in one loop pass (a flood cannot hold the loop).
+READ_BYTES = 64 << 10
+#: Connections accepted in one loop pass.
+ACCEPTS_PER_PASS = 16
+#: How long the listener rests after accept() failed for want of descriptors.
+ACCEPT_BACKOFF_S = 0.5
+_MAX_CONN_ID = 64
+
+
+def frame(data: bytes) -> bytes:
+    """``data`` as one frame of the stream: its length (4 bytes, big-endian), then itself."""
+    return _LENGTH.pack(len(data)) + data
+
+
+class FrameReader:
+    """Cuts a byte stream into frames; one longer than ``limit`` (or empty) is a protocol error."""
+
+    def __init__(self, limit: int = MAX_FRAME_BYTES) -> None:
+        self._buf = bytearray()
+        self._limit = limit
+
+    @property
+    def pending(self) -> int:
+        return len(self._buf)
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._buf += data
+        out: list[bytes] = []
+        while len(self._buf) >= _LENGTH.size:
+            (n,) = _LENGTH.unpack_from(self._buf)
+            if not 0 < n <= self._limit:
+                raise ProtocolError(f"express frame of {n} bytes (1 to {self._limit})")
+            end = _LENGTH.size + n
+            if len(self._buf) < end:
+                break
+            out.append(bytes(self._buf[_LENGTH.size : end]))
+            del self._buf[:end]
+        return out
+
+
+class ExpressLink:
+    """One session's bound stream: sealed frames out from any thread, in on the I/O thread."""
+
+    def __init__(self, sock: socket.socket, seal: Seal, reader: FrameReader | None = None) -> None:
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.seal = seal
+        self.reader = reader or FrameReader()
+        self._lock = threading.Lock()
+        self._closed = False
+        #: Frames written and read (``Endpoint.stats`` and the tests read them).
+        self.sent = 0
+        self.received = 0
+
+    @property
+    def usable(self) -> bool:
+        return not self._closed
+
+    def send(self, body: bytes) -> bool:
+        """Any thread: ``body`` sealed, as one frame. ``False`` when it could not go out whole
+        now: nothing of it left (the kernel's buffer is full; the stream stays usable), or part
+        of it did or the stream failed (it is then shut down, and the I/O thread closes it)."""
+        with self._lock:
+            if self._closed:
+                return False
+            return self._write(frame(self.seal.seal(body)))
+
+    def send_bind(self, conn: str) -> bool:
+        """Initiator, I/O thread: the binding frame (the connection id, then a sealed
+        "express" message naming it)."""
+        with self._lock:
+            if self._closed:
+                return False
+            return self._write(frame(conn.encode() + b"\n" + self.seal.seal(encode("express", conn=conn))))
+
+    def _write(self, data: bytes) -> bool:
+        try:
+            n = self.sock.send(data)
+        except BlockingIOError:
+            return False
+        except OSError as exc:
+            log.debug("express stream write failed: %s", exc)
+            n = -1
+        if n == len(data):
+            self.sent += 1
+            return True
+        # Part of a frame cannot be taken back: the stream is unusable from here.
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        return False
+
+    def read(self) -> list[bytes] | None:
+        """I/O thread: the whole frames that arrived (``None``: the stream ended or failed)."""
+        try:
+            data = self.sock.recv(READ_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return []
+        except OSError:
+            return None
+        if not data:
+            return None
+        frames = self.reader.feed(data)
+        self.received += len(frames)
+        return frames
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+class _Unbound:
+    """An accepted stream that has not bound itself to a session yet."""
+
+    __slots__ = ("reader", "sock", "timer")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.reader = FrameReader()
+        self.timer: Any = None
+
+
+class ExpressPort:
+    """An endpoint's express streams: the listener peers dial, the streams being dialled or
+    bound, and the bound ones (I/O thread, except :meth:`close` once the loop has stopped)."""
+
+    def __init__(self, endpoint: Endpoint, host: str) -> None:
+        self._ep = endpoint
+        bind_host = None if host in ("", "*", "0.0.0.0", "::", "[::]") else host.strip("[]")
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            bind_host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        self._listener = socket.socket(family, kind, proto)
+        try:
+            self._listener.bind(addr)
+            self._listener.listen(128)
+            self._listener.setblocking(False)
+        except OSError:
+            self._listener.close()
+            raise
+        self.port: int = self._listener.getsockname()[1]
+        self._unbound: collections.OrderedDict[int, _Unbound] = collections.OrderedDict()
+        self._dialing: dict[int, tuple[socket.socket, Session, Any]] = {}
+        self._links: dict[int, tuple[ExpressLink, Session]] = {}
+        self._log = RateLimitedLog(log)
+
+    def start(self) -> None:
+        """I/O thread: start accepting."""
+        self._ep.channel.watch_fd(self._listener.fileno(), self._accept)
+
+    @property
+    def links(self) -> int:
+        return len(self._links)
+
+    @property
+    def unbound(self) -> int:
+        """Streams accepted and not bound yet, and streams being dialled."""
+        return len(self._unbound) + len(self._dialing)
+
+    # -- acceptor ----------------------------------------------------------------------------
+
+    def _accept(self, fd: int) -> None:
+        channel, limits = self._ep.channel, self._ep.limits
+        for _ in range(ACCEPTS_PER_PASS):
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                # Out of descriptors, say: the listener stays readable, so rest instead of spinning.
+                log.warning("express listener: accept failed (%s); pausing it for %g s", exc, ACCEPT_BACKOFF_S)
+                channel.unwatch_fd(fd)
+                channel.timers.call_later(ACCEPT_BACKOFF_S, self.start)
+                return
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while len(self._unbound) >= limits.max_pending_handshakes:
+                old_fd = next(iter(self._unbound))
+                self._drop_unbound(old_fd, "too many unbound express streams; the oldest goes")
+            entry = _Unbound(sock)
+            sfd = sock.fileno()
+            entry.timer = channel.timers.call_later(
+                self._ep.timeouts.connect, functools.partial(self._expire_unbound, sfd, entry)
+            )
+            self._unbound[sfd] = entry
+            channel.watch_fd(sfd, self._on_unbound)
+
+    def _expire_unbound(self, fd: int, entry: _Unbound) -> None:
+        if self._unbound.get(fd) is entry:
+            self._drop_unbound(fd, "an express stream did not bind within the connect timeout")
+
+    def _drop_unbound(self, fd: int, why: str) -> None:
+        entry = self._unbound.pop(fd, None)
+        if entry is None:
+            return
+        self._ep.channel.unwatch_fd(fd)
+        self._ep.channel.timers.cancel(entry.timer)
+        with contextlib.suppress(OSError):
+            entry.sock.close()
+        self._log.warning("%s", why)
+
+    def _on_unbound(self, fd: int) -> None:
+        entry = self._unbound.get(fd)
+        if entry is None:
+            return
+        try:
+            data = entry.sock.recv(MAX_FRAME_BYTES + _LENGTH.size)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop_unbound(fd, "an express stream closed before it bound")
+            return
+        try:
+            frames = entry.reader.feed(data)
+            if not frames:
+                return
+            session = self._bind(frames[0])
+        except ProtocolError as exc:
+            self._drop_unbound(fd, f"dropped an express stream that did not bind: {exc}")
+            return
+        del self._unbound[fd]
+        self._ep.channel.timers.cancel(entry.timer)
+        link = ExpressLink(entry.sock, self._seal_of(session), entry.reader)
+        self._attach(session, link)
+        self._deliver(session, link, frames[1:])
+
+    def _bind(self, first: bytes) -> Session:
+        """The session the binding frame ``first`` proves it belongs to."""
+        from .session import Phase
+
+        raw_conn, sep, sealed = first.partition(b"\n")
+        if not sep or not 0 < len(raw_conn) <= _MAX_CONN_ID:
+            raise ProtocolError("no connection id")
+        try:
+            conn = raw_conn.decode("ascii")
+        except UnicodeDecodeError:
+            raise ProtocolError("a connection id that is not ASCII") from None
+        session = self._ep.sessions.get(conn)
+        if session is None or session.initiator or session.phase is Phase.CLOSED or session.express is not None:
+            raise ProtocolError("no connection of that id is waiting for its express stream")
+        body = self._seal_of(session).open(sealed)
+        if body is None:
+            raise ProtocolError("its binding frame failed authentication (forged, replayed or corrupted)")
+        msg = decode(body, limit=MAX_FRAME_BYTES)
+        if msg.type != "express" or msg["conn"] != conn:
+            raise ProtocolError(f"its first message is {msg.type}, not its binding")
+        return session
+
+    # -- initiator ---------------------------------------------------------------------------
+
+    def dial(self, session: Session, port: int) -> None:
+        """Initiator, I/O thread: open the stream to the acceptor's express ``port`` (without
+        blocking: the connect completes in a later loop pass)."""
+        host = session.peer_address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+        host = "127.0.0.1" if host == "localhost" else host
+        try:
+            # A numeric address only: a name lookup could block the loop.
+            family, kind, proto, _, addr = socket.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST
+            )[0]
+        except (socket.gaierror, UnicodeError) as exc:
+            log.debug("%s: no express stream (%s is not a numeric address: %s)", session.peer_label, host, exc)
+            return
+        sock = socket.socket(family, kind, proto)
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        err = sock.connect_ex(addr)
+        if err not in (0, errno.EINPROGRESS, errno.EWOULDBLOCK):
+            sock.close()
+            log.debug("%s: no express stream (connect: %s)", session.peer_label, errno.errorcode.get(err, err))
+            return
+        fd = sock.fileno()
+        channel = self._ep.channel
+        timer = channel.timers.call_later(self._ep.timeouts.connect, functools.partial(self._give_up, fd, sock))
+        self._dialing[fd] = (sock, session, timer)
+        channel.watch_fd(fd, self._on_dialed, writable=True)
+
+    def _give_up(self, fd: int, sock: socket.socket) -> None:
+        entry = self._dialing.get(fd)
+        if entry is not None and entry[0] is sock:
+            del self._dialing[fd]
+            self._ep.channel.unwatch_fd(fd)
+            sock.close()
+            log.debug("%s: no express stream (its connect timed out)", entry[1].peer_label)
+
+    def _on_dialed(self, fd: int) -> None:
+        from .session import Phase
+
+        entry = self._dialing.pop(fd, None)
+        channel = self._ep.channel
+        channel.unwatch_fd(fd)
+        if entry is None:
+            return
+        sock, session, timer = entry
+        channel.timers.cancel(timer)
+        err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if err or session.phase is Phase.CLOSED or session.express is not None or session.express_seal is None:
+            sock.close()
+            if err:
+                log.debug("%s: no express stream (connect: %s)", session.peer_label, errno.errorcode.get(err, err))
+            return
+        link = ExpressLink(sock, session.express_seal)
+        if not link.send_bind(session.id):
+            link.close()
+            return
+        self._attach(session, link)
+
+    # -- both --------------------------------------------------------------------------------
+
+    @staticmethod
+    def _seal_of(session: Session) -> Seal:
+        assert session.express_seal is not None
+        return session.express_seal
+
+    def _attach(self, session: Session, link: ExpressLink) -> None:
+        session.express = link
+        self._links[link.fd] = (link, session)
+        self._ep.channel.watch_fd(link.fd, self._on_link)
+        log.debug("%s: express stream open", session.peer_label)
+
+    def _on_link(self, fd: int) -> None:
+        entry = self._links.get(fd)
+        if entry is None:
+            return
+        link, session = entry
+        try:
+            frames = link.read()
+            if frames is None:
+                self.detach(session, "the stream closed")
+                return
+            self._deliver(session, link, frames)
+        except ProtocolError as exc:
+            self._log.warning("%s: closing its express stream: %s", session.peer_label, exc)
+            self.detach(session, str(exc))
+
+    def _deliver(self, session: Session, link: ExpressLink, frames: list[bytes]) -> None:
+        """Each authentic frame's message, handled as if it came on the control channel."""
+        for data in frames:
+            if session.express is not link:
+                return  # the session ended (or the stream was closed) while handling the last one
+            body = link.seal.open(data)
+            if body is None:
+                raise ProtocolError("a frame failed authentication (forged, replayed or corrupted)")
+            msg = decode(body, limit=MAX_FRAME_BYTES)
+            if msg.type != "done":
+                raise ProtocolError(f"a {msg.type} message (the stream carries done only)")
+            session.last_seen = time.monotonic()
+            self._ep.on_message(session.route, session, msg)
+
+    def detach(self, session: Session, why: str = "") -> None:
+        """I/O thread: close ``session``'s stream, if it has one (the session goes on)."""
+        link = session.express
+        if link is None:
+            return
+        session.express = None
+        self._links.pop(link.fd, None)
+        self._ep.channel.unwatch_fd(link.fd)
+        link.close()
+        log.debug("%s: express stream closed%s", session.peer_label, f" ({why})" if why else "")
+
+    def close(self) -> None:
+        """Close every stream and the listener (once the I/O loop has stopped). Never raises."""
+        for link, session in list(self._links.values()):
+            session.express = None
+            link.close()
+        self._links.clear()
+        for entry in self._unbound.values():
+            with contextlib.suppress(OSError):
+                entry.sock.close()
+        self._unbound.clear()
+        for sock, _, _ in self._dialing.values():
+            with contextlib.suppress(OSError):
+                sock.close()
+        self._dialing.clear()
+        with contextlib.suppress(OSError):
+            self._listener.close()

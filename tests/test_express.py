@@ -1,0 +1,235 @@
+"""The express stream (kvtransport/express.py): "done" on a plain socket beside the control
+channel, bound to its session by a sealed first frame, and what a stranger on its port gets.
+
+The stranger here speaks raw TCP with bytes built by this file (the frame layout is read from
+docs/security.md, not imported), so a mismatch between the two would show."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import itertools
+import os
+import socket
+import struct
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtransport.config import Limits, express_from_env
+from kvtransport.endpoint import Connection, Endpoint, State, Timeouts
+from kvtransport.errors import ConfigError, ProtocolError
+from kvtransport.express import MAX_FRAME_BYTES, FrameReader
+from kvtransport.kv_pool import KVPool
+from kvtransport.testing.fake import FakeDriver
+
+pytestmark = pytest.mark.timeout(120)
+
+FAKE = {"fake": FakeDriver}
+FAST = Timeouts(connect=1.5, bootstrap=5, waiting=5, transfer=5, heartbeat_interval=0.1, heartbeat_timeout=2.0)
+SECRET = b"test-express-deployment-secret-000001"
+
+
+@contextlib.contextmanager
+def endpoint(name: str, **kwargs: object) -> Iterator[tuple[Endpoint, KVPool]]:
+    pool = KVPool(32, 2, 256, 2)
+    pool.fill(len(name))
+    ep = None
+    try:
+        ep = Endpoint(pool.regions, pool.layout, drivers=FAKE, name=name, timeouts=FAST, secret=SECRET, **kwargs)  # type: ignore[arg-type]
+        yield ep, pool
+    finally:
+        if ep is not None:
+            ep.close()
+        pool.close()
+
+
+@contextlib.contextmanager
+def connected(
+    prefill_kwargs: dict[str, object] | None = None, decode_kwargs: dict[str, object] | None = None
+) -> Iterator[tuple[Endpoint, KVPool, Connection, Endpoint, KVPool, Connection]]:
+    with (
+        endpoint("prefill", **(prefill_kwargs or {})) as (prefill, a_pool),
+        endpoint("decode", **(decode_kwargs or {})) as (decode, b_pool),
+    ):
+        recv = decode.connect(prefill.address)
+        send = prefill.accept(5)
+        yield prefill, a_pool, send, decode, b_pool, recv
+
+
+def move(recv: Connection, send: Connection, tag: str, src: list[int], dst: list[int], chunks: int = 1) -> None:
+    r = recv.expect(tag, dst)
+    t = send.sender(tag)
+    until(lambda: t.state is not State.BOOTSTRAPPING, "the announcement")
+    step = max(1, len(src) // chunks)
+    for i in range(0, len(src), step):
+        t.send(src[i : i + step], last=i + step >= len(src))
+    assert t.wait(5) is State.SUCCESS and r.wait(5) is State.SUCCESS
+
+
+def until(cond: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def frame(data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + data
+
+
+def dial(port: int) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return s
+
+
+def closed_by_peer(s: socket.socket, timeout: float = 5.0) -> bool:
+    """Whether the endpoint closed ``s`` (EOF or reset) within ``timeout``."""
+    s.settimeout(timeout)
+    try:
+        while True:
+            if not s.recv(4096):
+                return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+
+
+def forged_seal(body: bytes, key: bytes = b"\x00" * 32, seq: int = 1) -> bytes:
+    """``0xC1 | seq | HMAC(key, 0xC1 | seq | body) | body`` under a key that is not the session's."""
+    header = struct.pack(">BQ", 0xC1, seq)
+    return header + hmac.new(key, header + body, hashlib.sha256).digest() + body
+
+
+# -- what carries "done" ---------------------------------------------------------------------
+
+
+def test_a_one_batch_transfer_says_done_on_the_express_stream() -> None:
+    with connected() as (prefill, a_pool, send, decode, b_pool, recv):
+        until(lambda: send._session.express is not None and recv._session.express is not None, "both ends bound")
+        link = send._session.express
+        assert link is not None
+        move(recv, send, "one", [1, 2], [3, 4])
+        assert b_pool.page_digests([3, 4]) == a_pool.page_digests([1, 2])
+        assert link.sent == 1
+        receiving = recv._session.express
+        assert receiving is not None and receiving.received == 1
+        move(recv, send, "chunked", [5, 6, 7, 8], [9, 10, 11, 12], chunks=2)
+        assert b_pool.page_digests([9, 10, 11, 12]) == a_pool.page_digests([5, 6, 7, 8])
+        assert link.sent == 1, "a transfer of several batches says done on the control channel"
+        assert prefill.stats()["express_links"] == decode.stats()["express_links"] == 1
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_without_express_on_either_side_done_takes_the_control_channel(side: str) -> None:
+    off = {"express": False}
+    with connected(off if side == "prefill" else None, off if side == "decode" else None) as parts:
+        prefill, a_pool, send, decode, b_pool, recv = parts
+        move(recv, send, "one", [1, 2], [3, 4])
+        assert b_pool.page_digests([3, 4]) == a_pool.page_digests([1, 2])
+        assert send._session.express is None and recv._session.express is None
+        assert prefill.stats()["express_links"] == decode.stats()["express_links"] == 0
+
+
+def test_the_setting_is_checked() -> None:
+    assert express_from_env({}) is True
+    assert express_from_env({"KVTRANSPORT_EXPRESS": "0"}) is False
+    with pytest.raises(ConfigError, match="KVTRANSPORT_EXPRESS"):
+        express_from_env({"KVTRANSPORT_EXPRESS": "maybe"})
+    with pytest.raises(ConfigError, match="KVTRANSPORT_INLINE_WAIT_US"):
+        Limits.from_env({"KVTRANSPORT_INLINE_WAIT_US": "-1"})
+    assert Limits.from_env({"KVTRANSPORT_INLINE_WAIT_US": "0"}).inline_wait_us == 0
+
+
+def test_a_broken_stream_is_closed_and_the_session_goes_on() -> None:
+    """A frame that fails authentication on a bound stream (here written into the sender's own
+    socket, as an attacker on the path would): the receiver closes the stream, both sides forget
+    it, and the next transfers say done on the control channel, every byte right."""
+    with connected() as (prefill, a_pool, send, decode, b_pool, recv):
+        until(lambda: send._session.express is not None and recv._session.express is not None, "both ends bound")
+        link = send._session.express
+        assert link is not None
+        link.sock.send(frame(forged_seal(b"\x80")))
+        until(lambda: recv._session.express is None and send._session.express is None, "the stream closed")
+        move(recv, send, "after", [1, 2], [3, 4])
+        assert b_pool.page_digests([3, 4]) == a_pool.page_digests([1, 2])
+        assert recv.alive and send.alive
+        assert prefill.stats()["express_links"] == decode.stats()["express_links"] == 0
+
+
+# -- strangers on the express port -------------------------------------------------------------
+
+HOSTILE: dict[str, Callable[[str], bytes]] = {
+    "random-bytes": lambda conn: os.urandom(512),
+    "oversized-length": lambda conn: struct.pack(">I", MAX_FRAME_BYTES + 1) + b"x" * 64,
+    "huge-length": lambda conn: struct.pack(">I", 0xFFFFFFFF),
+    "zero-length": lambda conn: struct.pack(">I", 0),
+    "no-connection-id": lambda conn: frame(b"just some bytes"),
+    "unknown-connection": lambda conn: frame(b"0" * 32 + b"\n" + forged_seal(b"\x80")),
+    "non-ascii-id": lambda conn: frame("é".encode() * 8 + b"\n" + forged_seal(b"\x80")),
+    # The live session's id with a seal under another key: only its keys can bind.
+    "forged-binding": lambda conn: frame(conn.encode() + b"\n" + forged_seal(b"\x80")),
+}
+
+
+@pytest.mark.parametrize("attack", sorted(HOSTILE))
+def test_a_stranger_on_the_express_port_is_closed_and_binds_nothing(attack: str) -> None:
+    with connected() as (prefill, _, send, _, b_pool, recv):
+        assert prefill.express is not None
+        until(lambda: send._session.express is not None, "the session's own stream")
+        link = send._session.express
+        before = b_pool.page_digests(list(range(32)))
+        s = dial(prefill.express.port)
+        try:
+            s.sendall(HOSTILE[attack](send.id))
+            assert closed_by_peer(s), "the endpoint should close a stream that does not bind"
+        finally:
+            s.close()
+        until(lambda: prefill.stats()["express_unbound"] == 0, "the stranger forgotten")
+        assert send._session.express is link, "a stranger must not replace the session's stream"
+        assert b_pool.page_digests(list(range(32))) == before
+        move(recv, send, "after", [1, 2], [3, 4])
+        assert link is not None and link.sent == 1
+
+
+def test_silent_strangers_are_capped_and_expire() -> None:
+    with connected({"limits": Limits(max_pending_handshakes=4)}) as (prefill, _, send, _, _, recv):
+        assert prefill.express is not None
+        socks = [dial(prefill.express.port) for _ in range(10)]
+        try:
+            until(lambda: sum(1 for s in socks if s.fileno() >= 0) == 10, "the dials")
+            time.sleep(0.3)
+            assert prefill.stats()["express_unbound"] <= 4
+            # The connect timeout (1.5 s here) closes those that never bound.
+            until(lambda: prefill.stats()["express_unbound"] == 0, "silent strangers expired", timeout=5)
+            assert all(closed_by_peer(s, 1) for s in socks[-4:])
+        finally:
+            for s in socks:
+                s.close()
+        move(recv, send, "after", [1, 2], [3, 4])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    frames=st.lists(st.binary(min_size=1, max_size=300), max_size=8),
+    cuts=st.lists(st.integers(min_value=0, max_value=4000), max_size=10),
+)
+def test_the_frame_reader_gives_back_each_frame_however_the_stream_is_cut(frames: list[bytes], cuts: list[int]) -> None:
+    stream = b"".join(frame(f) for f in frames)
+    points = sorted({0, len(stream), *(c for c in cuts if c <= len(stream))})
+    reader, out = FrameReader(), []
+    for lo, hi in itertools.pairwise(points):
+        out += reader.feed(stream[lo:hi])
+    assert out == frames and reader.pending == 0
+
+
+@given(n=st.one_of(st.just(0), st.integers(min_value=MAX_FRAME_BYTES + 1, max_value=2**32 - 1)))
+def test_the_frame_reader_refuses_empty_and_oversized_frames(n: int) -> None:
+    with pytest.raises(ProtocolError, match="express frame"):
+        FrameReader().feed(struct.pack(">I", n) + b"x")
