@@ -244,6 +244,9 @@ class ControlChannel:
                     if self._calls:
                         delay = 0.0
                 timeout_ms = -1 if delay is None else int(delay * 1000) + (1 if delay > 0 else 0)
+                # Handlers as they were when the poll began: a descriptor closed during this pass
+                # and reused by a stream registered meanwhile must not get the old one's event.
+                fds = dict(self._fds)
                 events = dict(self._poller.poll(timeout_ms))
                 self.passes += 1
                 if self._wake_rx in events:
@@ -255,7 +258,7 @@ class ControlChannel:
                     # A handler may have closed a later dealer during this pass.
                     if sock in events and self._dealers.get(key) is sock:
                         self._receive(sock, key)
-                for fd, handler in list(self._fds.items()):
+                for fd, handler in fds.items():
                     if fd in events and self._fds.get(fd) is handler:
                         try:
                             handler(fd)

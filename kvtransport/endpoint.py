@@ -270,7 +270,10 @@ class Endpoint:
             try:
                 self.express = ExpressPort(self, listen.split("://", 1)[-1].rsplit(":", 1)[0])
                 self.channel.call_soon(self.express.start)
-            except OSError as exc:
+            except (OSError, UnicodeError, KVTransportError) as exc:
+                if self.express is not None:
+                    self.express.close()
+                    self.express = None
                 log.warning("endpoint %s: no express streams (%s); 'done' takes the control channel", self.name, exc)
         self.address = self.channel.address
         for name, driver in self.drivers.items():
@@ -451,13 +454,15 @@ class Endpoint:
                 if session.phase is Phase.READY:
                     session.send("bye", reason="endpoint closed")
                 self.end_session(session, TransferAborted(f"endpoint {self.name} closed"), notify=False)
+            if self.express is not None:
+                self.express.close()
 
         try:
             self.channel.close(final)
         except Exception:
             log.exception("closing the control channel failed")
-        if self.express is not None:
-            self.express.close()
+        if self.express is not None and not self.channel.running:
+            self.express.close()  # the loop stopped before it ran ``final`` (or died)
         self._close_drivers()
 
     def __enter__(self) -> Endpoint:

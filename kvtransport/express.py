@@ -61,6 +61,9 @@ ACCEPTS_PER_PASS = 16
 #: How long the listener rests after accept() failed for want of descriptors.
 ACCEPT_BACKOFF_S = 0.5
 _MAX_CONN_ID = 64
+#: A write to a stream the peer reset must raise, never deliver SIGPIPE (an embedding
+#: application may not ignore it, as CPython does).
+_NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
 
 
 def frame(data: bytes) -> bytes:
@@ -131,7 +134,7 @@ class ExpressLink:
 
     def _write(self, data: bytes) -> bool:
         try:
-            n = self.sock.send(data)
+            n = self.sock.send(data, _NOSIGNAL)
         except BlockingIOError:
             return False
         except OSError as exc:
@@ -185,8 +188,10 @@ class ExpressPort:
     def __init__(self, endpoint: Endpoint, host: str) -> None:
         self._ep = endpoint
         bind_host = None if host in ("", "*", "0.0.0.0", "::", "[::]") else host.strip("[]")
+        # IPv4 unless the address is IPv6, as zmq resolves a name ("localhost" is often ::1 first).
+        family = socket.AF_INET6 if bind_host and ":" in bind_host else socket.AF_INET
         family, kind, proto, _, addr = socket.getaddrinfo(
-            bind_host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            bind_host, 0, family=family, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )[0]
         self._listener = socket.socket(family, kind, proto)
         try:
@@ -230,8 +235,13 @@ class ExpressPort:
                 channel.unwatch_fd(fd)
                 channel.timers.call_later(ACCEPT_BACKOFF_S, self.start)
                 return
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                sock.setblocking(False)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError as exc:  # reset already, say
+                sock.close()
+                self._log.warning("express listener: dropped a stream that failed at once (%s)", exc)
+                continue
             while len(self._unbound) >= limits.max_pending_handshakes:
                 old_fd = next(iter(self._unbound))
                 self._drop_unbound(old_fd, "too many unbound express streams; the oldest goes")
@@ -282,7 +292,11 @@ class ExpressPort:
         self._ep.channel.timers.cancel(entry.timer)
         link = ExpressLink(entry.sock, self._seal_of(session), entry.reader)
         self._attach(session, link)
-        self._deliver(session, link, frames[1:])
+        try:
+            self._deliver(session, link, frames[1:])
+        except ProtocolError as exc:
+            self._log.warning("%s: closing its express stream: %s", session.peer_label, exc)
+            self.detach(session, str(exc))
 
     def _bind(self, first: bytes) -> Session:
         """The session the binding frame ``first`` proves it belongs to."""
@@ -321,10 +335,17 @@ class ExpressPort:
         except (socket.gaierror, UnicodeError) as exc:
             log.debug("%s: no express stream (%s is not a numeric address: %s)", session.peer_label, host, exc)
             return
-        sock = socket.socket(family, kind, proto)
-        sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        err = sock.connect_ex(addr)
+        try:
+            sock = socket.socket(family, kind, proto)
+        except OSError as exc:  # out of descriptors, say: the session goes on without
+            log.warning("%s: no express stream (%s)", session.peer_label, exc)
+            return
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            err = sock.connect_ex(addr)
+        except OSError as exc:
+            err = exc.errno or -1
         if err not in (0, errno.EINPROGRESS, errno.EWOULDBLOCK):
             sock.close()
             log.debug("%s: no express stream (connect: %s)", session.peer_label, errno.errorcode.get(err, err))
@@ -419,18 +440,25 @@ class ExpressPort:
         log.debug("%s: express stream closed%s", session.peer_label, f" ({why})" if why else "")
 
     def close(self) -> None:
-        """Close every stream and the listener (once the I/O loop has stopped). Never raises."""
+        """Close every stream and the listener: on the I/O thread, or once it has stopped.
+        Idempotent; never raises."""
+        channel = self._ep.channel
         for link, session in list(self._links.values()):
             session.express = None
+            channel.unwatch_fd(link.fd)
             link.close()
         self._links.clear()
-        for entry in self._unbound.values():
+        for fd, entry in list(self._unbound.items()):
+            channel.unwatch_fd(fd)
             with contextlib.suppress(OSError):
                 entry.sock.close()
         self._unbound.clear()
-        for sock, _, _ in self._dialing.values():
+        for fd, (sock, _, _) in list(self._dialing.items()):
+            channel.unwatch_fd(fd)
             with contextlib.suppress(OSError):
                 sock.close()
         self._dialing.clear()
+        if self._listener.fileno() >= 0:
+            channel.unwatch_fd(self._listener.fileno())
         with contextlib.suppress(OSError):
             self._listener.close()

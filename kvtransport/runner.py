@@ -199,8 +199,11 @@ class DriverRunner:
         # dropping it, and the watch is not kept then.
         done = self._check(key, w, strict=first is not None)
         if not done and here_s > 0 and not self.in_runner_thread():
+            # The caller holds the driver meanwhile: a call queued behind it ends the wait. No
+            # yield between checks: it cost 0.08 ms a request here (mooncake-gdr, 64 KiB), and
+            # the callers that wait are small batches that the engine finishes on its own threads.
             until = time.monotonic() + here_s
-            while not done and time.monotonic() < until:
+            while not done and not self._calls and time.monotonic() < until:
                 done = self._check(key, w, strict=first is not None)
         if not done and first is not None:
             w.then = then

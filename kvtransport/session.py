@@ -61,8 +61,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: Largest batch whose caller keeps checking it for ``Limits.inline_wait_us`` after submitting
-#: it (``call_here``): at the host engines' >= 1 GB/s a bigger one takes longer than the wait.
+#: it (``call_here``): at the host engines' >= 1 GB/s a bigger one takes longer than the wait,
+#: and a driver may hand a batch of many descriptors to a worker thread of its own (Mooncake
+#: above 64), which the caller's checks, holding the interpreter, would only hold back.
 INLINE_WAIT_MAX_BYTES = 256 << 10
+INLINE_WAIT_MAX_RUNS = 64
 
 
 class Phase(enum.Enum):
@@ -694,9 +697,11 @@ class Session:
 
     def progress(self, transfer: Transfer) -> None:
         if transfer.last_sent and not transfer.batches and transfer.state is State.TRANSFERRING:
-            if not transfer.done_sent:
-                self.endpoint.flush_notices()
-                self.send("done", tag=transfer.tag, bytes=transfer.bytes, lane=self.wire_name(transfer.driver))
+            # Also when "done" went out on the express stream: that one is the fast path, this
+            # one the guarantee (the stream may have broken, or never bound at the peer, with
+            # the frame in its buffer); the receiver ignores whichever comes second.
+            self.endpoint.flush_notices()
+            self.send("done", tag=transfer.tag, bytes=transfer.bytes, lane=self.wire_name(transfer.driver))
             if transfer.submitted_at:
                 transfer.measured_s = time.monotonic() - transfer.submitted_at
                 if transfer.lane is not None and transfer.raw_predicted_s:
@@ -719,11 +724,15 @@ class Session:
         if sending:
             with transfer.express_lock:
                 transfer.stopping = True
-                if transfer.done_sent and not by_peer and not self.closing:
-                    # Its only batch finished and "done" is on its way to the receiver, which
-                    # will see Success: this side's Success follows with the batch's news.
-                    log.debug("abort of %r comes after its express done: ignored (%s)", tag, reason)
-                    return
+                finished = transfer.done_sent and not by_peer
+            if finished:
+                # Its only batch finished and "done" is on its way to the receiver, which will
+                # see Success: so does this side (now, if the session is ending; else with the
+                # batch's news). Only the peer's own abort still fails it.
+                log.debug("abort of %r comes after its express done: not failed (%s)", tag, reason)
+                if self.closing:
+                    transfer._set(State.SUCCESS)
+                return
         transfer.batches = set()
         settling = False
         if sending and self.lanes:
@@ -1046,7 +1055,8 @@ class Session:
             return done
 
         # A small batch's caller waits for it a little, as the engine's own callers do.
-        wait = self.endpoint.limits.inline_wait_us * 1e-6 if runs.total_bytes <= INLINE_WAIT_MAX_BYTES else 0.0
+        small = runs.total_bytes <= INLINE_WAIT_MAX_BYTES and len(runs) <= INLINE_WAIT_MAX_RUNS
+        wait = self.endpoint.limits.inline_wait_us * 1e-6 if small else 0.0
         try:
             runner.watch(
                 ("batch", handle),

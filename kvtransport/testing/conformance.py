@@ -165,6 +165,10 @@ def test_a_one_batch_transfer_says_done_on_the_express_stream(pair: Pair) -> Non
     """A transfer of one batch: "done" leaves on the session's express stream from the thread
     that saw the batch finish, unless the driver is two-sided (its notices go first, on the
     control channel); a chunked transfer's "done" takes the control channel. Bytes verified."""
+    deadline = time.monotonic() + 10
+    # The peer (the initiator) binds the stream after its handshake: wait for it here.
+    while pair.conn._session.express is None and time.monotonic() < deadline:
+        time.sleep(0.01)
     link = pair.conn._session.express
     assert link is not None, "the session should have bound an express stream"
     decision = pair.conn.decision
