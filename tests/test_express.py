@@ -20,6 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtransport.auth import Seal
 from kvtransport.config import Limits, express_from_env
 from kvtransport.endpoint import Connection, Endpoint, State, Timeouts
 from kvtransport.errors import ConfigError, ProtocolError
@@ -198,6 +199,33 @@ def test_a_stranger_on_the_express_port_is_closed_and_binds_nothing(attack: str)
         assert link is not None and link.sent == 1
 
 
+@pytest.mark.parametrize("seal", ["forged", "replayed-control-channel-key"])
+def test_only_the_sessions_keys_bind_a_stream_it_is_waiting_for(seal: str) -> None:
+    """The initiator runs without express, so the acceptor's session waits for a stream that
+    never comes: a stranger presenting that session's id with a seal under another key (a
+    made-up one, or the session's control-channel key, which a frame of the control channel
+    would carry) is closed, and the session keeps no stream."""
+    with connected(decode_kwargs={"express": False}) as (prefill, a_pool, send, decode, b_pool, recv):
+        assert prefill.express is not None and send._session.express is None
+        assert send._session.express_seal is not None
+        if seal == "forged":
+            sealed = forged_seal(b"\x82\xa1v\x06\xa1t\xa7express")
+        else:
+            # A frame of this session, sealed for the control channel (initiator's direction).
+            peer = recv._session
+            other = Seal(decode.secret, peer.id, peer.nonce_i, peer.nonce_a, initiator=True)
+            sealed = other.seal(b"x")
+        s = dial(prefill.express.port)
+        try:
+            s.sendall(frame(send.id.encode() + b"\n" + sealed))
+            assert closed_by_peer(s)
+        finally:
+            s.close()
+        assert send._session.express is None and prefill.stats()["express_links"] == 0
+        move(recv, send, "after", [1, 2], [3, 4])
+        assert b_pool.page_digests([3, 4]) == a_pool.page_digests([1, 2])
+
+
 def test_silent_strangers_are_capped_and_expire() -> None:
     with connected({"limits": Limits(max_pending_handshakes=4)}) as (prefill, _, send, _, _, recv):
         assert prefill.express is not None
@@ -233,3 +261,50 @@ def test_the_frame_reader_gives_back_each_frame_however_the_stream_is_cut(frames
 def test_the_frame_reader_refuses_empty_and_oversized_frames(n: int) -> None:
     with pytest.raises(ProtocolError, match="express frame"):
         FrameReader().feed(struct.pack(">I", n) + b"x")
+
+
+def _stream_garbage(conn: str) -> st.SearchStrategy[bytes]:
+    """What a stranger might write: raw bytes, frames of random bodies, frames shaped like a
+    binding (a real or random id, a newline, a seal-like body), several of them back to back."""
+    ids = st.one_of(st.just(conn.encode()), st.binary(max_size=80))
+    sealed = st.one_of(
+        st.binary(max_size=200),
+        st.builds(lambda body, seq: forged_seal(body, seq=seq), st.binary(max_size=120), st.integers(0, 2**64 - 1)),
+    )
+    binding = st.builds(lambda i, s: frame(i + b"\n" + s), ids, sealed)
+    lengths = st.integers(0, 2**32 - 1).map(lambda n: struct.pack(">I", n))
+    piece = st.one_of(st.binary(max_size=300), st.builds(frame, st.binary(min_size=1, max_size=300)), binding, lengths)
+    return st.lists(piece, min_size=1, max_size=4).map(b"".join)
+
+
+def test_generated_garbage_on_the_express_port_binds_nothing_and_stops_nothing() -> None:
+    """Hypothesis writes generated streams to fresh connections of a live endpoint's express
+    port; after each: no stranger is left bound or waiting once it hung up, the session's own
+    stream is the same object, and after all of them a transfer still says done express, byte
+    for byte, with no page of the receiver changed by the strangers."""
+    with connected() as (prefill, a_pool, send, _, b_pool, recv):
+        assert prefill.express is not None
+        port = prefill.express.port
+        until(lambda: send._session.express is not None, "the session's own stream")
+        link = send._session.express
+        before = b_pool.page_digests(list(range(32)))
+
+        @settings(max_examples=400, deadline=None, database=None)
+        @given(data=st.data())
+        def attack(data: st.DataObject) -> None:
+            payload = data.draw(_stream_garbage(send.id))
+            s = dial(port)
+            try:
+                with contextlib.suppress(OSError):
+                    s.sendall(payload)
+            finally:
+                s.close()
+            assert send._session.express is link
+
+        attack()
+        until(lambda: prefill.stats()["express_unbound"] == 0, "every stranger forgotten")
+        assert b_pool.page_digests(list(range(32))) == before
+        move(recv, send, "after", [1, 2], [3, 4])
+        assert b_pool.page_digests([3, 4]) == a_pool.page_digests([1, 2])
+        assert link is not None and link.sent == 1 and send._session.express is link
+        assert prefill.stats()["express_links"] == 1
