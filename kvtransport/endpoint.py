@@ -278,7 +278,12 @@ class Endpoint:
         self.address = self.channel.address
         for name, driver in self.drivers.items():
             self.runners[name] = DriverRunner(name, driver, self.post)
-        log.debug("endpoint %s listening on %s", self.name, self.address)
+        log.debug(
+            "endpoint %s listening on %s (express port %s)",
+            self.name,
+            self.address,
+            self.express.port if self.express is not None else "none",
+        )
 
     # -- set-up ----------------------------------------------------------------------------
 
