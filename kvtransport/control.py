@@ -28,7 +28,13 @@ log = logging.getLogger(__name__)
 
 Route = tuple[str, Any]
 
-_WILDCARDS = {"*", "0.0.0.0", "::", "[::]", ""}
+#: Hosts of a listen address that bind every interface.
+WILDCARDS = frozenset({"*", "0.0.0.0", "::", ""})
+
+
+def address_host(address: str) -> str:
+    """The host part of a ``tcp://host:port`` address, without an IPv6 address's brackets."""
+    return address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
 
 
 def advertised_host(listen: str) -> str:
@@ -37,9 +43,9 @@ def advertised_host(listen: str) -> str:
     A wildcard bind (``tcp://*:5555``) advertises this machine's primary address, falling back
     to loopback when the host name does not resolve.
     """
-    host = listen.split("://", 1)[-1].rsplit(":", 1)[0]
-    if host not in _WILDCARDS:
-        return host.strip("[]")
+    host = address_host(listen)
+    if host not in WILDCARDS:
+        return host
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
@@ -211,10 +217,6 @@ class ControlChannel:
     def unwatch_fd(self, fd: int) -> None:
         if self._fds.pop(fd, None) is not None:
             self._poller.unregister(fd)
-
-    @property
-    def fd_count(self) -> int:
-        return len(self._fds)
 
     @property
     def dealer_count(self) -> int:

@@ -51,7 +51,7 @@ from .auth import (
 from .bounded import put_newest
 from .calibration_cache import with_cached_models
 from .config import Limits, Timeouts, express_from_env
-from .control import ControlChannel, Route, advertised_host
+from .control import ControlChannel, Route, address_host, advertised_host
 from .driver import DriverStatus, KVTransport
 from .errors import (
     AuthenticationFailed,
@@ -268,7 +268,7 @@ class Endpoint:
         self.express: ExpressPort | None = None
         if use_express:
             try:
-                self.express = ExpressPort(self, listen.split("://", 1)[-1].rsplit(":", 1)[0])
+                self.express = ExpressPort(self, address_host(listen))
                 self.channel.call_soon(self.express.start)
             except (OSError, UnicodeError, KVTransportError) as exc:
                 if self.express is not None:

@@ -13,9 +13,9 @@ descriptor in the same poll as its zmq sockets, handles it like any other messag
 What it carries: only "done" (after the binding frame). Everything else stays on the control
 channel, and "done" needs no order against it: it follows the announcement (the receiver's own
 earlier message), and it goes express only for a transfer whose one batch finished, on a
-connection without two-sided drivers (whose notices must reach the peer before "done"). A
-stream that breaks, or never opened, costs latency and nothing else: "done" then takes the
-control channel as before.
+connection without two-sided drivers (whose notices must reach the peer before "done"). The
+control channel carries every "done" as well (the session's I/O thread sends it, as before):
+a stream that breaks, or never opened, costs latency and nothing else.
 
 Security: frames are sealed like the control channel's (:class:`~kvtransport.auth.Seal`) with
 keys of their own, derived from the same handshake. The first frame binds the stream to its
@@ -42,6 +42,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .auth import RateLimitedLog, Seal
+from .control import WILDCARDS, address_host
 from .errors import ProtocolError
 from .wire import decode, encode
 
@@ -110,10 +111,6 @@ class ExpressLink:
         #: Frames written and read (``Endpoint.stats`` and the tests read them).
         self.sent = 0
         self.received = 0
-
-    @property
-    def usable(self) -> bool:
-        return not self._closed
 
     def send(self, body: bytes) -> bool:
         """Any thread: ``body`` sealed, as one frame. ``False`` when it could not go out whole
@@ -187,7 +184,7 @@ class ExpressPort:
 
     def __init__(self, endpoint: Endpoint, host: str) -> None:
         self._ep = endpoint
-        bind_host = None if host in ("", "*", "0.0.0.0", "::", "[::]") else host.strip("[]")
+        bind_host = None if host in WILDCARDS else host
         # IPv4 unless the address is IPv6, as zmq resolves a name ("localhost" is often ::1 first).
         family = socket.AF_INET6 if bind_host and ":" in bind_host else socket.AF_INET
         family, kind, proto, _, addr = socket.getaddrinfo(
@@ -292,11 +289,7 @@ class ExpressPort:
         self._ep.channel.timers.cancel(entry.timer)
         link = ExpressLink(entry.sock, self._seal_of(session), entry.reader)
         self._attach(session, link)
-        try:
-            self._deliver(session, link, frames[1:])
-        except ProtocolError as exc:
-            self._log.warning("%s: closing its express stream: %s", session.peer_label, exc)
-            self.detach(session, str(exc))
+        self._deliver(session, link, frames[1:])
 
     def _bind(self, first: bytes) -> Session:
         """The session the binding frame ``first`` proves it belongs to."""
@@ -325,7 +318,7 @@ class ExpressPort:
     def dial(self, session: Session, port: int) -> None:
         """Initiator, I/O thread: open the stream to the acceptor's express ``port`` (without
         blocking: the connect completes in a later loop pass)."""
-        host = session.peer_address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+        host = address_host(session.peer_address)
         host = "127.0.0.1" if host == "localhost" else host
         try:
             # A numeric address only: a name lookup could block the loop.
@@ -406,16 +399,27 @@ class ExpressPort:
         link, session = entry
         try:
             frames = link.read()
-            if frames is None:
-                self.detach(session, "the stream closed")
-                return
-            self._deliver(session, link, frames)
-        except ProtocolError as exc:
-            self._log.warning("%s: closing its express stream: %s", session.peer_label, exc)
-            self.detach(session, str(exc))
+        except ProtocolError as exc:  # a frame of a forbidden length
+            self._close_bad(session, exc)
+            return
+        if frames is None:
+            self.detach(session, "the stream closed")
+            return
+        self._deliver(session, link, frames)
+
+    def _close_bad(self, session: Session, exc: ProtocolError) -> None:
+        self._log.warning("%s: closing its express stream: %s", session.peer_label, exc)
+        self.detach(session, str(exc))
 
     def _deliver(self, session: Session, link: ExpressLink, frames: list[bytes]) -> None:
-        """Each authentic frame's message, handled as if it came on the control channel."""
+        """Each authentic frame's message, handled as if it came on the control channel; the
+        first that is not closes the stream."""
+        try:
+            self._handle(session, link, frames)
+        except ProtocolError as exc:
+            self._close_bad(session, exc)
+
+    def _handle(self, session: Session, link: ExpressLink, frames: list[bytes]) -> None:
         for data in frames:
             if session.express is not link:
                 return  # the session ended (or the stream was closed) while handling the last one

@@ -456,8 +456,9 @@ class Session:
     def express_done(self, transfer: Transfer, nbytes: int) -> None:
         """Any thread, the one that saw a one-batch transfer's batch finish (under the runner's
         claim, so no abort of it runs in the driver meanwhile): "done" straight to the peer on
-        the express stream, unless the I/O thread has started failing the transfer. When it
-        cannot go out, the I/O thread sends it on the control channel as usual."""
+        the express stream, unless the I/O thread has started failing the transfer. The I/O
+        thread sends it on the control channel as well (``progress``), whether or not this one
+        went out."""
         link = self.express
         if link is None:
             return
