@@ -27,7 +27,10 @@ Life of a driver instance, driven by the core:
 
 Threads (API version 2): ``open`` and ``close`` run on the thread that creates / closes the
 endpoint; every call in between runs on one thread per driver instance, the endpoint's runner
-for it (never the I/O thread), so a driver needs no locks for the core's sake. The context's
+for it (never the I/O thread), so a driver needs no locks for the core's sake. A driver that
+declares ``thread_agnostic`` gets calls on other threads too, one at a time, while its runner
+is idle: ``submit``/``poll`` on the sender's thread, ``on_notice``/``inbound_idle``/``expecting``
+on the I/O thread. The context's
 ``send_notice``, ``completed`` and ``inbound_progress`` may be called from any thread.
 """
 
@@ -251,8 +254,9 @@ class KVTransport(ABC):
     #: ``submit`` and ``poll`` may run on the thread that calls ``Transfer.send`` and on the
     #: thread that calls ``context.completed``, when the driver's thread has nothing queued or
     #: running: a thread hop fewer each (the hops, not the engine, are most of a small
-    #: request's latency). Calls stay one at a time; declare it only if the engine does not
-    #: care which thread calls it and ``submit`` never blocks.
+    #: request's latency). A two-sided driver's ``on_notice``, ``inbound_idle`` and
+    #: ``expecting`` may run on the I/O thread likewise. Calls stay one at a time; declare it
+    #: only if the engine does not care which thread calls it and none of those calls blocks.
     thread_agnostic: ClassVar[bool] = False
     #: ``"module:Class"`` of a :class:`~kvtransport.baseline.RawEngine` that drives the same
     #: engine directly, for ``kvtransport bench`` to compare against; empty if none.
@@ -313,6 +317,14 @@ class KVTransport(ABC):
         notices (a copy-in from a staging ring) is still running. The core reports a received
         transfer as Success only once this returns ``True``; one-sided drivers keep the default."""
         return True
+
+    def expecting(self, peer: str, nbytes: int) -> None:  # noqa: B027 - optional hook
+        """Receiver side of a two-sided driver, optional: a transfer of ``nbytes`` from ``peer``
+        was just announced (called before the announcement goes out). A driver may get ready
+        for it, as the staged ones lend ring slots ahead so that a small transfer needs no
+        credit round trip. A hint: the transfer may never come, or come on another driver.
+        Must not block; runs on the driver's thread, or on the I/O thread when the driver is
+        ``thread_agnostic`` and its thread is idle."""
 
     def progress(self) -> None:  # noqa: B027 - optional hook
         """Drive the engine once (receiver side; see ``progress_while_receiving``)."""

@@ -320,6 +320,8 @@ class Session:
                 self.guard = InboundGuard(ep.regions)
             self.guard.add(claim)
             ep.receiving(self, +1)
+            transfer.arriving = True
+            self.expecting(transfer)
             self.send(
                 "expect",
                 tag=tag,
@@ -331,6 +333,18 @@ class Session:
 
         ep.call(announce)
         return transfer
+
+    def expecting(self, transfer: Transfer) -> None:
+        """I/O thread, before a transfer's announcement goes out: tell each two-sided driver
+        what is coming (the staged ones lend ring slots ahead, and those notices then reach
+        the peer before the announcement does, so its first chunk needs no credit round trip)."""
+        nbytes = self.expected_bytes(transfer)
+        for lane in self.lanes.values():
+            if lane.two_sided:
+                try:
+                    lane.runner.call_here(functools.partial(lane.driver.expecting, self.id, nbytes))
+                except KVTransportError:
+                    pass  # the driver is closed; nothing to get ready
 
     def sender(self, tag: str) -> Transfer:
         _check_tag(tag)
@@ -616,11 +630,15 @@ class Session:
             if t.announced is not None and self.guard is not None:
                 claim, guard = t.announced, self.guard
                 t.announced = None
-                ep.receiving(self, -1)
+                if t.state is State.SUCCESS or t.drained.is_set():
+                    self.stop_arriving(t)
                 if t.state is State.SUCCESS:
                     guard.remove(claim)
                 else:
                     if not t.drained.is_set():
+                        # Its drivers are still driven until the sender confirms its writes
+                        # settled (``on_drained``) or it is forgotten: a write already posted
+                        # may need the receiving engine's progress to finish (UCX).
                         put_newest(self.awaiting_drain, t.tag, t, ep.limits.max_early_aborts)
                     # Chunks the sender had on the wire may still arrive: recognised, not written.
                     guard.revoke(claim)
@@ -645,7 +663,14 @@ class Session:
 
         t.timer = timers.call_later(limit, expire)
 
+    def stop_arriving(self, t: Transfer) -> None:
+        """I/O thread: nothing more of receive transfer ``t`` can arrive (once per transfer)."""
+        if t.arriving:
+            t.arriving = False
+            self.endpoint.receiving(self, -1)
+
     def forget(self, t: Transfer) -> None:
+        self.stop_arriving(t)
         if self.transfers.get(t.tag) is t:
             del self.transfers[t.tag]
             self.release_tag(t.tag)
@@ -893,7 +918,8 @@ class Session:
         # Success only once every two-sided lane's inbound work for this peer has drained,
         # whichever lane "done" names: the peer could name a one-sided one while its chunks
         # are still being copied into our pages. Queued behind the notices that came before
-        # this "done", so no check can answer before its driver has seen all of them.
+        # this "done" (or run right here when the driver is idle, so has seen all of them), so
+        # no check can answer before its driver has seen all of them.
         if t.state is State.WAITING_FOR_INPUT and any(x.two_sided for x in self.lanes.values()):
             t._set(State.TRANSFERRING)
         self.after_inbound(t, "inbound", lambda error: self.inbound_settled(t, error))
@@ -906,7 +932,7 @@ class Session:
         countdown = _Countdown(len(sided), then)
         for x in sided:
             try:
-                x.runner.call(functools.partial(self._driver_watch_idle, kind, x, t, countdown.one))
+                x.runner.call_here(functools.partial(self._driver_watch_idle, kind, x, t, countdown.one))
             except KVTransportError:
                 countdown.count -= 1  # the driver is closed: none of its copies runs any more
         if countdown.count <= 0:
@@ -971,16 +997,24 @@ class Session:
             # running (a sender confirms only after the abort it sent first): nothing to learn.
             log.debug("drained for %r from %s ignored", msg["tag"], self.peer_label)
             return
+
         # Copies into our pages by a two-sided driver are this side's own work: wait until
         # they are idle too.
-        self.after_inbound(t, "drained", lambda error: t.drained.set() if error is None else None)
+        def drained(error: KVTransportError | None) -> None:
+            if error is None:
+                t.drained.set()
+                self.stop_arriving(t)
+
+        self.after_inbound(t, "drained", drained)
 
     def on_notice(self, msg: Message) -> None:
         lane = self.lane_named(msg["lane"])
         if lane is None or not lane.two_sided:
             raise ProtocolError(f"notice for {msg['lane'][:64] or '?'!r}, not a two-sided driver of this connection")
         driver, payload = lane.driver, msg["payload"]
-        lane.runner.call(
+        # Right here when the driver allows it and is idle: a small chunk's copy-in then costs
+        # no thread wake-up, and the "done" behind it finds the driver idle too.
+        lane.runner.call_here(
             lambda: driver.on_notice(self.id, payload),
             lambda _, error: self.endpoint.end_session(self, error, notify=True) if error else None,
         )
@@ -1000,9 +1034,10 @@ class Session:
         timers.cancel(self.heartbeat)
         timers.cancel(self.handshake_timer)
         owned = list(self.transfers)
-        for t in list(self.transfers.values()):
+        for t in [*self.transfers.values(), *self.awaiting_drain.values()]:
             timers.cancel(t.timer)
             t.filed = False
+            self.stop_arriving(t)  # the driver forgets the peer: nothing more of it arrives
         self.transfers.clear()
         self.awaiting_drain.clear()
         owned += [*self.early_expects, *self.early_aborts]
@@ -1055,9 +1090,12 @@ class Session:
                     self.express_done(transfer, runs.total_bytes)
             return done
 
-        # A small batch's caller waits for it a little, as the engine's own callers do.
+        # A small batch's caller waits for it a little, as the engine's own callers do; not for
+        # a driver that signals completion: the thread that sees the batch finish reports it,
+        # and a caller checking back to back would only take the core that thread needs.
         small = runs.total_bytes <= INLINE_WAIT_MAX_BYTES and len(runs) <= INLINE_WAIT_MAX_RUNS
-        wait = self.endpoint.limits.inline_wait_us * 1e-6 if small else 0.0
+        signalled = type(driver).signals_completion
+        wait = self.endpoint.limits.inline_wait_us * 1e-6 if small and not signalled else 0.0
         try:
             runner.watch(
                 ("batch", handle),

@@ -84,6 +84,9 @@ class Transfer:
         #: (``drained``). A serving engine frees the pages of a failed request only then.
         self.drained = threading.Event()
         self.announced: Claim | None = None  # receiver: what it announced, until it ends
+        #: Receiver, I/O thread: counted among the endpoint's arriving transfers (its drivers
+        #: are driven while any is), from its announcement until nothing more of it can arrive.
+        self.arriving = False
         self.filed = False  # filed under its tag in the session
         self.timer: Timer | None = None  # its state's timeout, or when it is forgotten
         self.started = 0.0

@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 
 # --- the wire schema, as read from kvtransport/wire.py (deliberately not imported) -----------
 
-VERSION = 6
+VERSION = 7
 LIMIT = 4 << 20  # DEFAULT_MAX_MESSAGE_BYTES
 #: Frames larger than this make zmq drop the connection (MAXMSGSIZE: the limit plus framing room):
 #: the attacker's DEALER reconnects with a new route, so a session on the old one is orphaned.
@@ -69,7 +69,7 @@ SCHEMA: dict[str, dict[str, type]] = {
 INT_LOW = {("expect", "aux"): -1}
 TEXT_MAX = {"conn": 64, "tag": 256, "reason": 4096, "lane": 64}
 KINDS = tuple(SCHEMA)
-STAGED_OPS = ("want", "grant", "release", "chunk")
+STAGED_OPS = ("want", "grant", "lend", "release", "chunk")
 
 EXTREME_INTS = (
     -(2**63),
@@ -880,6 +880,7 @@ staged_payloads = st.fixed_dictionaries(
         "n": st.one_of(st.sampled_from(EXTREME_INTS), scalar),
         "slots": st.one_of(st.lists(st.one_of(st.sampled_from(EXTREME_INTS), scalar), max_size=4), scalar, nested),
         "slot": st.one_of(st.sampled_from(EXTREME_INTS), scalar),
+        "hold_ms": st.one_of(st.sampled_from(EXTREME_INTS), scalar),
         "dst": st.one_of(right_for(bytes), scalar),
         "len": st.one_of(right_for(bytes), scalar),
         "off": st.one_of(right_for(bytes), scalar),

@@ -857,6 +857,11 @@ def session_notice(r: random.Random) -> bytes:
         {"op": "want", "n": r.choice([0, -1, 1, 2**63 - 1, 2**64 - 1, "x", None, 1.5])},
         {"op": "grant", "slots": r.choice([[], [0], [2**63], ["x"], 5, None, [[1]], [-(2**63)]])},
         {"op": "release", "slots": r.choice([[], [0], [2**64 - 1], [[1]], 5, None, ["x"], {"a": 1}])},
+        {
+            "op": "lend",
+            "slots": r.choice([[], [0], [0, 0, 0], list(range(70000)), [2**64 - 1], ["x"], None]),
+            "hold_ms": r.choice([0, 1, 10_000, 10_001, -1, 2**64 - 1, "x", None]),
+        },
         {"op": r.choice(["chunk", "nope", "", 7, None])},
         {"no-op": 1},
         [1, 2, 3],
@@ -885,7 +890,7 @@ def test_fuzz_nixl_ucx_private_memory(rig_factory: Callable[..., Rig]) -> None:
 
 @pytest.mark.engines
 def test_fuzz_nixl_staged_notices(rig_factory: Callable[..., Rig]) -> None:
-    """A staged victim: hostile want/grant/release/chunk notices in granted slots as well."""
+    """A staged victim: hostile want/grant/lend/release/chunk notices, chunks in granted slots as well."""
     require_engines()
     rig = rig_factory("nixl-staged", private=True, options=TINY_RING)
     fuzz(rig, int(TOTAL * SHARE["nixl-staged"]), staged=True)

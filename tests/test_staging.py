@@ -30,6 +30,19 @@ from kvtransport.peer_process import PeerProcess
 from kvtransport.plan import Runs, plan
 from kvtransport.registry import load_driver
 from kvtransport.staging import MemcpyCopyEngine, RingConfig, StagingPipeline, chunk_runs
+from kvtransport.staging.notices import (
+    MAX_HOLD_MS,
+    Grant,
+    Lend,
+    Release,
+    Want,
+    decode_notice,
+    encode_grant,
+    encode_lend,
+    encode_release,
+    encode_want,
+)
+from kvtransport.staging.pipeline import LEND_MAX_SLOTS
 
 from .conftest import require_engines
 
@@ -78,6 +91,57 @@ def test_ring_config_from_env_and_options() -> None:
         RingConfig.from_env({"KVTRANSPORT_STAGING_RING_BYTES": str(1 << 20)})
     with pytest.raises(ConfigError, match="not a number"):
         RingConfig.from_env({"KVTRANSPORT_STAGING_CHUNK_BYTES": "8M"})
+
+
+# --- notices ---------------------------------------------------------------------------------
+
+SLOTS = 16
+packable_ints = st.one_of(
+    st.integers(-(2**63), 2**64 - 1), st.integers(-3, SLOTS + 3), st.integers(-3, MAX_HOLD_MS + 3)
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(0, SLOTS - 1), max_size=SLOTS),
+    st.integers(0, MAX_HOLD_MS),
+    st.integers(1, SLOTS),
+)
+def test_credit_notices_decode_to_what_was_encoded(slots: list[int], hold: int, n: int) -> None:
+    assert decode_notice(encode_want(n), SLOTS) == Want(n)
+    assert decode_notice(encode_grant(slots), SLOTS) == Grant(tuple(slots))
+    assert decode_notice(encode_release(slots), SLOTS) == Release(tuple(slots))
+    assert decode_notice(encode_lend(slots, hold), SLOTS) == Lend(tuple(slots), hold)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.fixed_dictionaries(
+        {
+            "slots": st.one_of(
+                st.lists(st.one_of(packable_ints, st.text(max_size=2), st.none(), st.booleans()), max_size=6),
+                packable_ints,
+                st.none(),
+            ),
+            "hold_ms": st.one_of(packable_ints, st.floats(), st.text(max_size=2), st.none(), st.booleans()),
+        }
+    )
+)
+def test_a_lend_is_decoded_only_with_slots_of_the_ring_and_a_bounded_hold(doc: dict[str, Any]) -> None:
+    slots, hold = doc["slots"], doc["hold_ms"]
+    valid = (
+        isinstance(slots, list)
+        and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < SLOTS for x in slots)
+        and isinstance(hold, int)
+        and not isinstance(hold, bool)
+        and 0 <= hold <= MAX_HOLD_MS
+    )
+    data = msgpack.packb({"op": "lend", **doc})
+    if valid:
+        assert decode_notice(data, SLOTS) == Lend(tuple(slots), hold)
+    else:
+        with pytest.raises(ProtocolError, match="lend"):
+            decode_notice(data, SLOTS)
 
 
 # --- two pipelines in one process ------------------------------------------------------------
@@ -302,6 +366,83 @@ def test_hostile_chunk_notice_writes_nothing_and_fails_typed(pair_factory: Any, 
     _quiet(a, b)
 
 
+def _record(side: Side) -> list[str]:
+    """The ops of every notice ``side`` sends from now on (still delivered)."""
+    ops: list[str] = []
+    forward = side.notify
+
+    def notify(peer: str, data: bytes) -> None:
+        ops.append(msgpack.unpackb(data)["op"])
+        forward(peer, data)
+
+    side.notify = notify
+    return ops
+
+
+def test_lent_slots_carry_a_small_transfer_without_asking(pair_factory: Any) -> None:
+    a, b, courier, _ = pair_factory()  # 4 slots of 8 KiB each way
+    sent = _record(a)
+    b.pipe.lend_ahead("a", 4096)  # one chunk's worth: one slot
+    _wait(lambda: len(a.pipe._out["b"].credits) == 1)
+    assert b.pipe.usage().granted == 1
+    h = a.pipe.submit("b", plan(a.regions.kv, b.regions.kv, [3], [9]))
+    _finish(a, b, [h], courier)
+    assert b.pool.page_digests([9]) == a.pool.page_digests([3])
+    assert sent == ["chunk"], "the sender asked for a slot it had been lent"
+    _quiet(a, b)
+
+
+def test_unused_lent_slots_go_back_when_their_hold_ends(pair_factory: Any) -> None:
+    a, b, courier, _ = pair_factory()
+    b.pipe.grant_timeout = 0.4  # a hold of 0.1 s
+    sent = _record(a)
+    started = time.monotonic()
+    b.pipe.lend_ahead("a", 1 << 30)  # more than the ring: LEND_MAX_SLOTS
+    _wait(lambda: len(a.pipe._out["b"].credits) == LEND_MAX_SLOTS)
+    assert b.pipe.usage().granted == LEND_MAX_SLOTS
+    _wait(lambda: b.pipe.usage().granted == 0)
+    assert time.monotonic() - started >= 0.09, "lent slots released before their hold ended"
+    assert sent == ["release"]
+    assert not a.pipe._out["b"].credits and not a.pipe._out["b"].lent
+    # A transfer after that asks as usual.
+    h = a.pipe.submit("b", plan(a.regions.kv, b.regions.kv, [1, 2], [5, 6]))
+    _finish(a, b, [h], courier)
+    assert b.pool.page_digests([5, 6]) == a.pool.page_digests([1, 2])
+    assert sent[1] == "want"
+    _quiet(a, b)
+
+
+def test_lending_keeps_half_the_ring_and_yields_to_a_waiting_peer(pair_factory: Any) -> None:
+    a, b, _, _ = pair_factory(ring=128 << 10, chunk=8 << 10)  # 8 slots each way
+    b.notify = lambda peer, data: None  # the lends go nowhere: they stay granted
+    for p in ("p1", "p2", "p3", "p4", "p5"):
+        b.pipe.connect(p, a.pipe.describe(), MemcpyLink())
+        b.pipe.lend_ahead(p, 1 << 30)
+        b.pipe.lend_ahead(p, 1 << 30)  # a second announcement adds nothing past the per-peer cap
+    held = {p: len(i.granted) for p, i in b.pipe._in.items()}
+    assert max(held.values()) <= LEND_MAX_SLOTS
+    assert sum(held.values()) == b.pipe.config.slots // 2, held
+    b.pipe.on_notice("a", msgpack.packb({"op": "want", "n": 8}))  # "a" now waits for the rest
+    granted = len(b.pipe._in["a"].granted)
+    b.pipe.lend_ahead("p1", 1 << 30)
+    b.pipe.disconnect("p2")
+    assert len(b.pipe._in["a"].granted) > granted, "a freed slot went to a lend, not to the waiting peer"
+    assert len(b.pipe._in["p1"].granted) == held["p1"]
+
+
+def test_a_receiver_cannot_lend_past_its_ring_or_twice(pair_factory: Any) -> None:
+    a, b, _, _ = pair_factory()  # b has 4 inbound slots
+    b.notify = lambda peer, data: None
+    a.pipe.on_notice("b", encode_lend([0, 0, 1, 1, 3, 2, 2], MAX_HOLD_MS))
+    a.pipe.on_notice("b", encode_lend(list(range(1000)), MAX_HOLD_MS))
+    out = a.pipe._out["b"]
+    assert sorted(out.credits) == [0, 1, 2, 3] and sorted(out.lent) == [0, 1, 2, 3]
+    with pytest.raises(ProtocolError, match=r"lend\.hold_ms"):
+        a.pipe.on_notice("b", msgpack.packb({"op": "lend", "slots": [0], "hold_ms": MAX_HOLD_MS + 1}))
+    with pytest.raises(ProtocolError, match=r"lend\.slots\[\]"):
+        a.pipe.on_notice("b", msgpack.packb({"op": "lend", "slots": [1 << 16], "hold_ms": 0}))
+
+
 def test_undecodable_notice_is_a_protocol_error(pair_factory: Any) -> None:
     _, b, _, _ = pair_factory()
     with pytest.raises(ProtocolError):
@@ -414,6 +555,41 @@ def _big_transfer_in_flight(driver: str) -> tuple[Endpoint, KVPool, PeerProcess,
     t.send(pages)
     time.sleep(0.2)
     return local, pool, peer, t
+
+
+@pytest.mark.usefixtures("staged_engines")
+@pytest.mark.parametrize("driver", STAGED)
+def test_real_engine_announcement_lends_slots_that_come_back_unused(driver: str) -> None:
+    """An announced transfer gets its credits lent with the announcement (two pages of 256 KiB:
+    two 256 KiB chunks, two slots); used, they come back with the scatters; not used, they
+    come back when their hold ends (a quarter of the 2 s grant timeout), and the transfer,
+    sent after that, asks for its slots as usual."""
+    local, pool, peer, conn = _staged_pair(driver, {})
+    try:
+
+        def granted() -> int:
+            return int(peer.call("ring_usage")[driver]["granted"])
+
+        for tag, dst, src, pause in (("used", [3, 4], [10, 11], False), ("later", [7, 8], [12, 13], True)):
+            started = time.monotonic()
+            peer.call("expect", transfers={tag: dst})
+            _wait(lambda: granted() > 0, 5)
+            assert granted() == 2, "the announcement lent other than the two slots its transfer needs"
+            t = conn.sender(tag)
+            while t.state is State.BOOTSTRAPPING:
+                time.sleep(0.001)
+            if pause:
+                _wait(lambda: granted() == 0, 5)
+                assert time.monotonic() - started >= 0.45, "lent slots came back before their hold ended"
+            t.send(src)
+            assert t.wait(30) is State.SUCCESS
+            assert peer.call("wait", tags=[tag], timeout=30)["states"][tag][0] == "SUCCESS"
+            assert peer.call("digests", pages=dst)["digests"] == pool.page_digests(src)
+            _settled(local, peer)
+    finally:
+        peer.close()
+        local.close()
+        pool.close()
 
 
 @pytest.mark.usefixtures("staged_engines")

@@ -33,6 +33,8 @@ def chunk_runs(runs: Runs, chunk_bytes: int) -> list[Chunk]:
     end = np.cumsum(length, dtype=np.uint64)
     start = end - length
     total = int(end[-1])
+    if total <= chunk_bytes:  # one chunk, no run split: the runs as they are (a small request)
+        return [Chunk(runs.src.astype(np.uint64), runs.dst.astype(np.uint64), length, start)]
     borders = np.arange(chunk_bytes, total, chunk_bytes, dtype=np.uint64)
     # Sorted piece starts in the packed stream: the run starts (sorted, distinct) with the chunk
     # borders that fall inside runs merged in, in one pass (a sort of 500k starts cost 30 ms).

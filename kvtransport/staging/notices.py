@@ -1,7 +1,9 @@
 """The staged path's notices (carried in control ``notice`` messages), with a typed schema.
 
 Sender -> receiver: ``want`` (n more slots), ``release`` (slots it will not use), ``chunk``
-(slot s holds these pieces for these destinations). Receiver -> sender: ``grant`` (slots).
+(slot s holds these pieces for these destinations). Receiver -> sender: ``grant`` (slots it
+asked for), ``lend`` (slots it did not ask for yet, lent ahead of a transfer just announced, to
+be used or released within ``hold_ms``).
 :func:`decode_notice` checks every field's type and range before anything uses it, and raises
 only :class:`~kvtransport.errors.ProtocolError`; integers arrive bounded, so no arithmetic on
 them can overflow.
@@ -21,6 +23,8 @@ from .copy import U64
 
 #: Most pieces in one chunk notice (a chunk of 8 MiB of 1 KiB pages is 8,192).
 MAX_PIECES = 1 << 16
+#: Longest a lent slot may be held unused, in milliseconds (a lend naming more is refused).
+MAX_HOLD_MS = 10_000
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,12 @@ class Want:
 @dataclass(frozen=True)
 class Grant:
     slots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Lend:
+    slots: tuple[int, ...]
+    hold_ms: int
 
 
 @dataclass(frozen=True)
@@ -46,7 +56,7 @@ class ChunkNotice:
     offset: U64
 
 
-Notice = Want | Grant | Release | ChunkNotice
+Notice = Want | Grant | Lend | Release | ChunkNotice
 
 
 def encode_want(n: int) -> bytes:
@@ -55,6 +65,10 @@ def encode_want(n: int) -> bytes:
 
 def encode_grant(slots: list[int]) -> bytes:
     return _pack({"op": "grant", "slots": [int(s) for s in slots]})
+
+
+def encode_lend(slots: list[int], hold_ms: int) -> bytes:
+    return _pack({"op": "lend", "slots": [int(s) for s in slots], "hold_ms": int(hold_ms)})
 
 
 def encode_release(slots: list[int]) -> bytes:
@@ -89,11 +103,11 @@ def decode_notice(payload: Any, slots: int) -> Notice:
         return Want(_int(msg["n"], "want.n", 1, MAX_SLOTS))
     if op in ("grant", "release"):
         _fields(msg, "slots")
-        raw = msg["slots"]
-        if not isinstance(raw, list) or len(raw) > MAX_SLOTS:
-            raise ProtocolError(f"{op}.slots must be a list of at most {MAX_SLOTS} slot numbers")
-        numbers = tuple(_int(s, f"{op}.slots[]", 0, slots - 1) for s in raw)
+        numbers = _slots(msg, op, slots)
         return Grant(numbers) if op == "grant" else Release(numbers)
+    if op == "lend":
+        _fields(msg, "slots", "hold_ms")
+        return Lend(_slots(msg, op, slots), _int(msg["hold_ms"], "lend.hold_ms", 0, MAX_HOLD_MS))
     if op == "chunk":
         _fields(msg, "slot", "dst", "len", "off")
         slot = _int(msg["slot"], "chunk.slot", 0, slots - 1)
@@ -108,6 +122,13 @@ def decode_notice(payload: Any, slots: int) -> Notice:
             raise ProtocolError("chunk piece lists of different lengths")
         return ChunkNotice(slot, dst, length, offset)
     raise ProtocolError(f"unknown staging notice {str(op)[:32]!r}")
+
+
+def _slots(msg: dict[str, Any], op: str, slots: int) -> tuple[int, ...]:
+    raw = msg["slots"]
+    if not isinstance(raw, list) or len(raw) > MAX_SLOTS:
+        raise ProtocolError(f"{op}.slots must be a list of at most {MAX_SLOTS} slot numbers")
+    return tuple(_int(s, f"{op}.slots[]", 0, slots - 1) for s in raw)
 
 
 def _fields(msg: dict[str, Any], *names: str) -> None:

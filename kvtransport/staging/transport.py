@@ -18,7 +18,7 @@ class StagedTransport(KVTransport):
     """Base of a staged driver: the pipeline's half of the SPI. A subclass allocates a ring its
     engine can write, calls :meth:`start_pipeline`, and connects peers with a
     :class:`~kvtransport.staging.WireLink`; ``submit``, ``poll``, ``abort``, ``pending``,
-    ``on_notice`` and ``inbound_idle`` are the pipeline's. Every inbound piece is checked against
+    ``on_notice``, ``inbound_idle`` and ``expecting`` are the pipeline's. Every inbound piece is checked against
     the pages the peer's transfers announced (``context.check_inbound``) before it is written."""
 
     signals_completion: ClassVar[bool] = True
@@ -113,6 +113,10 @@ class StagedTransport(KVTransport):
 
     def inbound_idle(self, peer: str) -> bool:
         return self.pipeline.inbound_idle(peer)
+
+    def expecting(self, peer: str, nbytes: int) -> None:
+        if self._pipeline is not None:
+            self._pipeline.lend_ahead(peer, nbytes)
 
     def ring_usage(self) -> dict[str, int]:
         """Slots in use (outbound, granted, busy), the inbound peak and the stage threads, for
