@@ -116,9 +116,9 @@ class InboundGuard:
             lo, hi = first[mask], last[mask]
             if np.any(hi >= counts.size):
                 raise InvalidPages(f"{what}: a piece reaches past the last {name}")
-            if not _covered(counts > 0, lo, hi).all():
+            if not _covered(counts, lo, hi).all():
                 live = False
-                known = _covered((counts > 0) | (revoked > 0), lo, hi)
+                known = _covered(counts, lo, hi, revoked)
                 bad = np.flatnonzero(~known)
                 if bad.size:
                     k = int(bad[0])
@@ -128,8 +128,19 @@ class InboundGuard:
         return live
 
 
-def _covered(flags: npt.NDArray[np.bool_], lo: I64, hi: I64) -> npt.NDArray[np.bool_]:
-    """For each piece, whether every index in ``[lo, hi]`` is flagged."""
+def _covered(
+    counts: npt.NDArray[np.int32], lo: I64, hi: I64, also: npt.NDArray[np.int32] | None = None
+) -> npt.NDArray[np.bool_]:
+    """For each piece, whether every index in ``[lo, hi]`` has a positive count (in ``counts``,
+    or in ``also``). Looks only at the indices the pieces span, never the whole table: this runs
+    for every inbound chunk, and a serving pool has 10^5-10^6 pages."""
+    if np.array_equal(lo, hi):  # every piece within one page (or item): look them up
+        hit: npt.NDArray[np.bool_] = counts[lo] > 0
+        return hit if also is None else hit | (also[lo] > 0)
+    base, top = int(lo.min()), int(hi.max()) + 1
+    flags = counts[base:top] > 0
+    if also is not None:
+        flags |= also[base:top] > 0
     prefix = np.concatenate(([0], np.cumsum(flags, dtype=np.int64)))
-    result: npt.NDArray[np.bool_] = prefix[hi + 1] - prefix[lo] == hi - lo + 1
+    result: npt.NDArray[np.bool_] = prefix[hi - base + 1] - prefix[lo - base] == hi - lo + 1
     return result
