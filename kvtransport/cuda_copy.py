@@ -241,6 +241,8 @@ class CudaCopyEngine:
     """The staging pipeline's copy engine for device KV: a stream per calling thread."""
 
     name = "cuda"
+    #: Its streams and the bound context are per thread: copies stay on the stage threads.
+    any_thread = False
 
     def __init__(self, device: int) -> None:
         self.cuda = CudaDriver(device)

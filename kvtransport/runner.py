@@ -5,7 +5,8 @@ after ``open()`` (connect, submit, poll, abort, on_notice, inbound_idle, disconn
 driver sees one call at a time and the endpoint's I/O thread never waits on an engine: a
 ``connect`` that takes a second stalls that driver's queue, never a heartbeat. A driver that
 declares ``thread_agnostic`` also takes a call on the thread that makes it (``call_here``: a
-sender's submit) or signals it (``signal``: a completion), while its runner has nothing queued
+sender's submit; the I/O thread's small notices, inbound checks and ``expecting``, none of
+which may block) or signals it (``signal``: a completion), while its runner has nothing queued
 or running: a thread hand-off fewer, which on a small host is most of a small request's latency.
 
 Completion: the runner keeps *watches* (an in-flight batch, a peer's inbound work) and checks

@@ -66,6 +66,9 @@ log = logging.getLogger(__name__)
 #: above 64), which the caller's checks, holding the interpreter, would only hold back.
 INLINE_WAIT_MAX_BYTES = 256 << 10
 INLINE_WAIT_MAX_RUNS = 64
+#: Largest driver notice the I/O thread hands to an idle thread-agnostic driver itself (a
+#: staged chunk notice of up to about 256 pieces); larger ones go through the runner.
+INLINE_NOTICE_MAX_BYTES = 8 << 10
 
 
 class Phase(enum.Enum):
@@ -336,8 +339,9 @@ class Session:
 
     def expecting(self, transfer: Transfer) -> None:
         """I/O thread, before a transfer's announcement goes out: tell each two-sided driver
-        what is coming (the staged ones lend ring slots ahead, and those notices then reach
-        the peer before the announcement does, so its first chunk needs no credit round trip)."""
+        what is coming (the staged ones lend ring slots ahead; run here when the driver is
+        idle, those notices reach the peer before the announcement does, so its first chunk
+        needs no credit round trip)."""
         nbytes = self.expected_bytes(transfer)
         for lane in self.lanes.values():
             if lane.two_sided:
@@ -1012,9 +1016,11 @@ class Session:
         if lane is None or not lane.two_sided:
             raise ProtocolError(f"notice for {msg['lane'][:64] or '?'!r}, not a two-sided driver of this connection")
         driver, payload = lane.driver, msg["payload"]
-        # Right here when the driver allows it and is idle: a small chunk's copy-in then costs
-        # no thread wake-up, and the "done" behind it finds the driver idle too.
-        lane.runner.call_here(
+        # A small notice right here when the driver allows it and is idle: a small chunk's
+        # copy-in then costs no thread wake-up, and the "done" behind it finds the driver idle
+        # too. A large one (many pieces to check) goes to the runner, off the I/O thread.
+        call = lane.runner.call_here if len(payload) <= INLINE_NOTICE_MAX_BYTES else lane.runner.call
+        call(
             lambda: driver.on_notice(self.id, payload),
             lambda _, error: self.endpoint.end_session(self, error, notify=True) if error else None,
         )

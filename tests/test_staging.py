@@ -430,17 +430,62 @@ def test_lending_keeps_half_the_ring_and_yields_to_a_waiting_peer(pair_factory: 
     assert len(b.pipe._in["p1"].granted) == held["p1"]
 
 
-def test_a_receiver_cannot_lend_past_its_ring_or_twice(pair_factory: Any) -> None:
+def test_a_receiver_cannot_lend_past_its_ring_twice_or_more_than_the_cap(pair_factory: Any) -> None:
     a, b, _, _ = pair_factory()  # b has 4 inbound slots
     b.notify = lambda peer, data: None
-    a.pipe.on_notice("b", encode_lend([0, 0, 1, 1, 3, 2, 2], MAX_HOLD_MS))
-    a.pipe.on_notice("b", encode_lend(list(range(1000)), MAX_HOLD_MS))
     out = a.pipe._out["b"]
-    assert sorted(out.credits) == [0, 1, 2, 3] and sorted(out.lent) == [0, 1, 2, 3]
+    a.pipe.on_notice("b", encode_lend([0, 0], MAX_HOLD_MS))  # twice the same slot: one credit
+    a.pipe.on_notice("b", encode_lend([1, 9], MAX_HOLD_MS))  # 9 is past the receiver's ring
+    a.pipe.on_notice("b", encode_lend([2, 3], MAX_HOLD_MS))  # past the cap: ignored
+    a.pipe.on_notice("b", encode_lend([], MAX_HOLD_MS))
+    assert sorted(out.credits) == [0, 1] and sorted(out.lent) == [0, 1]
+    with pytest.raises(ProtocolError, match="at most 2 are lent"):
+        a.pipe.on_notice("b", encode_lend(list(range(LEND_MAX_SLOTS + 1)), MAX_HOLD_MS))
     with pytest.raises(ProtocolError, match=r"lend\.hold_ms"):
         a.pipe.on_notice("b", msgpack.packb({"op": "lend", "slots": [0], "hold_ms": MAX_HOLD_MS + 1}))
     with pytest.raises(ProtocolError, match=r"lend\.slots\[\]"):
         a.pipe.on_notice("b", msgpack.packb({"op": "lend", "slots": [1 << 16], "hold_ms": 0}))
+    assert sorted(out.credits) == [0, 1]
+    # A ring description claiming more slots than any ring has is refused at connect.
+    with pytest.raises(ProtocolError, match="inbound slots"):
+        a.pipe.connect("x", {"ring": 4096, "slot_bytes": 1 << 20, "inbound_first": (1 << 16) + 1}, MemcpyLink())
+
+
+class ThreadBoundCopy(MemcpyCopyEngine):
+    """A copy engine with per-thread state (like CUDA streams): records the copying threads."""
+
+    any_thread = False
+
+    def __init__(self) -> None:
+        self.threads: set[str] = set()
+
+    def copy(self, dst: Any, src: Any, length: Any) -> None:
+        self.threads.add(threading.current_thread().name)
+        super().copy(dst, src, length)
+
+
+@pytest.mark.parametrize("any_thread", [True, False])
+def test_small_chunks_are_copied_on_the_calling_threads_only_when_the_engine_allows(
+    pair_factory: Any, any_thread: bool
+) -> None:
+    a, b, courier, _ = pair_factory()
+    engines = []
+    for side in (a, b):
+        engine = ThreadBoundCopy()
+        engine.any_thread = any_thread
+        side.pipe.copy_engine = engine
+        engines.append(engine)
+    b.pipe.lend_ahead("a", 4096)
+    _wait(lambda: len(a.pipe._out["b"].credits) == 1)
+    h = a.pipe.submit("b", plan(a.regions.kv, b.regions.kv, [2], [4]))
+    _finish(a, b, [h], courier)
+    assert b.pool.page_digests([4]) == a.pool.page_digests([2])
+    gathered, scattered = engines[0].threads, engines[1].threads
+    if any_thread:
+        assert gathered == {threading.current_thread().name} and scattered == {courier.thread.name}
+    else:
+        assert gathered == {"a-gather"} and scattered == {"b-scatter"}
+    _quiet(a, b)
 
 
 def test_undecodable_notice_is_a_protocol_error(pair_factory: Any) -> None:

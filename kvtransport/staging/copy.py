@@ -19,6 +19,10 @@ class CopyEngine(Protocol):
     the pieces may be copied in any order or together."""
 
     name: str
+    #: ``copy`` may be called from any thread, briefly (the pipeline then copies small chunks
+    #: on the thread that submits or receives them); ``False`` keeps every copy on the
+    #: pipeline's own stage threads (an engine with per-thread state, such as CUDA streams).
+    any_thread: bool
 
     def copy(self, dst: U64, src: U64, length: U64) -> None: ...
 
@@ -45,6 +49,7 @@ class MemcpyCopyEngine:
     each copy)."""
 
     name = "memcpy"
+    any_thread = True
 
     def copy(self, dst: U64, src: U64, length: U64) -> None:
         dst, src, length = coalesce(dst, src, length)

@@ -16,10 +16,12 @@ grant it again to whichever peer is waiting.
 Three threads per pipeline, shared by every peer (gather, wire, scatter), so the gather of
 chunk k+1 overlaps the wire write of chunk k and the peer's scatter of chunk k-1, and a
 thousand peers cost no more threads than one. Threads that have nothing to do block without a
-timeout. The receiver hands out credits, never more than its inbound slots and never more than
-a peer asked for: a slow receiver throttles the sender and is never overrun, and a transfer
-larger than the ring streams through it. The ring is split in two halves, outbound and
-inbound, so an endpoint that both sends and receives cannot deadlock on its own slots.
+timeout (the gather thread wakes once more when a lent credit's hold ends). The receiver hands
+out credits, never more than its inbound slots and never more than a peer asked for, plus at
+most ``LEND_MAX_SLOTS`` lent ahead of an announced transfer: a slow receiver throttles the
+sender and is never overrun, and a transfer larger than the ring streams through it. The
+ring is split in two halves, outbound and inbound, so an endpoint that both sends and receives
+cannot deadlock on its own slots.
 Aborts, disconnects and close return every slot; :meth:`StagingPipeline.usage` shows it.
 """
 
@@ -78,6 +80,9 @@ WIRE_SPIN_S = 0.0005
 #: ``_accept_chunk``), and the sender gathers and posts on the thread that submitted it (see
 #: ``submit``); larger ones go to the stage threads, which overlap them with the next chunk.
 INLINE_CHUNK_MAX_BYTES = 256 * 1024
+#: ... and at most this many pieces (the checks and copies of a chunk cost per piece, and the
+#: receiving thread may be the endpoint's I/O thread).
+INLINE_CHUNK_MAX_PIECES = 256
 
 #: Seconds a granted slot may sit unused before it is taken back for a peer that waits.
 DEFAULT_GRANT_TIMEOUT_S = 2.0
@@ -259,6 +264,10 @@ class StagingPipeline:
                 raise TypeError("ring, slot_bytes and inbound_first must be non-negative integers")
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"{self.name}: the peer's staging ring description is malformed: {exc}") from exc
+        if first > MAX_SLOTS:
+            raise ProtocolError(
+                f"{self.name}: the peer's staging ring claims {first} inbound slots (at most {MAX_SLOTS})"
+            )
         if slot_bytes < self.config.chunk_bytes:
             raise ConfigError(
                 f"{self.name}: the peer's ring slots hold {slot_bytes} bytes, this side's chunks are "
@@ -333,13 +342,7 @@ class StagingPipeline:
             self._batches[handle] = batch
             here: tuple[_Outbound, _Job, int, int] | None = None
             need = 0
-            if (
-                len(chunks) == 1
-                and chunks[0].nbytes <= INLINE_CHUNK_MAX_BYTES
-                and not out.queue
-                and out.credits
-                and self._free_out
-            ):
+            if len(chunks) == 1 and self._inline(chunks[0]) and not out.queue and out.credits and self._free_out:
                 # A small request with a credit in hand (lent ahead, say) is gathered and posted
                 # right here: two stage threads' wake-ups cost more than its copy and post.
                 here = self._take(out, _Job(batch, chunks[0]))
@@ -357,10 +360,18 @@ class StagingPipeline:
             self._completed(handle)
         return handle
 
+    def _inline(self, chunk: Chunk) -> bool:
+        """Whether ``chunk`` may be copied on the thread at hand instead of a stage thread."""
+        return (
+            self.copy_engine.any_thread
+            and chunk.nbytes <= INLINE_CHUNK_MAX_BYTES
+            and len(chunk.length) <= INLINE_CHUNK_MAX_PIECES
+        )
+
     def _take(self, out: _Outbound, job: _Job) -> tuple[_Outbound, _Job, int, int]:
         """Lock held: ``job`` takes a free outbound slot and one of ``out``'s credits."""
         job.batch.moving += 1
-        remote = out.credits.pop()
+        remote = out.credits.pop(0)  # the oldest: a grant or lend nearest to being taken back
         out.lent.pop(remote, None)
         return out, job, self._free_out.pop(), remote
 
@@ -433,9 +444,11 @@ class StagingPipeline:
                 return True
             return False
 
-    def _next_gather(self) -> tuple[_Outbound, _Job, int, int] | None:
+    def _next_gather(self, releases: list[tuple[str, list[int]]]) -> tuple[_Outbound, _Job, int, int] | None:
         """Lock held: the next chunk that has a credit and a free outbound slot, round robin
-        among peers; releases credits nothing queued will use (lent ones once their hold ends)."""
+        among peers; credits nothing queued will use (lent ones once their hold ends) go into
+        ``releases``, for the caller to send once it has let go of the lock (sending may wait
+        for the I/O thread, which takes the lock too)."""
         for _ in range(len(self._gather_rr)):
             peer = self._gather_rr[0]
             self._gather_rr.rotate(-1)
@@ -448,31 +461,38 @@ class StagingPipeline:
                 now = time.monotonic()
                 spare = [s for s in out.credits if out.lent.get(s, 0.0) <= now]
                 if spare:
-                    out.credits = [s for s in out.credits if s in out.lent and out.lent[s] > now]
+                    out.credits = [s for s in out.credits if out.lent.get(s, 0.0) > now]
                     for s in spare:
                         out.lent.pop(s, None)
-                    self._send(out.peer, encode_release(spare))
+                    releases.append((out.peer, spare))
                 continue
+            if out.queue and out.lent:
+                out.lent.clear()  # chunks wait for these credits: ordinary ones now, no hold
             if out.queue and out.credits and self._free_out:
                 return self._take(out, out.queue.popleft())
         return None
 
     def _lent_until(self) -> float | None:
         """Lock held: when the first lent credit's hold ends (``None`` when none is held)."""
-        return min((t for out in self._out.values() for t in out.lent.values()), default=None)
+        return min((t for out in self._out.values() if not out.queue for t in out.lent.values()), default=None)
 
     def _gather_loop(self) -> None:
         while True:
+            releases: list[tuple[str, list[int]]] = []
             with self._lock:
                 while True:
                     if self._closed:
                         return
-                    work = self._next_gather()
-                    if work is not None:
+                    work = self._next_gather(releases)
+                    if work is not None or releases:
                         break
                     until = self._lent_until()
                     # Lent credits unused when their hold ends go back to the receiver: wake then.
                     self._lock.wait(None if until is None else max(0.0, until - time.monotonic()) + 0.001)
+            for peer, slots in releases:
+                self._send(peer, encode_release(slots))
+            if work is None:
+                continue
             out, job, local, remote = work
             if not self._gather(out, job, local, remote):
                 continue
@@ -602,16 +622,19 @@ class StagingPipeline:
 
     def _take_lent(self, peer: str, notice: Lend) -> None:
         """Sender: credits the receiver lent unasked, each held until used or ``hold_ms`` ends.
-        Slots outside its ring or already held are ignored, and never more credits than the
-        receiver's ring has slots: a receiver cannot make this side hold more than that."""
+        Slots outside its ring or already held are ignored, and at most ``LEND_MAX_SLOTS`` lent
+        credits are held at once (a lend naming more is a protocol error): a receiver cannot
+        make this side hold, or scan, more than that."""
+        if len(notice.slots) > LEND_MAX_SLOTS:
+            raise ProtocolError(f"{self.name}: a lend of {len(notice.slots)} slots; at most {LEND_MAX_SLOTS} are lent")
         with self._lock:
             out = self._out.get(peer)
-            if out is None:
+            if out is None or not notice.slots:
                 return
             until = time.monotonic() + notice.hold_ms / 1000
             held = set(out.credits)
             for s in notice.slots:
-                if s < out.remote_slots and s not in held and len(held) < out.remote_slots:
+                if s < out.remote_slots and s not in held and len(out.lent) < LEND_MAX_SLOTS:
                     held.add(s)
                     out.credits.append(s)
                     out.lent[s] = until
@@ -681,7 +704,7 @@ class StagingPipeline:
             # the scatter thread costs a wake-up (about 0.2 ms on a cold core) against a copy of
             # a few microseconds. Bigger ones go to the scatter thread, which overlaps them with
             # the next chunk's wire write.
-            here = not self._scatter and not self.scatter_delay and chunk.nbytes <= INLINE_CHUNK_MAX_BYTES
+            here = not self._scatter and not self.scatter_delay and self._inline(chunk)
             if not here:
                 self._scatter.append((inbound, peer, slot, chunk))
                 self._lock.notify_all()
