@@ -322,8 +322,7 @@ class Session:
             if self.guard is None:
                 self.guard = InboundGuard(ep.regions)
             self.guard.add(claim)
-            ep.receiving(self, +1)
-            transfer.arriving = True
+            self.start_arriving(transfer)
             self.expecting(transfer)
             self.send(
                 "expect",
@@ -666,6 +665,12 @@ class Session:
                 )
 
         t.timer = timers.call_later(limit, expire)
+
+    def start_arriving(self, t: Transfer) -> None:
+        """I/O thread: receive transfer ``t`` was announced; its bytes may arrive from now on."""
+        if not t.arriving:
+            t.arriving = True
+            self.endpoint.receiving(self, +1)
 
     def stop_arriving(self, t: Transfer) -> None:
         """I/O thread: nothing more of receive transfer ``t`` can arrive (once per transfer)."""

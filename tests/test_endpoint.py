@@ -435,8 +435,16 @@ def test_a_receiver_learns_when_an_aborted_transfer_stopped_writing() -> None:
         with pytest.raises(TransferAborted):
             t.wait(2)
         assert r.state is State.FAILED and not r.drained.is_set()
+        # Its drivers are still driven meanwhile (a posted write may need the receiving
+        # engine's progress to finish), and no longer once the sender confirmed.
+        arriving = recv_conn._session.endpoint._receiving
+        assert sum(arriving.values()) == 1, arriving
         assert r.drained.wait(5), "the sender never confirmed its writes stopped"
         assert time.monotonic() - start >= 0.5
+        deadline = time.monotonic() + 2
+        while sum(arriving.values()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sum(arriving.values()) == 0, arriving
 
 
 @pytest.mark.parametrize("who", ["receiver", "sender"])

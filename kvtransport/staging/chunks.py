@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,8 +21,10 @@ class Chunk:
     length: U64
     offset: U64
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
+        # Read several times per chunk on the hot path (inline checks, posting, the wire
+        # stage's polling): summed once.
         return int(self.length.sum())
 
 

@@ -381,9 +381,7 @@ class StagingPipeline:
         if not self._gather(out, job, local, remote):
             return
         try:
-            token = out.link.post(
-                self._out_ptr(local), out.remote_ring + remote * out.remote_slot_bytes, job.chunk.nbytes
-            )
+            token = self._post(out, job, local, remote)
         except Exception:  # noqa: BLE001 - the wire stage posts it again and fails it there
             with self._lock:
                 self._wire.append((out, job, local, remote))
@@ -392,6 +390,10 @@ class StagingPipeline:
         with self._lock:
             self._posted.append((token, out, job, local, remote))
             self._lock.notify_all()
+
+    def _post(self, out: _Outbound, job: _Job, local: int, remote: int) -> Any:
+        """Start writing outbound slot ``local`` into the peer's slot ``remote``; its token."""
+        return out.link.post(self._out_ptr(local), out.remote_ring + remote * out.remote_slot_bytes, job.chunk.nbytes)
 
     def _gather(self, out: _Outbound, job: _Job, local: int, remote: int) -> bool:
         """Copy a chunk's pieces into outbound slot ``local``; on failure fail its batch,
@@ -528,9 +530,7 @@ class StagingPipeline:
             failed: list[tuple[_Outbound, _Job, int, int, KVTransportError]] = []
             for out, job, local, remote in ready:
                 try:
-                    token = out.link.post(
-                        self._out_ptr(local), out.remote_ring + remote * out.remote_slot_bytes, job.chunk.nbytes
-                    )
+                    token = self._post(out, job, local, remote)
                 except Exception as exc:  # noqa: BLE001
                     failed.append((out, job, local, remote, _as_error(self.name, exc)))
                 else:
