@@ -501,9 +501,20 @@ class Endpoint:
         # Queued in order; the I/O thread flushes the queue before it sends any "done", so a
         # notice a driver sent before reporting a batch complete always reaches the peer before
         # the "done" that follows that batch.
+        # In ordered mode (session.py) it goes out right here, on the express stream, which
+        # carries that "done" too, behind it.
         session = self.sessions.get(peer)
         data = encode("notice", payload=payload, lane=session.wire_name(driver) if session is not None else "")
-        self._notices.append((peer, data))
+        if session is not None:
+            with session.order_lock:
+                ordered = session.ordered is not None
+                if not ordered:
+                    self._notices.append((peer, data))
+            if ordered:
+                session.send_ordered(data)
+                return
+        else:
+            self._notices.append((peer, data))
         if self.channel.in_io_thread():
             self.flush_notices()
         else:
@@ -558,7 +569,11 @@ class Endpoint:
             peer, data = self._notices.popleft()
             session = self.sessions.get(peer)
             if session is not None and session.phase is Phase.READY:
-                session.send_frame(data)
+                session.send_message("notice", data)
+
+    def notices_queued_for(self, peer: str) -> bool:
+        """Whether a driver notice to ``peer`` waits for the I/O thread to send it."""
+        return any(p == peer for p, _ in self._notices)
 
     def _file(self, session: Session) -> None:
         self.sessions[session.id] = session

@@ -1,5 +1,6 @@
 """The express stream: one plain TCP connection per session, beside the zmq control channel,
-for the one message a waiting request is blocked on, "done".
+for the messages a waiting request is blocked on: "done", and on a two-sided session everything
+that must arrive before it.
 
 Why it exists: on a small host one zmq message between Python threads of two processes takes
 0.22-0.26 ms (three wake-ups: zmq's I/O thread on each side, then the receiving thread), and
@@ -10,19 +11,29 @@ finish (the caller's, the driver's runner, or the engine's signalling thread) se
 writes it to the stream itself, and the peer's I/O thread, which waits on the stream's
 descriptor in the same poll as its zmq sockets, handles it like any other message.
 
-What it carries: only "done" (after the binding frame). Everything else stays on the control
-channel, and "done" needs no order against it: it follows the announcement (the receiver's own
-earlier message), and it goes express only for a transfer whose one batch finished, on a
-connection without two-sided drivers (whose notices must reach the peer before "done"). The
-control channel carries every "done" as well (the session's I/O thread sends it, as before):
-a stream that breaks, or never opened, costs latency and nothing else.
+What it carries: on a one-sided session, only "done" (after the binding frame), which needs no
+order against the control channel: it follows the announcement (the receiver's own earlier
+message), and it goes express only for a transfer whose one batch finished. The control channel
+carries every such "done" as well (the session's I/O thread sends it, as before): a stream that
+breaks, or never opened, costs latency and nothing else.
+
+A two-sided session (a staged driver: its chunks' notices must reach the peer before the "done"
+behind them) uses the stream in *ordered mode* instead, if it binds before the session sent any
+of those messages on the control channel: from then on every announcement, notice, "done",
+abort and "drained" of that session goes on the stream, and none on the control channel, so
+the peer reads them in the order they were written, by whichever thread wrote them (the staged
+wire thread writes a chunk's notice and its transfer's "done" the moment the write finishes).
+A full buffer is waited on (up to the heartbeat timeout: the peer reads nothing meanwhile). A
+stream of an ordered session that breaks, or a message that cannot be written to it whole,
+ends the session with ``PeerLost``: a message may have been lost, and none may overtake it.
 
 Security: frames are sealed like the control channel's (:class:`~kvtransport.auth.Seal`) with
 keys of their own, derived from the same handshake. The first frame binds the stream to its
 session: the connection id in clear, then a sealed "express" message naming it, which only a
 holder of that session's keys can produce. A stranger who connects is closed at its first bad
 frame or after the connect timeout, and unbound streams are capped (the oldest goes first). A
-frame that fails authentication closes the stream; the session goes on over the control channel.
+frame that fails authentication closes the stream; the session goes on over the control channel
+(in ordered mode it ends).
 
 Threads: the I/O thread accepts, dials, binds, reads and closes; any thread may write a sealed
 frame to a bound stream (one at a time, under the stream's lock).
@@ -35,6 +46,7 @@ import contextlib
 import errno
 import functools
 import logging
+import select
 import socket
 import struct
 import threading
@@ -44,7 +56,7 @@ from typing import TYPE_CHECKING, Any
 from .auth import RateLimitedLog, Seal
 from .control import WILDCARDS, address_host
 from .errors import ProtocolError
-from .wire import decode, encode
+from .wire import decode, encode, max_message_bytes
 
 if TYPE_CHECKING:
     from .endpoint import Endpoint
@@ -55,6 +67,14 @@ log = logging.getLogger(__name__)
 _LENGTH = struct.Struct(">I")
 #: Largest frame either side takes: "done" with a 256-character tag is under 1.2 KiB sealed.
 MAX_FRAME_BYTES = 4096
+#: What a session in ordered mode sends on its stream: every message whose order counts against
+#: a two-sided driver's notices (a chunk's notice must reach the peer before the "done" or
+#: "drained" that follows it). "bye" goes on the control channel as well (its order does not
+#: matter, and it should arrive even if the stream is gone). What a bound stream takes: these
+#: (a one-sided session sends "done" only); pings and the handshake never.
+ORDERED_KINDS = frozenset({"expect", "done", "abort", "drained", "notice", "bye"})
+#: Seal header and MAC on top of a message (auth.Seal).
+_SEAL_BYTES = 64
 #: Bytes read from one stream in one loop pass (a flood cannot hold the loop).
 READ_BYTES = 64 << 10
 #: Connections accepted in one loop pass.
@@ -65,6 +85,11 @@ _MAX_CONN_ID = 64
 #: A write to a stream the peer reset must raise, never deliver SIGPIPE (an embedding
 #: application may not ignore it, as CPython does).
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
+
+
+def bound_frame_bytes() -> int:
+    """Largest frame a bound stream takes: a sealed message of the control channel's limit."""
+    return max_message_bytes() + _SEAL_BYTES
 
 
 def frame(data: bytes) -> bytes:
@@ -83,10 +108,19 @@ class FrameReader:
     def pending(self) -> int:
         return len(self._buf)
 
-    def feed(self, data: bytes) -> list[bytes]:
+    @property
+    def limit(self) -> int:
+        return self._limit
+
+    @limit.setter
+    def limit(self, value: int) -> None:
+        self._limit = value
+
+    def feed(self, data: bytes, most: int | None = None) -> list[bytes]:
+        """The whole frames ``data`` completes (at most ``most``; the rest stays buffered)."""
         self._buf += data
         out: list[bytes] = []
-        while len(self._buf) >= _LENGTH.size:
+        while len(self._buf) >= _LENGTH.size and (most is None or len(out) < most):
             (n,) = _LENGTH.unpack_from(self._buf)
             if not 0 < n <= self._limit:
                 raise ProtocolError(f"express frame of {n} bytes (1 to {self._limit})")
@@ -112,14 +146,45 @@ class ExpressLink:
         self.sent = 0
         self.received = 0
 
-    def send(self, body: bytes) -> bool:
+    def send(self, body: bytes, wait_s: float = 0.0) -> bool:
         """Any thread: ``body`` sealed, as one frame. ``False`` when it could not go out whole
         now: nothing of it left (the kernel's buffer is full; the stream stays usable), or part
-        of it did or the stream failed (it is then shut down, and the I/O thread closes it)."""
+        of it did or the stream failed (it is then shut down, and the I/O thread closes it).
+        ``wait_s`` (ordered mode, where a frame has no other way to go): a full buffer is waited
+        on for up to that long, the rest of a frame written as room frees; past it the stream
+        is shut down."""
         with self._lock:
             if self._closed:
                 return False
-            return self._write(frame(self.seal.seal(body)))
+            data = frame(self.seal.seal(body))
+            if wait_s <= 0:
+                return self._write(data)
+            return self._write_within(data, time.monotonic() + wait_s)
+
+    def _write_within(self, data: bytes, deadline: float) -> bool:
+        view = memoryview(data)
+        while view:
+            try:
+                n = self.sock.send(view, _NOSIGNAL)
+            except BlockingIOError:
+                n = 0
+            except OSError as exc:
+                log.debug("express stream write failed: %s", exc)
+                break
+            view = view[n:]
+            if view:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.debug("express stream: its peer read nothing for too long")
+                    break
+                select.select([], [self.sock], [], min(left, 0.05))
+        else:
+            self.sent += 1
+            return True
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        return False
 
     def send_bind(self, conn: str) -> bool:
         """Initiator, I/O thread: the binding frame (the connection id, then a sealed
@@ -278,7 +343,8 @@ class ExpressPort:
             self._drop_unbound(fd, "an express stream closed before it bound")
             return
         try:
-            frames = entry.reader.feed(data)
+            # The binding frame alone: what follows it is cut under a bound stream's limit.
+            frames = entry.reader.feed(data, most=1)
             if not frames:
                 return
             session = self._bind(frames[0])
@@ -289,7 +355,12 @@ class ExpressPort:
         self._ep.channel.timers.cancel(entry.timer)
         link = ExpressLink(entry.sock, self._seal_of(session), entry.reader)
         self._attach(session, link)
-        self._deliver(session, link, frames[1:])
+        try:
+            rest = entry.reader.feed(b"")
+        except ProtocolError as exc:
+            self._close_bad(session, exc)
+            return
+        self._deliver(session, link, rest)
 
     def _bind(self, first: bytes) -> Session:
         """The session the binding frame ``first`` proves it belongs to."""
@@ -387,10 +458,14 @@ class ExpressPort:
         return session.express_seal
 
     def _attach(self, session: Session, link: ExpressLink) -> None:
+        # Bound, so authenticated: it may carry any session message (ordered mode), up to the
+        # control channel's size limit.
+        link.reader.limit = bound_frame_bytes()
         session.express = link
         self._links[link.fd] = (link, session)
         self._ep.channel.watch_fd(link.fd, self._on_link)
-        log.debug("%s: express stream open", session.peer_label)
+        ordered = session.take_ordered_mode(link)
+        log.debug("%s: express stream open%s", session.peer_label, " (ordered mode)" if ordered else "")
 
     def _on_link(self, fd: int) -> None:
         entry = self._links.get(fd)
@@ -426,9 +501,9 @@ class ExpressPort:
             body = link.seal.open(data)
             if body is None:
                 raise ProtocolError("a frame failed authentication (forged, replayed or corrupted)")
-            msg = decode(body, limit=MAX_FRAME_BYTES)
-            if msg.type != "done":
-                raise ProtocolError(f"a {msg.type} message (the stream carries done only)")
+            msg = decode(body, limit=max_message_bytes())
+            if msg.type not in ORDERED_KINDS:
+                raise ProtocolError(f"a {msg.type} message (the stream carries {', '.join(sorted(ORDERED_KINDS))})")
             session.last_seen = time.monotonic()
             self._ep.on_message(session.route, session, msg)
 
@@ -442,6 +517,7 @@ class ExpressPort:
         self._ep.channel.unwatch_fd(link.fd)
         link.close()
         log.debug("%s: express stream closed%s", session.peer_label, f" ({why})" if why else "")
+        session.express_lost(link, f"closed ({why or 'by this side'})")
 
     def close(self) -> None:
         """Close every stream and the listener: on the I/O thread, or once it has stopped.

@@ -151,13 +151,20 @@ class DriverRunner:
     def _release_here(self) -> None:
         with self._cv:
             self._busy = False
-            self._cv.notify()  # the thread re-reads its watches and anything queued meanwhile
+            # The thread re-reads its watches and anything queued meanwhile; woken for nothing
+            # (no watch, nothing queued) it would only take the interpreter from this caller,
+            # a wake-up that costs 0.05-0.3 ms on a small virtual machine.
+            if self._watches or self._calls or self._signals or self._prefixes or self._stop:
+                self._cv.notify()
 
     def signal_prefix(self, prefix: tuple[Any, ...]) -> None:
-        """Check every watch whose key (a tuple) starts with ``prefix``."""
+        """Check every watch whose key (a tuple) starts with ``prefix`` (none: nothing to do,
+        and the driver's thread is not woken)."""
+        n = len(prefix)
         with self._cv:
-            self._prefixes.add(prefix)
-            self._cv.notify()
+            if any(isinstance(k, tuple) and k[:n] == prefix for k in self._watches):
+                self._prefixes.add(prefix)
+                self._cv.notify()
 
     def in_runner_thread(self) -> bool:
         return threading.current_thread() is self._thread

@@ -40,6 +40,7 @@ from .errors import (
     TransferAborted,
     TransferTimeout,
 )
+from .express import ORDERED_KINDS
 from .inbound import Claim, InboundGuard
 from .lane import Lane
 from .memory import MAX_STATE_GROUPS, KVLayout, RegionSet
@@ -249,6 +250,15 @@ class Session:
         #: Its express stream (express.py) once bound, and that stream's seal.
         self.express: ExpressLink | None = None
         self.express_seal: Seal | None = None
+        #: Ordered mode (a two-sided session whose stream bound before it sent any ordered
+        #: message): every message of ``ORDERED_KINDS`` then goes on this link, from whichever
+        #: thread sends it, and never on the control channel, so the peer reads them in the
+        #: order they were sent. Set once, on the I/O thread, under ``order_lock``; never unset.
+        self.ordered: ExpressLink | None = None
+        self.order_lock = threading.Lock()
+        #: Whether an ordered message already went out on the control channel (the session can
+        #: then no longer switch: one of those could be overtaken by the stream).
+        self.sent_ordered_on_control = False
         #: Initiator: its step in the authentication exchange ("auth", "proof", "done") and
         #: the two nonces the session's keys are bound to.
         self.auth_step = ""
@@ -432,7 +442,7 @@ class Session:
             self.submitted(transfer, bid, runs.total_bytes, last)
 
         # A transfer of one batch: the thread that sees it finish may send "done" itself.
-        express = bool(bid) and last and start == 0 and self.express is not None and not self.two_sided
+        express = bool(bid) and last and start == 0 and self.express_done_possible()
 
         ep.check_running()
         refused: list[ChannelDown] = []
@@ -470,20 +480,29 @@ class Session:
         """Whether any lane's driver is two-sided (its notices must precede "done")."""
         return any(x.two_sided for x in self.lanes.values())
 
+    def express_done_possible(self) -> bool:
+        """Whether the thread that sees a one-batch transfer finish may send its "done": on a
+        one-sided session with a stream, or a two-sided one in ordered mode (where its chunks'
+        notices went out on the same stream before it)."""
+        if self.two_sided:
+            return self.ordered is not None
+        return self.express is not None
+
     def express_done(self, transfer: Transfer, nbytes: int) -> None:
         """Any thread, the one that saw a one-batch transfer's batch finish (under the runner's
         claim, so no abort of it runs in the driver meanwhile): "done" straight to the peer on
-        the express stream, unless the I/O thread has started failing the transfer. The I/O
-        thread sends it on the control channel as well (``progress``), whether or not this one
-        went out."""
-        link = self.express
+        the express stream, unless the I/O thread has started failing the transfer. On a
+        one-sided session the I/O thread sends it on the control channel as well
+        (``progress``), whether or not this one went out; in ordered mode it sends it only
+        if this one did not go out."""
+        link = self.ordered if self.two_sided else self.express
         if link is None:
             return
         with transfer.express_lock:
             if transfer.stopping or transfer.state.final or self.closing:
                 return
             data = encode("done", tag=transfer.tag, bytes=nbytes, lane=self.wire_name(transfer.driver))
-            transfer.done_sent = link.send(data)
+            transfer.done_sent = self.send_ordered(data) if link is self.ordered else link.send(data)
 
     def shape(self, *, sending: bool) -> PairShape:
         """What this side moves into the peer's pages (``sending``), or the peer into this
@@ -561,7 +580,57 @@ class Session:
     def send(self, kind: str, **fields: Any) -> bool:
         if self.phase is Phase.CLOSED:
             return False
-        return self.send_frame(encode(kind, **fields))
+        return self.send_message(kind, encode(kind, **fields))
+
+    def send_message(self, kind: str, data: bytes) -> bool:
+        """I/O thread: one encoded message of type ``kind``, on the express stream in ordered
+        mode (``ORDERED_KINDS``), on the control channel otherwise."""
+        if kind in ORDERED_KINDS:
+            if self.ordered is not None:
+                sent = self.send_ordered(data)
+                if kind == "bye":
+                    self.send_frame(data)
+                return sent
+            self.sent_ordered_on_control = True
+        return self.send_frame(data)
+
+    def send_ordered(self, data: bytes) -> bool:
+        """Any thread, ordered mode: ``data`` on the express stream. A message that cannot go
+        out whole there cannot go anywhere else either (a later one could overtake it): the
+        session ends, with :class:`~kvtransport.errors.PeerLost`, and everything it held
+        fails; nothing is left waiting for a message that was never sent."""
+        link = self.ordered
+        assert link is not None
+        if link.send(data, wait_s=self.timeouts.heartbeat_timeout):
+            return True
+        if not self.closing:
+            self.endpoint.post(functools.partial(self.express_lost, link, "a message could not be written to it"))
+        return False
+
+    def take_ordered_mode(self, link: ExpressLink) -> bool:
+        """I/O thread, when ``link`` bound: a two-sided session that has sent no ordered message
+        on the control channel yet (nor queued a driver notice for it) sends all of them on
+        ``link`` from now on. Decided once: a session that already used the control channel
+        for them stays on it (its stream then carries "done" of nothing)."""
+        with self.order_lock:
+            if (
+                self.ordered is None
+                and self.two_sided
+                and not self.sent_ordered_on_control
+                and not self.endpoint.notices_queued_for(self.id)
+            ):
+                self.ordered = link
+        return self.ordered is link
+
+    def express_lost(self, link: ExpressLink, why: str) -> None:
+        """I/O thread: ``link`` broke or closed. In ordered mode that ends the session:
+        messages may have been lost with it, and none may take another way."""
+        if self.ordered is link and self.phase is not Phase.CLOSED:
+            self.endpoint.end_session(
+                self,
+                PeerLost(f"peer {self.peer_label}: the express stream that carries its transfers' messages {why}"),
+                notify=True,
+            )
 
     def send_frame(self, data: bytes) -> bool:
         """One encoded message, sealed once the session is authenticated (only the
@@ -732,11 +801,14 @@ class Session:
 
     def progress(self, transfer: Transfer) -> None:
         if transfer.last_sent and not transfer.batches and transfer.state is State.TRANSFERRING:
-            # Also when "done" went out on the express stream: that one is the fast path, this
-            # one the guarantee (the stream may have broken, or never bound at the peer, with
-            # the frame in its buffer); the receiver ignores whichever comes second.
+            # Also when "done" went out on the express stream of a one-sided session: that one
+            # is the fast path, this one the guarantee (the stream may have broken, or never
+            # bound at the peer, with the frame in its buffer); the receiver ignores whichever
+            # comes second. In ordered mode the stream is the only way, and a break of it ends
+            # the session, so one copy is all there is.
             self.endpoint.flush_notices()
-            self.send("done", tag=transfer.tag, bytes=transfer.bytes, lane=self.wire_name(transfer.driver))
+            if not (transfer.done_sent and self.ordered is not None):
+                self.send("done", tag=transfer.tag, bytes=transfer.bytes, lane=self.wire_name(transfer.driver))
             if transfer.submitted_at:
                 transfer.measured_s = time.monotonic() - transfer.submitted_at
                 if transfer.lane is not None and transfer.raw_predicted_s:

@@ -23,10 +23,10 @@ from hypothesis import strategies as st
 from kvtransport.auth import Seal
 from kvtransport.config import Limits, express_from_env
 from kvtransport.endpoint import Connection, Endpoint, State, Timeouts
-from kvtransport.errors import ConfigError, ProtocolError
+from kvtransport.errors import ConfigError, PeerLost, ProtocolError
 from kvtransport.express import MAX_FRAME_BYTES, FrameReader
 from kvtransport.kv_pool import KVPool
-from kvtransport.testing.fake import FakeDriver
+from kvtransport.testing.fake import FakeDriver, FakeTwoSided
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,12 +36,20 @@ SECRET = b"test-express-deployment-secret-000001"
 
 
 @contextlib.contextmanager
-def endpoint(name: str, **kwargs: object) -> Iterator[tuple[Endpoint, KVPool]]:
+def endpoint(name: str, drivers: dict[str, type] | None = None, **kwargs: object) -> Iterator[tuple[Endpoint, KVPool]]:
     pool = KVPool(32, 2, 256, 2)
     pool.fill(len(name))
     ep = None
     try:
-        ep = Endpoint(pool.regions, pool.layout, drivers=FAKE, name=name, timeouts=FAST, secret=SECRET, **kwargs)  # type: ignore[arg-type]
+        ep = Endpoint(
+            pool.regions,
+            pool.layout,
+            drivers=drivers or FAKE,
+            name=name,
+            timeouts=FAST,
+            secret=SECRET,
+            **kwargs,  # type: ignore[arg-type]
+        )
         yield ep, pool
     finally:
         if ep is not None:
@@ -162,6 +170,107 @@ def test_a_broken_stream_is_closed_and_the_session_goes_on() -> None:
         assert b_pool.page_digests([3, 4]) == a_pool.page_digests([1, 2])
         assert recv.alive and send.alive
         assert prefill.stats()["express_links"] == decode.stats()["express_links"] == 0
+
+
+# -- ordered mode (two-sided sessions) ---------------------------------------------------------
+
+TWO_SIDED: dict[str, object] = {
+    "drivers": {"fake-two-sided": FakeTwoSided},
+    "driver_options": {"fake.inbound_delay": "0"},
+}
+
+
+def ordered_pair() -> contextlib.AbstractContextManager[
+    tuple[Endpoint, KVPool, Connection, Endpoint, KVPool, Connection]
+]:
+    return connected(TWO_SIDED, TWO_SIDED)
+
+
+def test_a_two_sided_session_sends_its_notices_and_done_on_the_stream_in_ordered_mode() -> None:
+    """Bound before anything ordered went out: every driver notice and "done" of the sender's
+    transfers go on the stream, none on the control channel; bytes verified."""
+    with ordered_pair() as (_prefill, a_pool, send, _decode, b_pool, recv):
+        until(lambda: send._session.ordered is not None and recv._session.ordered is not None, "ordered mode")
+        link = send._session.ordered
+        receiving = recv._session.ordered
+        assert link is not None and receiving is not None
+        on_control = []
+        real_send_frame = send._session.send_frame
+
+        def spy(data: bytes) -> bool:
+            on_control.append(data)
+            return real_send_frame(data)
+
+        send._session.send_frame = spy  # type: ignore[method-assign]
+        sent, received = link.sent, receiving.received
+        move(recv, send, "one", [1, 2], [3, 4])
+        move(recv, send, "chunked", [5, 6, 7, 8], [9, 10, 11, 12], chunks=2)
+        assert b_pool.page_digests([3, 4, 9, 10, 11, 12]) == a_pool.page_digests([1, 2, 5, 6, 7, 8])
+        # One notice a batch (3) and a "done" a transfer (2).
+        assert link.sent - sent >= 5
+        until(lambda: receiving.received - received >= 5, "the receiver reading them")
+        kinds = {decode_kind(d) for d in on_control}
+        assert not kinds & {"notice", "done"}, f"ordered messages went on the control channel: {kinds}"
+
+
+def decode_kind(data: bytes) -> str:
+    """The message type of an encoded message the session handed its control channel."""
+    from kvtransport.wire import decode
+
+    return decode(data).type
+
+
+def test_a_broken_stream_in_ordered_mode_ends_the_session_with_peer_lost() -> None:
+    """Messages may have been lost with the stream and none may take another way: a transfer
+    waiting on the session fails with PeerLost (no hang), and the endpoints go on serving."""
+    with ordered_pair() as (prefill, a_pool, send, decode, b_pool, recv):
+        until(lambda: send._session.ordered is not None and recv._session.ordered is not None, "ordered mode")
+        r = recv.expect("cut", [3, 4])
+        link = send._session.ordered
+        assert link is not None
+        link.sock.shutdown(socket.SHUT_RDWR)
+        with pytest.raises(PeerLost):
+            r.wait(5)
+        assert r.state is State.FAILED
+        again = decode.connect(prefill.address)
+        conn = prefill.accept(5)
+        move(again, conn, "after", [1, 2], [5, 6])
+        assert b_pool.page_digests([5, 6]) == a_pool.page_digests([1, 2])
+
+
+def test_a_session_that_sent_ordered_messages_on_control_does_not_switch() -> None:
+    """Without a stream at the peer, the receiver's "expect" goes on the control channel; a
+    stream offered after that must not take ordered mode (it could overtake what was sent)."""
+    with ordered_pair() as (_prefill, _a_pool, _send, _decode, _b_pool, recv):
+        until(lambda: recv._session.express is not None, "the stream bound")
+        session = recv._session
+        with session.order_lock:
+            was = session.ordered
+        if was is None:
+            pytest.fail("a fresh two-sided session should have taken ordered mode")
+        # A session that already sent an ordered message on control refuses the switch.
+        session.ordered = None
+        session.sent_ordered_on_control = True
+        assert session.take_ordered_mode(was) is False
+        assert session.ordered is None
+        session.sent_ordered_on_control = False
+        assert session.take_ordered_mode(was) is True
+
+
+def test_frames_after_binding_may_be_large_but_not_before() -> None:
+    reader = FrameReader()
+    assert reader.limit == MAX_FRAME_BYTES
+    with pytest.raises(ProtocolError):
+        reader.feed(struct.pack(">I", MAX_FRAME_BYTES + 1) + b"x")
+    bound = FrameReader()
+    bound.limit = 1 << 20
+    big = b"y" * (MAX_FRAME_BYTES * 8)
+    assert bound.feed(frame(big)) == [big]
+    # Before binding only the first frame is cut: what follows waits for the bound limit.
+    first = FrameReader()
+    assert first.feed(frame(b"bind") + frame(big), most=1) == [b"bind"]
+    first.limit = 1 << 20
+    assert first.feed(b"") == [big]
 
 
 # -- strangers on the express port -------------------------------------------------------------

@@ -162,6 +162,30 @@ def test_a_signalled_watch_is_checked_on_the_signalling_thread() -> None:
         assert runner.stop()
 
 
+def test_a_prefix_signal_wakes_the_runner_only_for_a_matching_watch() -> None:
+    """A staged driver signals a peer's prefix on every arrival; with no watch of that prefix
+    the runner's thread must not be woken for it (nothing is queued), and with one the watch is
+    checked and finishes."""
+    runner, posted = _runner(True)
+    done = threading.Event()
+    results: list[Any] = []
+    try:
+        runner.signal_prefix(("peer-a",))
+        assert not runner._prefixes, "a prefix no watch starts with was queued"
+        runner.call(
+            lambda: runner.watch(("peer-b", 1), done.is_set, lambda r, e: results.append(r), lambda: None, spin=False)
+        )
+        posted.run(1)
+        runner.signal_prefix(("peer-a",))
+        assert not runner._prefixes
+        done.set()
+        runner.signal_prefix(("peer-b",))
+        posted.run(1)
+        assert results == [True] and runner.watching == 0
+    finally:
+        assert runner.stop()
+
+
 def test_a_watch_done_at_once_posts_first_and_result_in_one_call() -> None:
     runner, posted = _runner(True)
     events: list[str] = []

@@ -392,6 +392,37 @@ def test_lent_slots_carry_a_small_transfer_without_asking(pair_factory: Any) -> 
     _quiet(a, b)
 
 
+def test_a_small_write_that_finishes_at_once_completes_inside_submit_without_a_signal(pair_factory: Any) -> None:
+    """Posted on the submitting thread and finished there (MemcpyLink writes at post time):
+    the batch is complete when ``submit`` returns, its notice already sent, and no completion
+    signal was raised (the core checks the batch right after ``submit``; a signal would only
+    wake the driver's thread). A write that takes longer is left to the wire stage, which
+    signals it."""
+    a, b, courier, link = pair_factory()
+    signals: list[int] = []
+    a.pipe._completed = signals.append
+    sent = _record(a)
+    b.pipe.lend_ahead("a", 4096)
+    _wait(lambda: len(a.pipe._out["b"].credits) == 1)
+    h = a.pipe.submit("b", plan(a.regions.kv, b.regions.kv, [3], [9]))
+    assert a.pipe.poll(h), "the write finished inside submit"
+    assert sent == ["chunk"] and signals == []
+    courier.q.join()
+    _wait(lambda: b.pipe.inbound_idle("a"))
+    assert b.pool.page_digests([9]) == a.pool.page_digests([3])
+
+    slow = time.monotonic() + 0.05
+    link.check = lambda token: time.monotonic() >= slow  # type: ignore[method-assign]
+    b.pipe.lend_ahead("a", 4096)
+    _wait(lambda: len(a.pipe._out["b"].credits) == 1)
+    h2 = a.pipe.submit("b", plan(a.regions.kv, b.regions.kv, [4], [10]))
+    assert not a.pipe.poll(h2)
+    _wait(lambda: signals == [h2])
+    _finish(a, b, [h2], courier)
+    assert b.pool.page_digests([10]) == a.pool.page_digests([4])
+    _quiet(a, b)
+
+
 def test_unused_lent_slots_go_back_when_their_hold_ends(pair_factory: Any) -> None:
     a, b, courier, _ = pair_factory()
     b.pipe.grant_timeout = 0.4  # a hold of 0.1 s

@@ -75,6 +75,11 @@ WIRE_POLL_S = 0.0002
 #: ``sleep`` finished at a p50 of 0.24-0.39 ms, polled with ``sched_yield`` at 0.10 ms, the
 #: engine's own spinning sync write at 0.11 ms).
 WIRE_SPIN_S = 0.0005
+#: How long the thread that gathered and posted a small chunk itself (see ``submit``) checks its
+#: write back to back before the wire stage takes it over. One that finishes within it has its
+#: notice (and, with ordered notices, its transfer's "done") sent from that thread: the wire
+#: thread is not woken at all, a wake-up that costs 0.05-0.3 ms on a small virtual machine.
+INLINE_FINISH_S = 0.0005
 
 #: Largest chunk the receiver copies in on the thread that accepted its notice (see
 #: ``_accept_chunk``), and the sender gathers and posts on the thread that submitted it (see
@@ -376,8 +381,9 @@ class StagingPipeline:
         return out, job, self._free_out.pop(), remote
 
     def _gather_and_post(self, out: _Outbound, job: _Job, local: int, remote: int) -> None:
-        """On the submitting thread: gather one chunk and post its write; the wire stage
-        watches it from there (and posts it itself if posting here failed)."""
+        """On the submitting thread: gather one chunk, post its write and check it for up to
+        ``INLINE_FINISH_S``; the wire stage watches it from there if it is still moving (and
+        posts it itself if posting here failed)."""
         if not self._gather(out, job, local, remote):
             return
         try:
@@ -387,6 +393,20 @@ class StagingPipeline:
                 self._wire.append((out, job, local, remote))
                 self._lock.notify_all()
             return
+        until = time.monotonic() + INLINE_FINISH_S
+        while True:
+            try:
+                finished = out.link.check(token)
+            except Exception:  # noqa: BLE001 - the wire stage checks it again and fails it there
+                break
+            if finished:
+                # Inside ``submit``: the core checks the batch as soon as it returns, so no
+                # completion signal (it would only wake the driver's thread for nothing).
+                self._written([(out, job, local, remote)], signal=False)
+                return
+            if time.monotonic() >= until:
+                break
+            os.sched_yield()
         with self._lock:
             self._posted.append((token, out, job, local, remote))
             self._lock.notify_all()
@@ -548,24 +568,11 @@ class StagingPipeline:
                 else:
                     still.append((token, out, job, local, remote))
             inflight = still
-            for out, job, _, remote in done:
-                c = job.chunk
-                if job.batch.aborted:
-                    # Nobody wants it: the receiver's slot comes back unread.
-                    self._send(out.peer, encode_release([remote]))
-                    continue
-                # Queued before the batch counts the chunk written (and before an aborted batch
-                # counts as settled), so the endpoint sends it before "done" (or "drained").
-                self._send(out.peer, encode_chunk(remote, c.dst, c.length, c.offset))
-            if done or failed:
+            if done:
+                self._written(done)
+            if failed:
                 completed: list[int] = []
                 with self._lock:
-                    for _, job, local, _ in done:
-                        self._free_out.append(local)
-                        job.batch.moving -= 1
-                        job.batch.written += 1
-                        if job.batch.written == job.batch.chunks and not job.batch.aborted:
-                            completed.append(job.batch.handle)
                     for out, job, local, remote, error in failed:
                         job.batch.moving -= 1
                         if self._fail(job.batch, error):
@@ -576,6 +583,7 @@ class StagingPipeline:
                     self._lock.notify_all()
                 for handle in completed:
                     self._completed(handle)
+            if done or failed:
                 nap = WIRE_POLL_MIN_S
                 spin_until = time.monotonic() + WIRE_SPIN_S
             elif not ready:
@@ -585,6 +593,32 @@ class StagingPipeline:
                 else:
                     time.sleep(nap)
                     nap = min(nap * 2, WIRE_POLL_S)
+
+    def _written(self, done: list[tuple[_Outbound, _Job, int, int]], *, signal: bool = True) -> None:
+        """Chunks whose writes completed (wire stage, or the thread that posted one): each
+        one's notice to the receiver (or, for an aborted batch, its slot back unread), then
+        its outbound slot back and its batch's count; batches this completes are signalled."""
+        for out, job, _, remote in done:
+            c = job.chunk
+            if job.batch.aborted:
+                # Nobody wants it: the receiver's slot comes back unread.
+                self._send(out.peer, encode_release([remote]))
+                continue
+            # Sent before the batch counts the chunk written (and before an aborted batch
+            # counts as settled), so the endpoint sends it before "done" (or "drained").
+            self._send(out.peer, encode_chunk(remote, c.dst, c.length, c.offset))
+        completed: list[int] = []
+        with self._lock:
+            for _, job, local, _ in done:
+                self._free_out.append(local)
+                job.batch.moving -= 1
+                job.batch.written += 1
+                if job.batch.written == job.batch.chunks and not job.batch.aborted:
+                    completed.append(job.batch.handle)
+            self._lock.notify_all()
+        if signal:
+            for handle in completed:
+                self._completed(handle)
 
     # -- receiver ------------------------------------------------------------------------------
 

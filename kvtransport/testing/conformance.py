@@ -163,8 +163,9 @@ def test_write_and_verify_bytes(pair: Pair) -> None:
 
 def test_a_one_batch_transfer_says_done_on_the_express_stream(pair: Pair) -> None:
     """A transfer of one batch: "done" leaves on the session's express stream from the thread
-    that saw the batch finish, unless the driver is two-sided (its notices go first, on the
-    control channel); a chunked transfer's "done" takes the control channel. Bytes verified."""
+    that saw the batch finish; a chunked transfer's "done" takes the control channel. A
+    two-sided driver's session in ordered mode sends every notice and "done" on the stream;
+    one not in ordered mode sends none of them there. Bytes verified."""
     deadline = time.monotonic() + 10
     # The peer (the initiator) binds the stream after its handshake: wait for it here.
     while pair.conn._session.express is None and time.monotonic() < deadline:
@@ -174,11 +175,23 @@ def test_a_one_batch_transfer_says_done_on_the_express_stream(pair: Pair) -> Non
     decision = pair.conn.decision
     assert decision is not None
     two_sided = type(pair.local.drivers[decision.driver]).capabilities.two_sided
+    ordered = pair.conn._session.ordered is link
     before = link.sent
     _send_and_verify(pair, {"express-one": ([7, 8, 9], [20, 21, 22])})
-    assert link.sent == before + (0 if two_sided else 1)
-    _send_and_verify(pair, {"express-chunked": ([30, 31, 32, 33], [40, 41, 42, 43])}, chunks=2)
-    assert link.sent == before + (0 if two_sided else 1), "a chunked transfer's done must not go express"
+    if not two_sided:
+        assert link.sent == before + 1
+        _send_and_verify(pair, {"express-chunked": ([30, 31, 32, 33], [40, 41, 42, 43])}, chunks=2)
+        assert link.sent == before + 1, "a chunked transfer's done must not go express"
+    elif ordered:
+        # Ordered mode: the chunk's notice, then "done", both on the stream.
+        assert link.sent >= before + 2, "in ordered mode a transfer's notices and done go on the stream"
+        after_one = link.sent
+        _send_and_verify(pair, {"express-chunked": ([30, 31, 32, 33], [40, 41, 42, 43])}, chunks=2)
+        assert link.sent >= after_one + 3, "in ordered mode every notice and done go on the stream"
+    else:
+        # The session sent ordered messages on the control channel before the stream bound:
+        # they stay there, or a later one could overtake them.
+        assert link.sent == before
 
 
 def test_many_pages_coalesced_and_scattered(pair: Pair) -> None:
