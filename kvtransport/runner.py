@@ -126,6 +126,22 @@ class DriverRunner:
         finally:
             self._release_here()
 
+    def try_here(self, fn: Callable[[], Any]) -> tuple[bool, Any, KVTransportError | None]:
+        """Run ``fn`` on this thread, now, when :meth:`call_here` would: ``(True, result,
+        error)``; ``(False, None, None)`` when only the driver's thread may run it now. For a
+        quick check whose answer the caller uses in the same pass, with no round trip through
+        the driver's thread and the I/O thread's queue."""
+        with self._cv:
+            if not self._claim_here():
+                return False, None, None
+        try:
+            self.inline_calls += 1
+            return True, fn(), None
+        except Exception as exc:  # noqa: BLE001 - the caller gets the typed error
+            return True, None, as_error(self.name, exc)
+        finally:
+            self._release_here()
+
     def signal(self, key: Hashable) -> None:
         """The driver says watch ``key`` may have finished: check it now, on this thread when
         the driver allows it (``thread_agnostic``) and its thread is idle, else on the

@@ -1010,14 +1010,22 @@ class Session:
         peer is idle (at once when there is none). Every lane, not the one the peer names: its
         word on which driver moved a transfer's bytes is not trusted with our pages."""
         sided = [x for x in self.lanes.values() if x.two_sided]
+        if not sided:
+            then(None)
+            return
         countdown = _Countdown(len(sided), then)
         for x in sided:
+            # Idle already (the usual case for a small transfer: the driver copied its chunks
+            # in on this thread as their notices came): answered in this pass, with no trip
+            # through the driver's thread and back through the I/O thread's queue.
+            ran, idle, error = x.runner.try_here(functools.partial(x.driver.inbound_idle, self.id))
+            if ran and (idle or error is not None):
+                countdown.one(error)
+                continue
             try:
                 x.runner.call_here(functools.partial(self._driver_watch_idle, kind, x, t, countdown.one))
             except KVTransportError:
-                countdown.count -= 1  # the driver is closed: none of its copies runs any more
-        if countdown.count <= 0:
-            then(None)
+                countdown.one(None)  # the driver is closed: none of its copies runs any more
 
     def expected_bytes(self, t: Transfer) -> int:
         """What a complete transfer writes into the pages (aux slot, state items) ``t`` announced."""
@@ -1096,9 +1104,14 @@ class Session:
         # A small notice right here when the driver allows it and is idle: a small chunk's
         # copy-in then costs no thread wake-up, and the "done" behind it finds the driver idle
         # too. A large one (many pieces to check) goes to the runner, off the I/O thread.
-        call = lane.runner.call_here if len(payload) <= INLINE_NOTICE_MAX_BYTES else lane.runner.call
-        call(
-            lambda: driver.on_notice(self.id, payload),
+        if len(payload) <= INLINE_NOTICE_MAX_BYTES:
+            ran, _, error = lane.runner.try_here(functools.partial(driver.on_notice, self.id, payload))
+            if ran:
+                if error is not None:
+                    self.endpoint.end_session(self, error, notify=True)
+                return
+        lane.runner.call(
+            functools.partial(driver.on_notice, self.id, payload),
             lambda _, error: self.endpoint.end_session(self, error, notify=True) if error else None,
         )
 

@@ -15,6 +15,7 @@ import socket
 import struct
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -211,6 +212,49 @@ def test_a_two_sided_session_sends_its_notices_and_done_on_the_stream_in_ordered
         until(lambda: receiving.received - received >= 5, "the receiver reading them")
         kinds = {decode_kind(d) for d in on_control}
         assert not kinds & {"notice", "done"}, f"ordered messages went on the control channel: {kinds}"
+
+
+def test_a_receiver_whose_driver_is_idle_decides_success_while_it_handles_done() -> None:
+    """The driver copied everything in as the notices came (idle at "done"): the transfer is a
+    Success by the time its "done" has been handled, in the same pass of the I/O thread, with no
+    round trip through the driver's thread and the I/O thread's queue; and the chunk notice
+    before it posted nothing to that queue either."""
+    with ordered_pair() as (_prefill, a_pool, send, decode, b_pool, recv):
+        until(lambda: send._session.ordered is not None and recv._session.ordered is not None, "ordered mode")
+        session = recv._session
+        after_done: list[State] = []
+        queued_in_handlers: list[str] = []
+        handling: list[str] = []
+        real_on_done, real_on_notice, real_call_soon = session.on_done, session.on_notice, decode.channel.call_soon
+
+        def on_done(msg: Any) -> None:
+            handling.append("done")
+            try:
+                real_on_done(msg)
+            finally:
+                handling.pop()
+            after_done.append(session.transfers[msg["tag"]].state)
+
+        def on_notice(msg: Any) -> None:
+            handling.append("notice")
+            try:
+                real_on_notice(msg)
+            finally:
+                handling.pop()
+
+        def call_soon(fn: Callable[[], None], timeout: float = 10.0) -> None:
+            if handling and decode.channel.in_io_thread():
+                queued_in_handlers.append(handling[-1])
+            real_call_soon(fn, timeout)
+
+        session.on_done = on_done  # type: ignore[method-assign]
+        session.on_notice = on_notice  # type: ignore[method-assign]
+        decode.channel.call_soon = call_soon  # type: ignore[method-assign]
+        for i in range(5):
+            move(recv, send, f"idle-{i}", [1, 2], [3, 4])
+        assert b_pool.page_digests([3, 4]) == a_pool.page_digests([1, 2])
+        assert after_done == [State.SUCCESS] * 5
+        assert queued_in_handlers == []
 
 
 def decode_kind(data: bytes) -> str:

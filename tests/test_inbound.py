@@ -3,11 +3,15 @@ page-by-page model of the same rule)."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
+import numpy.typing as npt
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtransport import inbound
 from kvtransport.errors import InvalidPages
 from kvtransport.inbound import Claim, InboundGuard
 from kvtransport.memory import HOST, Region, RegionSet
@@ -31,6 +35,12 @@ def _regions() -> RegionSet:
     )
 
 
+#: The guard checks a few pieces in plain Python and more with numpy: every rule below is held to
+#: both ways (0: numpy for any count; a count above the test's pieces: plain Python for all).
+BOTH_PATHS = pytest.mark.parametrize("few", [0, 64], ids=["vectorised", "piece-by-piece"])
+
+
+@BOTH_PATHS
 @settings(max_examples=400)
 @given(
     live=st.sets(st.integers(0, PAGES - 1)),
@@ -42,8 +52,13 @@ def _regions() -> RegionSet:
     ),
 )
 def test_check_agrees_with_a_page_by_page_model(
-    live: set[int], revoked: set[int], pieces: list[tuple[int, int, int]]
+    few: int, live: set[int], revoked: set[int], pieces: list[tuple[int, int, int]]
 ) -> None:
+    with mock.patch.object(inbound, "FEW_PIECES", few):
+        _agrees_with_the_model(live, revoked, pieces)
+
+
+def _agrees_with_the_model(live: set[int], revoked: set[int], pieces: list[tuple[int, int, int]]) -> None:
     guard = InboundGuard(_regions())
     guard.add(Claim(np.array(sorted(live), dtype=np.int64), -1))
     dead = sorted(revoked - live)
@@ -75,14 +90,17 @@ def test_check_agrees_with_a_page_by_page_model(
         (BASE_K, 0),  # empty piece
     ],
 )
-def test_hostile_pieces_are_refused_without_overflow(dst: int, length: int) -> None:
+@BOTH_PATHS
+def test_hostile_pieces_are_refused_without_overflow(few: int, dst: int, length: int) -> None:
     guard = InboundGuard(_regions())
     guard.add(Claim(np.arange(PAGES, dtype=np.int64), 0))
-    with pytest.raises(InvalidPages):
+    with mock.patch.object(inbound, "FEW_PIECES", few), pytest.raises(InvalidPages):
         guard.check(np.array([dst], dtype=np.uint64), np.array([length], dtype=np.uint64), "test")
 
 
-def test_aux_slots_are_guarded_like_pages() -> None:
+@BOTH_PATHS
+def test_aux_slots_are_guarded_like_pages(few: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(inbound, "FEW_PIECES", few)
     guard = InboundGuard(_regions())
     guard.add(Claim(np.array([], dtype=np.int64), 3))
     slot3 = np.array([BASE_AUX + 3 * 64], dtype=np.uint64)
@@ -98,9 +116,11 @@ def _one(addr: int, length: int) -> tuple[np.ndarray, np.ndarray]:
     return np.array([addr], dtype=np.uint64), np.array([length], dtype=np.uint64)
 
 
-def test_state_items_are_guarded_per_group() -> None:
+@BOTH_PATHS
+def test_state_items_are_guarded_per_group(few: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """A transfer that announced window pages 2 and 3 and slot 1 may write exactly those, in
     every buffer of their group; the same index in the other group is not announced."""
+    monkeypatch.setattr(inbound, "FEW_PIECES", few)
     guard = InboundGuard(_regions())
     claim = Claim(np.array([0], dtype=np.int64), -1, (np.array([2, 3], dtype=np.int64), np.array([1], dtype=np.int64)))
     guard.add(claim)
@@ -118,3 +138,53 @@ def test_state_items_are_guarded_per_group() -> None:
     guard.forget_revoked(claim)
     with pytest.raises(InvalidPages):
         guard.check(*_one(BASE_SLOTS + 512, 512), "test")
+
+
+_NEAR = [BASE_K, BASE_V, BASE_AUX, BASE_SWA_K, BASE_SWA_V, BASE_SLOTS, BASE_K + ITEM * PAGES, BASE_AUX + 64 * 8]
+
+
+def _outcome(guard: InboundGuard, dst: npt.NDArray[np.uint64], length: npt.NDArray[np.uint64]) -> object:
+    try:
+        return guard.check(dst, length, "test")
+    except InvalidPages as exc:
+        return str(exc)
+
+
+@settings(max_examples=500)
+@given(
+    pieces=st.lists(
+        st.tuples(
+            st.one_of(
+                st.integers(0, 2**64 - 1),
+                st.builds(lambda b, d: max(0, b + d), st.sampled_from(_NEAR), st.integers(-600, 9000)),
+            ),
+            st.one_of(st.integers(0, 2**64 - 1), st.integers(0, 3 * ITEM)),
+        ),
+        min_size=1,
+        max_size=8,
+    ),
+    live=st.sets(st.integers(0, PAGES - 1)),
+    revoked=st.sets(st.integers(0, PAGES - 1)),
+    aux=st.integers(-1, 7),
+)
+def test_both_paths_give_the_same_answer_for_any_integers(
+    pieces: list[tuple[int, int]], live: set[int], revoked: set[int], aux: int
+) -> None:
+    """Whatever a peer puts in a chunk notice (any uint64 on either field, any mix of regions),
+    the piece-by-piece check answers exactly as the vectorised one: the same verdict, or the
+    same error."""
+    guard = InboundGuard(_regions())
+    guard.add(Claim(np.array(sorted(live), dtype=np.int64), aux, (np.array([1, 2], dtype=np.int64), _NO_ITEMS)))
+    dead = np.array(sorted(revoked - live), dtype=np.int64)
+    guard.add(Claim(dead))
+    guard.revoke(Claim(dead))
+    dst = np.array([min(d, 2**64 - 1) for d, _ in pieces], dtype=np.uint64)
+    length = np.array([n for _, n in pieces], dtype=np.uint64)
+    with mock.patch.object(inbound, "FEW_PIECES", 0):
+        vectorised = _outcome(guard, dst, length)
+    with mock.patch.object(inbound, "FEW_PIECES", 64):
+        piecewise = _outcome(guard, dst, length)
+    assert piecewise == vectorised
+
+
+_NO_ITEMS = np.zeros(0, dtype=np.int64)

@@ -14,6 +14,7 @@ import pytest
 from kvtransport.config import Limits
 from kvtransport.driver import KVTransport
 from kvtransport.endpoint import Endpoint, State
+from kvtransport.errors import KVTransportError
 from kvtransport.kv_pool import KVPool
 from kvtransport.runner import DriverRunner
 from kvtransport.testing.fake import FakeDriver
@@ -71,6 +72,36 @@ def test_call_here_goes_through_the_thread_unless_the_driver_allows_it() -> None
         assert runner.inline_calls == 0
     finally:
         assert runner.stop()
+
+
+def test_try_here_answers_on_the_callers_thread_only_when_the_runner_could_take_it() -> None:
+    """``try_here``: the answer in the caller's own pass when the driver allows it and its
+    thread is idle (an error typed, nothing posted); otherwise not run at all, so the caller
+    takes the queued way and nothing overtakes a call queued before it."""
+    runner, posted = _runner(True)
+    release = threading.Event()
+    try:
+        assert runner.try_here(threading.get_ident) == (True, threading.get_ident(), None)
+
+        def broken() -> None:
+            raise ValueError("engine said no")
+
+        ran, result, error = runner.try_here(broken)
+        assert ran and result is None and isinstance(error, KVTransportError) and "engine said no" in str(error)
+        runner.call(lambda: release.wait(5))
+        time.sleep(0.05)  # the runner's thread is inside that call now
+        assert runner.try_here(threading.get_ident) == (False, None, None)
+        release.set()
+        assert posted.q.empty()
+    finally:
+        release.set()
+        assert runner.stop()
+    assert runner.try_here(threading.get_ident) == (False, None, None)  # stopped
+    not_agnostic, _ = _runner(False)
+    try:
+        assert not_agnostic.try_here(threading.get_ident) == (False, None, None)
+    finally:
+        assert not_agnostic.stop()
 
 
 def test_a_busy_runner_queues_in_order_and_calls_never_overlap() -> None:

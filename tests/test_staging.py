@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
+from unittest import mock
 
 import msgpack
 import numpy as np
@@ -30,6 +31,7 @@ from kvtransport.peer_process import PeerProcess
 from kvtransport.plan import Runs, plan
 from kvtransport.registry import load_driver
 from kvtransport.staging import MemcpyCopyEngine, RingConfig, StagingPipeline, chunk_runs
+from kvtransport.staging import pipeline as pipeline_module
 from kvtransport.staging.notices import (
     MAX_HOLD_MS,
     Grant,
@@ -715,3 +717,27 @@ def test_a_peer_sitting_on_its_credits_cannot_starve_another(pair_factory: Any) 
     assert time.monotonic() - started >= 0.25, "the hog's fresh grants were taken back early"
     assert b.pool.page_digests(list(range(16))) == a.pool.page_digests(list(range(16)))
     assert to_hog, "the hog was granted nothing to begin with"
+
+
+@settings(max_examples=400)
+@given(
+    pieces=st.lists(
+        st.tuples(
+            st.one_of(st.integers(0, 2**64 - 1), st.integers(0, 9000)),
+            st.one_of(st.integers(0, 2**64 - 1), st.integers(0, 9000)),
+        ),
+        min_size=1,
+        max_size=20,
+    ),
+    room=st.sampled_from([4096, 8192]),
+)
+def test_the_ring_slot_bound_holds_for_any_integers_on_both_paths(pieces: list[tuple[int, int]], room: int) -> None:
+    """A chunk's pieces must lie inside their ring slot, whatever uint64s a peer sends: the
+    plain-Python check of a few pieces and the vectorised one of many both answer as exact
+    integer arithmetic does (no wrap-around in either)."""
+    offset = np.array([o for o, _ in pieces], dtype=np.uint64)
+    length = np.array([n for _, n in pieces], dtype=np.uint64)
+    exact = all(o + n <= room for o, n in pieces)
+    assert pipeline_module._within_slot(offset, length, room) is exact
+    with mock.patch.object(pipeline_module, "FEW_PIECES", 0):
+        assert pipeline_module._within_slot(offset, length, room) is exact

@@ -52,6 +52,11 @@ class MemcpyCopyEngine:
     any_thread = True
 
     def copy(self, dst: U64, src: U64, length: U64) -> None:
+        if len(length) < STRIDED_MIN:
+            # A small chunk's few pieces: merging them would cost more numpy calls than the
+            # one ``memmove`` each it could save.
+            _memmove_each(dst, src, length)
+            return
         dst, src, length = coalesce(dst, src, length)
         if len(length) >= ROWS_MIN:
             rest = _copy_row_sets(dst, src, length)

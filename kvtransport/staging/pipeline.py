@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError, DriverError, EngineError, KVTransportError, PeerLost, ProtocolError
+from ..inbound import FEW_PIECES
 from ..memory import RegionSet
 from ..plan import Runs, check_runs_within
 from .chunks import Chunk, chunk_runs
@@ -704,9 +705,7 @@ class StagingPipeline:
         try:
             if slot not in inbound.granted:
                 raise ProtocolError(f"chunk in slot {slot}, which was not granted to this peer")
-            room = np.uint64(self.config.chunk_bytes)
-            # Overflow-safe: "offset <= room and length <= room - offset", never "offset + length".
-            if np.any(offset > room) or np.any(length > room - np.minimum(offset, room)):
+            if not _within_slot(offset, length, self.config.chunk_bytes):
                 raise ProtocolError("a piece reaches past its ring slot")
             if self._guard is None:
                 check_runs_within(dst, length, self._regions.all(), "staged chunk destination")
@@ -857,6 +856,17 @@ class StagingPipeline:
             self._notify(peer, data)
         except Exception as exc:  # noqa: BLE001 - the peer is going; disconnect cleans up
             log.debug("%s: notice to %s not sent: %s", self.name, peer, exc)
+
+
+def _within_slot(offset: U64, length: U64, room: int) -> bool:
+    """Whether every piece ``[offset, offset + length)`` lies inside a ring slot of ``room``
+    bytes. A few pieces in plain Python (its ints cannot overflow; numpy's per-call cost is
+    most of a small chunk's handling); many vectorised, overflow-safe: "offset <= room and
+    length <= room - offset", never "offset + length"."""
+    if len(offset) <= FEW_PIECES:
+        return all(o + n <= room for o, n in zip(offset.tolist(), length.tolist(), strict=True))
+    big = np.uint64(room)
+    return not (np.any(offset > big) or np.any(length > big - np.minimum(offset, big)))
 
 
 def _as_error(name: str, exc: BaseException) -> KVTransportError:
