@@ -4,11 +4,14 @@ groups copied as one 2-D copy must write exactly what one ``memmove`` per piece 
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtransport.staging.copy import ROWS_MIN, STRIDED_MIN, MemcpyCopyEngine, coalesce, strided_groups
+from kvtransport.staging import copy as copy_module
+from kvtransport.staging.copy import ROWS_MAX_LEN, ROWS_MIN, STRIDED_MIN, MemcpyCopyEngine, coalesce, strided_groups
 
 SIZE = 1 << 16
 
@@ -137,3 +140,32 @@ def test_the_cuda_2d_copy_descriptor_has_cudas_layout() -> None:
         "WidthInBytes": 112,
         "Height": 120,
     }
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    pages=st.lists(st.integers(0, 15), min_size=1, max_size=12, unique=True),
+    length=st.integers(ROWS_MAX_LEN + 1, 64 << 10),
+    back_to_back=st.booleans(),
+)
+def test_whole_pages_are_copied_one_memmove_each_byte_exact(pages: list[int], length: int, back_to_back: bool) -> None:
+    """Pieces longer than ``ROWS_MAX_LEN`` (a layer's page, gathered into a ring chunk or
+    scattered out of one) skip the row and strided searches and are copied byte-exact."""
+    stride = 64 << 10
+    rng = np.random.default_rng(len(pages))
+    src = rng.integers(0, 256, 16 * stride, dtype=np.uint8)
+    got, want = np.zeros(16 * stride, dtype=np.uint8), np.zeros(16 * stride, dtype=np.uint8)
+    ps = [(p * stride, (i if back_to_back else 15 - p) * stride, length) for i, p in enumerate(pages)]
+    for s, d, n in ps:
+        want[d : d + n] = src[s : s + n]
+    base_s, base_d = int(src.ctypes.data), int(got.ctypes.data)
+    with (
+        mock.patch.object(copy_module, "_copy_row_sets", side_effect=AssertionError("rows searched")),
+        mock.patch.object(copy_module, "strided_groups", side_effect=AssertionError("strided groups searched")),
+    ):
+        MemcpyCopyEngine().copy(
+            np.array([base_d + d for _, d, _ in ps], dtype=np.uint64),
+            np.array([base_s + s for s, _, _ in ps], dtype=np.uint64),
+            np.array([n for _, _, n in ps], dtype=np.uint64),
+        )
+    assert np.array_equal(got, want)
