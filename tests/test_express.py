@@ -28,6 +28,7 @@ from kvtransport.errors import ConfigError, PeerLost, ProtocolError
 from kvtransport.express import MAX_FRAME_BYTES, FrameReader
 from kvtransport.kv_pool import KVPool
 from kvtransport.testing.fake import FakeDriver, FakeTwoSided
+from kvtransport.wire import encode
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -255,6 +256,33 @@ def test_a_receiver_whose_driver_is_idle_decides_success_while_it_handles_done()
         assert b_pool.page_digests([3, 4]) == a_pool.page_digests([1, 2])
         assert after_done == [State.SUCCESS] * 5
         assert queued_in_handlers == []
+
+
+def test_a_frame_that_arrives_while_the_last_is_handled_is_read_in_the_same_pass() -> None:
+    """A chunk's notice is followed by "done" while the receiver still handles the notice: the
+    stream is read again before the loop goes back to its poll, so the second frame is handled
+    in the same pass of the I/O thread."""
+    with ordered_pair() as (_prefill, _a_pool, send, decode, _b_pool, recv):
+        until(lambda: send._session.ordered is not None and recv._session.ordered is not None, "ordered mode")
+        session = recv._session
+        handled: list[tuple[bytes, int]] = []
+        real_on_notice = session.on_notice
+        lane = send._session.wire_name(send._session.primary.name if send._session.primary else "")
+
+        def on_notice(msg: Any) -> None:
+            handled.append((msg["payload"], decode.channel.passes))
+            if msg["payload"] == b"first":
+                # The peer writes its next frame now, while this one is being handled.
+                assert send._session.send_ordered(encode("notice", payload=b"second", lane=lane))
+                time.sleep(0.05)  # it is in this side's socket by the time this handler returns
+            real_on_notice(msg)
+
+        session.on_notice = on_notice  # type: ignore[method-assign]
+        assert send._session.send_ordered(encode("notice", payload=b"first", lane=lane))
+        until(lambda: len(handled) == 2, "both notices handled")
+        (first, pass_1), (second, pass_2) = handled
+        assert (first, second) == (b"first", b"second")
+        assert pass_1 == pass_2, "the second frame waited for another loop pass"
 
 
 def decode_kind(data: bytes) -> str:
