@@ -947,6 +947,8 @@ class Endpoint:
             self._ready(session)
             log.info("connected %s to %s: %s", session.id[:8], session.peer_label, decision.summary())
             for early in held:
+                if session.closed:
+                    break  # one of them ended it: the rest must not claim tags for a dead session
                 try:
                     self._dispatch(session, early)
                 except KVTransportError as exc:

@@ -75,7 +75,8 @@ MAX_FRAME_BYTES = 4096
 ORDERED_KINDS = frozenset({"expect", "done", "abort", "drained", "notice", "bye"})
 #: Seal header and MAC on top of a message (auth.Seal).
 _SEAL_BYTES = 64
-#: Bytes read from one stream in one loop pass (a flood cannot hold the loop).
+#: Bytes one read of a stream takes; at most ``READS_PER_PASS`` reads a loop pass (a flood
+#: cannot hold the loop).
 READ_BYTES = 64 << 10
 #: Reads of one stream in one loop pass: after handling what a read brought, the stream is read
 #: again (up to this many times) if that read found it drained, since more may have come during

@@ -245,6 +245,8 @@ class Session:
         self.strikes = 0
         #: Initiator between welcome and ready: messages the (already ready) acceptor sent.
         self.held: list[Message] | None = None
+        #: A driver notice of this session failed on the driver's thread (its end is queued).
+        self.notice_failed = False
         #: This session's message authentication, once the secret was proved both ways.
         self.seal: Seal | None = None
         #: Its express stream (express.py) once bound, and that stream's seal.
@@ -266,6 +268,10 @@ class Session:
         self.nonce_a = b""
         #: Set when the session starts closing: no per-transfer confirmations go out then.
         self.closing = False
+
+    @property
+    def closed(self) -> bool:
+        return self.phase is Phase.CLOSED
 
     @property
     def timeouts(self) -> Timeouts:
@@ -1017,11 +1023,14 @@ class Session:
         for x in sided:
             # Idle already (the usual case for a small transfer: the driver copied its chunks
             # in on this thread as their notices came): answered in this pass, with no trip
-            # through the driver's thread and back through the I/O thread's queue.
-            ran, idle, error = x.runner.try_here(functools.partial(x.driver.inbound_idle, self.id))
-            if ran and (idle or error is not None):
-                countdown.one(error)
-                continue
+            # through the driver's thread and back through the I/O thread's queue. Not once a
+            # notice failed on the driver's thread: that failure is queued for this thread, and
+            # the answer must come after it, as it does through the queue.
+            if not self.notice_failed:
+                ran, idle, error = x.runner.try_here(functools.partial(x.driver.inbound_idle, self.id))
+                if ran and (idle or error is not None):
+                    countdown.one(error)
+                    continue
             try:
                 x.runner.call_here(functools.partial(self._driver_watch_idle, kind, x, t, countdown.one))
             except KVTransportError:
@@ -1110,9 +1119,19 @@ class Session:
                 if error is not None:
                     self.endpoint.end_session(self, error, notify=True)
                 return
+
+        def on_runner() -> None:
+            try:
+                driver.on_notice(self.id, payload)
+            except Exception:
+                # Seen by ``after_inbound`` before this failure's end_session (posted to the I/O
+                # thread's queue) runs: a "done" read meanwhile must not find the driver idle
+                # and answer Success ahead of it.
+                self.notice_failed = True
+                raise
+
         lane.runner.call(
-            functools.partial(driver.on_notice, self.id, payload),
-            lambda _, error: self.endpoint.end_session(self, error, notify=True) if error else None,
+            on_runner, lambda _, error: self.endpoint.end_session(self, error, notify=True) if error else None
         )
 
     # -- I/O thread: the end -------------------------------------------------------------------

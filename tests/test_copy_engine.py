@@ -144,7 +144,7 @@ def test_the_cuda_2d_copy_descriptor_has_cudas_layout() -> None:
 
 @settings(max_examples=50, deadline=None)
 @given(
-    pages=st.lists(st.integers(0, 15), min_size=1, max_size=12, unique=True),
+    pages=st.lists(st.integers(0, 23), min_size=1, max_size=24, unique=True),
     length=st.integers(ROWS_MAX_LEN + 1, 64 << 10),
     back_to_back=st.booleans(),
 )
@@ -153,9 +153,9 @@ def test_whole_pages_are_copied_one_memmove_each_byte_exact(pages: list[int], le
     scattered out of one) skip the row and strided searches and are copied byte-exact."""
     stride = 64 << 10
     rng = np.random.default_rng(len(pages))
-    src = rng.integers(0, 256, 16 * stride, dtype=np.uint8)
-    got, want = np.zeros(16 * stride, dtype=np.uint8), np.zeros(16 * stride, dtype=np.uint8)
-    ps = [(p * stride, (i if back_to_back else 15 - p) * stride, length) for i, p in enumerate(pages)]
+    src = rng.integers(0, 256, 24 * stride, dtype=np.uint8)
+    got, want = np.zeros(24 * stride, dtype=np.uint8), np.zeros(24 * stride, dtype=np.uint8)
+    ps = [(p * stride, (i if back_to_back else 23 - p) * stride, length) for i, p in enumerate(pages)]
     for s, d, n in ps:
         want[d : d + n] = src[s : s + n]
     base_s, base_d = int(src.ctypes.data), int(got.ctypes.data)
@@ -169,3 +169,45 @@ def test_whole_pages_are_copied_one_memmove_each_byte_exact(pages: list[int], le
             np.array([n for _, _, n in ps], dtype=np.uint64),
         )
     assert np.array_equal(got, want)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    short=st.sampled_from([1024, 4096, ROWS_MAX_LEN]),
+    count=st.integers(ROWS_MIN, 2 * ROWS_MIN),
+    seed=st.integers(0, 99),
+)
+def test_short_pieces_go_as_rows_and_long_ones_one_memmove_each_in_one_copy(short: int, count: int, seed: int) -> None:
+    """Many pieces of a short length and many of a long one in one copy (a ring chunk holding
+    head slices and whole pages): the short ones as rows, the long ones skipped by the row copy
+    and moved one by one; every byte where one memmove per piece puts it."""
+    rng = np.random.default_rng(seed)
+    long_len = 32 << 10
+    cells = 2 * count
+    size = cells * long_len
+    src = rng.integers(0, 256, size, dtype=np.uint8)
+    got, want = np.zeros(size, dtype=np.uint8), np.zeros(size, dtype=np.uint8)
+    src_cells = rng.permutation(cells)
+    dst_cells = rng.permutation(cells)
+    ps = [
+        (int(s) * long_len, int(d) * long_len, short if i < count else long_len)
+        for i, (s, d) in enumerate(zip(src_cells, dst_cells, strict=True))
+    ]
+    for s, d, n in ps:
+        want[d : d + n] = src[s : s + n]
+    row_lengths: list[int] = []
+    real_rows = copy_module._copy_rows
+
+    def rows(d0: int, drow: object, s0: int, srow: object, n: int, span_d: int, span_s: int) -> None:
+        row_lengths.append(n)
+        real_rows(d0, drow, s0, srow, n, span_d, span_s)  # type: ignore[arg-type]
+
+    base_s, base_d = int(src.ctypes.data), int(got.ctypes.data)
+    with mock.patch.object(copy_module, "_copy_rows", rows):
+        MemcpyCopyEngine().copy(
+            np.array([base_d + d for _, d, _ in ps], dtype=np.uint64),
+            np.array([base_s + s for s, _, _ in ps], dtype=np.uint64),
+            np.array([n for _, _, n in ps], dtype=np.uint64),
+        )
+    assert np.array_equal(got, want)
+    assert short in row_lengths and long_len not in row_lengths

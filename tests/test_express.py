@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from kvtransport.auth import Seal
 from kvtransport.config import Limits, express_from_env
 from kvtransport.endpoint import Connection, Endpoint, State, Timeouts
-from kvtransport.errors import ConfigError, PeerLost, ProtocolError
+from kvtransport.errors import ConfigError, KVTransportError, PeerLost, ProtocolError
 from kvtransport.express import MAX_FRAME_BYTES, FrameReader
 from kvtransport.kv_pool import KVPool
 from kvtransport.testing.fake import FakeDriver, FakeTwoSided
@@ -283,6 +283,47 @@ def test_a_frame_that_arrives_while_the_last_is_handled_is_read_in_the_same_pass
         (first, pass_1), (second, pass_2) = handled
         assert (first, second) == (b"first", b"second")
         assert pass_1 == pass_2, "the second frame waited for another loop pass"
+
+
+class _FailingNotices(FakeTwoSided):
+    """Refuses any notice that starts with b"bad" (a malformed staging notice, say)."""
+
+    capabilities = FakeTwoSided.capabilities
+
+    def on_notice(self, peer: str, payload: bytes) -> None:
+        if payload.startswith(b"bad"):
+            raise ProtocolError("a malformed notice")
+        super().on_notice(peer, payload)
+
+
+def test_a_notice_that_failed_on_the_drivers_thread_is_never_followed_by_success() -> None:
+    """A large notice runs on the driver's thread; its failure ends the session through the I/O
+    thread's queue. A "done" handled after the driver went idle again, but before that queued
+    end ran, must not find the driver idle and answer Success for a chunk never written."""
+    receiver = {"drivers": {"fake-two-sided": _FailingNotices}, "driver_options": {"fake.inbound_delay": "0"}}
+    with connected(TWO_SIDED, receiver) as (_prefill, _a_pool, send, _decode, _b_pool, recv):
+        until(lambda: send._session.ordered is not None and recv._session.ordered is not None, "ordered mode")
+        session = recv._session
+        lane_name = session.primary.name if session.primary else ""
+        runner = session.lanes[lane_name].runner
+        r = recv.expect("x", [3, 4])
+        until(lambda: r.announced is not None, "the announcement filed")
+        real_on_done = session.on_done
+
+        def on_done(msg: Any) -> None:
+            # Hold "done" until the driver's thread has finished the failed notice and gone idle.
+            until(lambda: not runner._busy and not runner._calls and session.notice_failed, "the notice failed")
+            real_on_done(msg)
+
+        session.on_done = on_done  # type: ignore[method-assign]
+        lane = send._session.wire_name(lane_name)
+        big = b"bad" + bytes(16 << 10)  # over the inline limit: it goes to the driver's thread
+        assert send._session.send_ordered(encode("notice", payload=big, lane=lane))
+        done = encode("done", tag="x", bytes=session.expected_bytes(r), lane=lane)
+        assert send._session.send_ordered(done)
+        with pytest.raises(KVTransportError):
+            r.wait(5)
+        assert r.state is State.FAILED
 
 
 def decode_kind(data: bytes) -> str:

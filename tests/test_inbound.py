@@ -166,18 +166,20 @@ def _outcome(guard: InboundGuard, dst: npt.NDArray[np.uint64], length: npt.NDArr
     live=st.sets(st.integers(0, PAGES - 1)),
     revoked=st.sets(st.integers(0, PAGES - 1)),
     aux=st.integers(-1, 7),
+    adjacent=st.booleans(),
 )
 def test_both_paths_give_the_same_answer_for_any_integers(
-    pieces: list[tuple[int, int]], live: set[int], revoked: set[int], aux: int
+    pieces: list[tuple[int, int]], live: set[int], revoked: set[int], aux: int, adjacent: bool
 ) -> None:
-    """Whatever a peer puts in a chunk notice (any uint64 on either field, any mix of regions),
-    the piece-by-piece check answers exactly as the vectorised one: the same verdict, or the
-    same error."""
-    guard = InboundGuard(_regions())
+    """Whatever a peer puts in a chunk notice (any uint64 on either field, any mix of regions,
+    regions that touch or not, revoked pages, aux slots and state items), the piece-by-piece
+    check answers exactly as the vectorised one: the same verdict, or the same error."""
+    guard = InboundGuard(_adjacent_regions() if adjacent else _regions())
     guard.add(Claim(np.array(sorted(live), dtype=np.int64), aux, (np.array([1, 2], dtype=np.int64), _NO_ITEMS)))
     dead = np.array(sorted(revoked - live), dtype=np.int64)
-    guard.add(Claim(dead))
-    guard.revoke(Claim(dead))
+    late = Claim(dead, 7 if aux != 7 else -1, (np.array([5], dtype=np.int64), np.array([3], dtype=np.int64)))
+    guard.add(late)
+    guard.revoke(late)
     dst = np.array([min(d, 2**64 - 1) for d, _ in pieces], dtype=np.uint64)
     length = np.array([n for _, n in pieces], dtype=np.uint64)
     with mock.patch.object(inbound, "FEW_PIECES", 0):
@@ -188,3 +190,18 @@ def test_both_paths_give_the_same_answer_for_any_integers(
 
 
 _NO_ITEMS = np.zeros(0, dtype=np.int64)
+
+
+def _adjacent_regions() -> RegionSet:
+    """The same index spaces, each region starting exactly where the one before it ends."""
+    k, v = BASE_K, BASE_K + ITEM * PAGES
+    a = v + ITEM * PAGES
+    w1 = a + 64 * 8
+    w2 = w1 + 128 * 16
+    sl = w2 + 128 * 16
+    return RegionSet(
+        kv=(Region(k, ITEM * PAGES, HOST, ITEM), Region(v, ITEM * PAGES, HOST, ITEM)),
+        aux=(Region(a, 64 * 8, HOST, 64),),
+        state=(Region(w1, 128 * 16, HOST, 128), Region(w2, 128 * 16, HOST, 128), Region(sl, 512 * 4, HOST, 512)),
+        state_groups=(2, 1),
+    )

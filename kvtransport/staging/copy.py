@@ -48,10 +48,12 @@ ROWS_MAX_SPAN = 1 << 44
 
 
 class MemcpyCopyEngine:
-    """Host memory to host memory. Pieces adjacent on both sides are merged first; the pieces
-    of a length shared by many are copied as rows of one indexed numpy copy; the rest by one
-    2-D numpy copy per strided group, or one ``memmove`` per piece (the GIL is released during
-    each copy)."""
+    """Host memory to host memory. Fewer than ``STRIDED_MIN`` pieces: one ``memmove`` each.
+    Otherwise pieces adjacent on both sides are merged first; if every merged piece is longer
+    than ``ROWS_MAX_LEN``, one ``memmove`` each; else the pieces of a length (up to
+    ``ROWS_MAX_LEN``) shared by many are copied as rows of one indexed numpy copy, the rest by
+    one 2-D numpy copy per strided group, or one ``memmove`` per piece (the GIL is released
+    during each copy)."""
 
     name = "memcpy"
     any_thread = True
