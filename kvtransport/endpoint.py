@@ -88,6 +88,11 @@ log = logging.getLogger(__name__)
 MAX_STRIKES = 16
 #: Messages kept for an initiator between the welcome and its own driver connect.
 MAX_HELD = 4096
+#: Routes remembered after their session ended, for a heartbeat timeout, so that what their peer
+#: sent before it learnt of the end (the copy of a "bye" sent on both channels, a heartbeat that
+#: crossed it) is dropped quietly rather than warned about as a stranger's. Bounded: the oldest
+#: goes first.
+MAX_ENDED_ROUTES = 1024
 #: What a peer that failed authentication is told, and nothing more.
 AUTH_FAILED = "authentication failed"
 
@@ -225,6 +230,8 @@ class Endpoint:
         self.runners: dict[str, DriverRunner] = {}
         self.sessions: dict[str, Session] = {}
         self._by_route: dict[Route, Session] = {}
+        #: Route -> until when its frames are dropped quietly (see ``MAX_ENDED_ROUTES``).
+        self._ended_routes: collections.OrderedDict[Route, float] = collections.OrderedDict()
         self._incoming: collections.deque[Session] = collections.deque()
         self._incoming_cv = threading.Condition()
         #: Tags this side will never send (refused before their announcement arrived), with why;
@@ -588,10 +595,29 @@ class Endpoint:
             del self.sessions[session.id]
         if self._by_route.get(session.route) is session:
             del self._by_route[session.route]
+            self._remember_ended(session.route)
         self.channel.disconnect(session.route)
         with self._incoming_cv:
             if session in self._incoming:
                 self._incoming.remove(session)
+
+    def _remember_ended(self, route: Route) -> None:
+        now = time.monotonic()
+        self._ended_routes.pop(route, None)
+        self._ended_routes[route] = now + self.timeouts.heartbeat_timeout
+        while self._ended_routes and (
+            len(self._ended_routes) > MAX_ENDED_ROUTES or next(iter(self._ended_routes.values())) < now
+        ):
+            self._ended_routes.popitem(last=False)
+
+    def _ended_lately(self, route: Route) -> bool:
+        until = self._ended_routes.get(route)
+        if until is None:
+            return False
+        if until < time.monotonic():
+            del self._ended_routes[route]
+            return False
+        return True
 
     def _on_crash(self, exc: BaseException) -> None:
         """The I/O thread is dying: fail everything so no caller waits for a timeout."""
@@ -657,6 +683,9 @@ class Endpoint:
             pending = self._pending_auth.get(route)
             seal = pending.seal if pending is not None else None
         if seal is None:
+            if self._ended_lately(route):
+                log.debug("dropped a sealed frame from %s, whose session just ended", self._describe(route))
+                return
             self._stranger(route, f"sealed message from {self._describe(route)}, which has not authenticated")
             return
         body = seal.open(frame)

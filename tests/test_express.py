@@ -7,9 +7,11 @@ docs/security.md, not imported), so a mismatch between the two would show."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import hmac
 import itertools
+import logging
 import os
 import socket
 import struct
@@ -324,6 +326,36 @@ def test_a_notice_that_failed_on_the_drivers_thread_is_never_followed_by_success
         with pytest.raises(KVTransportError):
             r.wait(5)
         assert r.state is State.FAILED
+
+
+def test_the_second_copy_of_a_bye_is_dropped_quietly(caplog: pytest.LogCaptureFixture) -> None:
+    """In ordered mode a closing peer sends "bye" on both channels; whichever arrives second
+    finds the session gone. That is expected, not a stranger: no warning for it."""
+    with ordered_pair() as (prefill, _a_pool, send, decode, _b_pool, recv):
+        until(lambda: send._session.ordered is not None and recv._session.ordered is not None, "ordered mode")
+        with caplog.at_level(logging.WARNING, logger="kvtransport"):
+            decode.close()
+            until(lambda: not send.alive, "the bye handled")
+            time.sleep(0.2)  # the other copy arrives meanwhile
+        strangers = [r.getMessage() for r in caplog.records if "has not authenticated" in r.getMessage()]
+        assert strangers == []
+        assert prefill.stats()["sessions"] == 0
+
+
+def test_the_routes_remembered_after_their_sessions_ended_are_bounded_and_expire() -> None:
+    from kvtransport.endpoint import MAX_ENDED_ROUTES
+
+    with endpoint("ended") as (ep, _pool):
+        ep.timeouts = dataclasses.replace(FAST, heartbeat_timeout=0.2)
+        for i in range(MAX_ENDED_ROUTES + 100):
+            ep._remember_ended(("in", i.to_bytes(4, "big")))
+        assert len(ep._ended_routes) == MAX_ENDED_ROUTES
+        assert not ep._ended_lately(("in", (0).to_bytes(4, "big")))  # the oldest went first
+        assert ep._ended_lately(("in", (MAX_ENDED_ROUTES + 99).to_bytes(4, "big")))
+        time.sleep(0.3)
+        assert not ep._ended_lately(("in", (MAX_ENDED_ROUTES + 99).to_bytes(4, "big")))
+        ep._remember_ended(("in", b"last"))
+        assert list(ep._ended_routes) == [("in", b"last")]  # the expired ones are gone
 
 
 def decode_kind(data: bytes) -> str:
