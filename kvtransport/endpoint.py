@@ -603,11 +603,8 @@ class Endpoint:
 
     def _remember_ended(self, route: Route) -> None:
         now = time.monotonic()
-        self._ended_routes.pop(route, None)
-        self._ended_routes[route] = now + self.timeouts.heartbeat_timeout
-        while self._ended_routes and (
-            len(self._ended_routes) > MAX_ENDED_ROUTES or next(iter(self._ended_routes.values())) < now
-        ):
+        put_newest(self._ended_routes, route, now + self.timeouts.heartbeat_timeout, MAX_ENDED_ROUTES)
+        while next(iter(self._ended_routes.values())) < now:  # expired (the newest is not)
             self._ended_routes.popitem(last=False)
 
     def _ended_lately(self, route: Route) -> bool:

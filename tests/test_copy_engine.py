@@ -67,10 +67,12 @@ def rows(draw: st.DrawFn) -> list[tuple[int, int, int]]:
     return out
 
 
-def _copy_like_memmove(ps: list[tuple[int, int, int]]) -> None:
+def _copy_like_memmove(ps: list[tuple[int, int, int]], size: int = SIZE) -> None:
+    """Copy ``(src offset, dst offset, length)`` pieces between two buffers of ``size`` bytes
+    with the engine; every byte must land where one memmove per piece puts it."""
     rng = np.random.default_rng(1)
-    src = rng.integers(0, 256, SIZE, dtype=np.uint8)
-    got, want = np.zeros(SIZE, dtype=np.uint8), np.zeros(SIZE, dtype=np.uint8)
+    src = rng.integers(0, 256, size, dtype=np.uint8)
+    got, want = np.zeros(size, dtype=np.uint8), np.zeros(size, dtype=np.uint8)
     for s, d, n in ps:
         want[d : d + n] = src[s : s + n]
     base_s, base_d = int(src.ctypes.data), int(got.ctypes.data)
@@ -152,23 +154,12 @@ def test_whole_pages_are_copied_one_memmove_each_byte_exact(pages: list[int], le
     """Pieces longer than ``ROWS_MAX_LEN`` (a layer's page, gathered into a ring chunk or
     scattered out of one) skip the row and strided searches and are copied byte-exact."""
     stride = 64 << 10
-    rng = np.random.default_rng(len(pages))
-    src = rng.integers(0, 256, 24 * stride, dtype=np.uint8)
-    got, want = np.zeros(24 * stride, dtype=np.uint8), np.zeros(24 * stride, dtype=np.uint8)
     ps = [(p * stride, (i if back_to_back else 23 - p) * stride, length) for i, p in enumerate(pages)]
-    for s, d, n in ps:
-        want[d : d + n] = src[s : s + n]
-    base_s, base_d = int(src.ctypes.data), int(got.ctypes.data)
     with (
         mock.patch.object(copy_module, "_copy_row_sets", side_effect=AssertionError("rows searched")),
         mock.patch.object(copy_module, "strided_groups", side_effect=AssertionError("strided groups searched")),
     ):
-        MemcpyCopyEngine().copy(
-            np.array([base_d + d for _, d, _ in ps], dtype=np.uint64),
-            np.array([base_s + s for s, _, _ in ps], dtype=np.uint64),
-            np.array([n for _, _, n in ps], dtype=np.uint64),
-        )
-    assert np.array_equal(got, want)
+        _copy_like_memmove(ps, 24 * stride)
 
 
 @settings(max_examples=30, deadline=None)
@@ -184,17 +175,12 @@ def test_short_pieces_go_as_rows_and_long_ones_one_memmove_each_in_one_copy(shor
     rng = np.random.default_rng(seed)
     long_len = 32 << 10
     cells = 2 * count
-    size = cells * long_len
-    src = rng.integers(0, 256, size, dtype=np.uint8)
-    got, want = np.zeros(size, dtype=np.uint8), np.zeros(size, dtype=np.uint8)
     src_cells = rng.permutation(cells)
     dst_cells = rng.permutation(cells)
     ps = [
         (int(s) * long_len, int(d) * long_len, short if i < count else long_len)
         for i, (s, d) in enumerate(zip(src_cells, dst_cells, strict=True))
     ]
-    for s, d, n in ps:
-        want[d : d + n] = src[s : s + n]
     row_lengths: list[int] = []
     real_rows = copy_module._copy_rows
 
@@ -202,12 +188,6 @@ def test_short_pieces_go_as_rows_and_long_ones_one_memmove_each_in_one_copy(shor
         row_lengths.append(n)
         real_rows(d0, drow, s0, srow, n, span_d, span_s)  # type: ignore[arg-type]
 
-    base_s, base_d = int(src.ctypes.data), int(got.ctypes.data)
     with mock.patch.object(copy_module, "_copy_rows", rows):
-        MemcpyCopyEngine().copy(
-            np.array([base_d + d for _, d, _ in ps], dtype=np.uint64),
-            np.array([base_s + s for s, _, _ in ps], dtype=np.uint64),
-            np.array([n for _, _, n in ps], dtype=np.uint64),
-        )
-    assert np.array_equal(got, want)
+        _copy_like_memmove(ps, cells * long_len)
     assert short in row_lengths and long_len not in row_lengths
