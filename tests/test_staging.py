@@ -521,6 +521,38 @@ def test_small_chunks_are_copied_on_the_calling_threads_only_when_the_engine_all
     _quiet(a, b)
 
 
+@pytest.mark.parametrize("over", [False, True], ids=["at-the-limit", "just-over"])
+def test_a_one_chunk_request_up_to_the_inline_limit_is_copied_on_the_threads_at_hand(
+    pair_factory: Any, over: bool
+) -> None:
+    """A one-page request (one piece per KV region) that makes a chunk of exactly
+    ``INLINE_CHUNK_MAX_BYTES`` is gathered on the submitting thread and scattered on the thread
+    that reads its notice; a chunk just over it goes through both stage threads. Bytes
+    verified either way."""
+    limit = pipeline_module.INLINE_CHUNK_MAX_BYTES
+    regions = 2  # the KV buffers of a Side's pool
+    item = limit // regions + (4096 if over else 0)
+    a, b, courier, _ = pair_factory(pages=4, item=item, ring=8 * limit, chunk=2 * limit)
+    assert len(a.regions.kv) == regions
+    engines = []
+    for side in (a, b):
+        engine = ThreadBoundCopy()
+        engine.any_thread = True
+        side.pipe.copy_engine = engine
+        engines.append(engine)
+    b.pipe.lend_ahead("a", regions * item)
+    _wait(lambda: len(a.pipe._out["b"].credits) == 1)
+    h = a.pipe.submit("b", plan(a.regions.kv, b.regions.kv, [2], [1]))
+    _finish(a, b, [h], courier)
+    assert b.pool.page_digests([1]) == a.pool.page_digests([2])
+    gathered, scattered = engines[0].threads, engines[1].threads
+    if over:
+        assert gathered == {"a-gather"} and scattered == {"b-scatter"}
+    else:
+        assert gathered == {threading.current_thread().name} and scattered == {courier.thread.name}
+    _quiet(a, b)
+
+
 def test_undecodable_notice_is_a_protocol_error(pair_factory: Any) -> None:
     _, b, _, _ = pair_factory()
     with pytest.raises(ProtocolError):
