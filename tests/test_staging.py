@@ -497,28 +497,36 @@ class ThreadBoundCopy(MemcpyCopyEngine):
         super().copy(dst, src, length)
 
 
-@pytest.mark.parametrize("any_thread", [True, False])
-def test_small_chunks_are_copied_on_the_calling_threads_only_when_the_engine_allows(
-    pair_factory: Any, any_thread: bool
-) -> None:
-    a, b, courier, _ = pair_factory()
+def _copied_on_the_threads_at_hand(a: Side, b: Side, courier: Courier, any_thread: bool, nbytes: int) -> bool:
+    """Page 2 of ``a`` to page 1 of ``b`` (``nbytes``, with a credit lent for it) through copy
+    engines that record their threads, bytes verified: ``True`` when it was gathered on this
+    thread and scattered on the thread that read its notice, ``False`` when both stage threads
+    copied it (anything else fails)."""
     engines = []
     for side in (a, b):
         engine = ThreadBoundCopy()
         engine.any_thread = any_thread
         side.pipe.copy_engine = engine
         engines.append(engine)
-    b.pipe.lend_ahead("a", 4096)
+    b.pipe.lend_ahead("a", nbytes)
     _wait(lambda: len(a.pipe._out["b"].credits) == 1)
-    h = a.pipe.submit("b", plan(a.regions.kv, b.regions.kv, [2], [4]))
+    h = a.pipe.submit("b", plan(a.regions.kv, b.regions.kv, [2], [1]))
     _finish(a, b, [h], courier)
-    assert b.pool.page_digests([4]) == a.pool.page_digests([2])
-    gathered, scattered = engines[0].threads, engines[1].threads
-    if any_thread:
-        assert gathered == {threading.current_thread().name} and scattered == {courier.thread.name}
-    else:
-        assert gathered == {"a-gather"} and scattered == {"b-scatter"}
+    assert b.pool.page_digests([1]) == a.pool.page_digests([2])
+    threads = (engines[0].threads, engines[1].threads)
     _quiet(a, b)
+    if threads == ({threading.current_thread().name}, {courier.thread.name}):
+        return True
+    assert threads == ({"a-gather"}, {"b-scatter"})
+    return False
+
+
+@pytest.mark.parametrize("any_thread", [True, False])
+def test_small_chunks_are_copied_on_the_calling_threads_only_when_the_engine_allows(
+    pair_factory: Any, any_thread: bool
+) -> None:
+    a, b, courier, _ = pair_factory()
+    assert _copied_on_the_threads_at_hand(a, b, courier, any_thread, 4096) is any_thread
 
 
 @pytest.mark.parametrize("over", [False, True], ids=["at-the-limit", "just-over"])
@@ -534,23 +542,7 @@ def test_a_one_chunk_request_up_to_the_inline_limit_is_copied_on_the_threads_at_
     item = limit // regions + (4096 if over else 0)
     a, b, courier, _ = pair_factory(pages=4, item=item, ring=8 * limit, chunk=2 * limit)
     assert len(a.regions.kv) == regions
-    engines = []
-    for side in (a, b):
-        engine = ThreadBoundCopy()
-        engine.any_thread = True
-        side.pipe.copy_engine = engine
-        engines.append(engine)
-    b.pipe.lend_ahead("a", regions * item)
-    _wait(lambda: len(a.pipe._out["b"].credits) == 1)
-    h = a.pipe.submit("b", plan(a.regions.kv, b.regions.kv, [2], [1]))
-    _finish(a, b, [h], courier)
-    assert b.pool.page_digests([1]) == a.pool.page_digests([2])
-    gathered, scattered = engines[0].threads, engines[1].threads
-    if over:
-        assert gathered == {"a-gather"} and scattered == {"b-scatter"}
-    else:
-        assert gathered == {threading.current_thread().name} and scattered == {courier.thread.name}
-    _quiet(a, b)
+    assert _copied_on_the_threads_at_hand(a, b, courier, True, regions * item) is not over
 
 
 def test_undecodable_notice_is_a_protocol_error(pair_factory: Any) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..inbound import FEW_PIECES
 from ..plan import Runs
 from .copy import U64
 
@@ -25,7 +26,7 @@ class Chunk:
     def nbytes(self) -> int:
         # Read several times per chunk on the hot path (inline checks, posting, the wire
         # stage's polling): summed once.
-        if len(self.length) <= 8:  # a ufunc reduction costs more than a few pieces' sum
+        if len(self.length) <= FEW_PIECES:  # a ufunc reduction costs more than a few pieces' sum
             return sum(self.length.tolist())
         return int(self.length.sum())
 

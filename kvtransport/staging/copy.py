@@ -37,10 +37,11 @@ STRIDED_MIN = 4
 #: numpy's loop for all of them, whatever their addresses): 8 MiB of 1 KiB head slices takes
 #: 3 ms against 18 ms as 2-D copies of one page's 16 rows each (measured, this host class).
 ROWS_MIN = 16
-#: Only pieces up to this long are copied as rows or strided groups: from 32 KiB on (a whole page of one layer,
-#: Llama-3-8B) one ``memmove`` each costs less than the indexed copy, which also copies the
-#: source rows into a temporary first when they are scattered (2 MiB of 32 KiB pages gathered
-#: into a ring chunk: 170 us as rows, 94 us one ``memmove`` each; measured, this host class).
+#: Only pieces up to this long are copied as rows, and a copy whose pieces are all longer looks
+#: for no strided groups either: from 32 KiB on (a whole page of one layer, Llama-3-8B) one
+#: ``memmove`` each costs less than the indexed copy, which also copies the source rows into a
+#: temporary first when they are scattered (2 MiB of 32 KiB pages gathered into a ring chunk:
+#: 170 us as rows, 94 us one ``memmove`` each; measured, this host class).
 ROWS_MAX_LEN = 16 << 10
 #: The largest address span one indexed copy views (the pieces of one length may lie in
 #: several regions; the view is never touched outside them, but it must be addressable).
