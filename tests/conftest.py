@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import random
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -92,6 +94,41 @@ def run_cli(
         timeout=timeout,
         check=False,
     )
+
+
+#: Where unused_port() looks: above Mooncake's handshake ports (15000-17000 by default) and below
+#: the kernel's ephemeral range, which it reads from /proc.
+LISTEN_PORTS_FROM = 20000
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def unused_port() -> int:
+    """A port nothing listens on now, for a server a test (or its child process) starts later.
+
+    A port from ``bind(("127.0.0.1", 0))`` is an ephemeral one: between its release and the
+    server's bind, any outgoing connection on the machine may take it as its source port (CI saw
+    "Address already in use" this way, with SGLang's ranks opening connections all the while).
+    Ports below the ephemeral range are never given to connections; each is handed out once per
+    test process, and checked free with a bind that refuses even TIME_WAIT leftovers."""
+    high = _ephemeral_low()
+    candidates = [p for p in range(LISTEN_PORTS_FROM, high) if p not in _handed_out]
+    random.shuffle(candidates)
+    for port in candidates[:200]:
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no unused port in {LISTEN_PORTS_FROM}-{high - 1} (the ephemeral range starts at {high})")
 
 
 def require_engines() -> None:

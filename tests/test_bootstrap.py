@@ -24,6 +24,8 @@ from kvtransport.auth import Secret, load_secret
 from kvtransport.errors import AuthenticationFailed, ConfigError, ConnectError, ProtocolError
 from kvtransport.integrations.bootstrap import BootstrapClient, BootstrapServer, sign_request
 
+from .conftest import unused_port
+
 SECRET = load_secret(secrets.token_hex(32))
 OTHER_SECRET = load_secret(secrets.token_hex(32))
 SECURITY_ENV = ("KVTRANSPORT_SECRET", "KVTRANSPORT_SECRET_FILE", "KVTRANSPORT_INSECURE")
@@ -514,9 +516,7 @@ def test_a_non_loopback_bind_without_a_secret_is_refused(monkeypatch: pytest.Mon
 
 def test_a_rank_that_starts_before_its_registry_registers_once_it_is_up() -> None:
     # SGLang starts the registry beside the ranks: a rank may ask before anyone listens.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = unused_port()
     c = BootstrapClient(f"127.0.0.1:{port}", timeout=0.2, secret=SECRET)
     assert c.keep_registered(route(), interval=5, first_wait=0.2) is False
     assert not c.registered.is_set()

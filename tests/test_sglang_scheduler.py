@@ -48,7 +48,6 @@ import os
 import queue
 import random
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -61,7 +60,7 @@ from typing import Any
 
 import pytest
 
-from .conftest import require_engines
+from .conftest import require_engines, unused_port
 
 pytest.importorskip("sglang.srt.plugins", reason="needs sglang==0.5.23 (bash scripts/dev setup)")
 pytest.importorskip("transformers", reason="needs SGLang's import-time dependencies (tests/requirements-sglang.txt)")
@@ -144,12 +143,6 @@ ABORT_ENV = {
 STEP_S = 3.0  # the slowest scheduler iteration allowed (SGLang's loop must never wait on the network)
 START_S = 240  # processes import SGLang (~12 s each) on two shared cores
 NOISE = re.compile(r"UserWarning|warnings\.warn\(|^[IW]\d{4} |Radix cache is disabled|Intel AMX|deprecated")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Rank:
@@ -294,7 +287,7 @@ class Cluster:
         logs.mkdir()
         self.ranks = []
         for role, topo in self.topo.items():
-            args = [*topo.args(), "--master-port", str(free_port()), "--model-path", str(self.model)]
+            args = [*topo.args(), "--master-port", str(unused_port()), "--model-path", str(self.model)]
             self.ranks += [Rank(role, r, args, env, logs) for r in range(topo.tp)]
         self.config = None
         with self.explain():
@@ -354,7 +347,7 @@ class Cluster:
         if self.config == want:
             return
         self.config = None
-        cfg = {**want, "bootstrap_port": free_port()}
+        cfg = {**want, "bootstrap_port": unused_port()}
         seq = next(self.seq)
         with self.explain():
             for r in self.ranks:
