@@ -146,18 +146,23 @@ class Engine:
                 while i < len(src) and len(pending) < window and not (stop and stop.is_set()):
                     pending.append(self.post(session, src[i], dst[i], lengths[i]))
                     i += 1
-                still: list[int] = []
-                for n, batch in enumerate(pending):
+                # Oldest first, up to the first one still running: the engine finishes them
+                # about in order, and checking every one in flight each pass (up to ``window``
+                # calls) took the CPU the engine's own threads need.
+                finished = 0
+                for batch in pending:
                     try:
                         done = self.check(batch)
                     except EngineError:
                         # ``check`` released this batch id and those found done before it; the
-                        # ones still running and those not looked at yet are drained below.
-                        pending = still + pending[n + 1 :]
+                        # rest are drained below.
+                        pending = pending[finished + 1 :]
                         raise
                     if not done:
-                        still.append(batch)
-                if len(still) == len(pending):
+                        break
+                    finished += 1
+                still = pending[finished:]
+                if not finished:
                     # Nothing finished: back off from a few microseconds (a small write is done
                     # in tens of them) to POLL_S (a large one gains nothing from faster checks).
                     time.sleep(nap)
