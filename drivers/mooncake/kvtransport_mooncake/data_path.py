@@ -168,19 +168,22 @@ class MooncakeDataPath(KVTransport):
             raise DriverError(f"{self.name}: unknown handle {handle}")
         if isinstance(job, _Inline):
             assert self._engine is not None
-            still: list[int] = []
-            for n, batch in enumerate(job.posted):
+            # Oldest first, up to the first still running (as the workers do): the runner
+            # polls back to back for a moment, and each call must stay a few checks.
+            finished = 0
+            for batch in job.posted:
                 try:
                     if not self._engine.check(batch):
-                        still.append(batch)
+                        break
                 except KVTransportError:
                     del self._jobs[handle]
-                    draining = self._drain(still + job.posted[n + 1 :])
+                    draining = self._drain(job.posted[finished + 1 :])
                     if draining is not None:  # the core asks ``settled`` before it confirms
                         self._settling[handle] = draining
                     raise
-            job.posted = still
-            if still:
+                finished += 1
+            del job.posted[:finished]
+            if job.posted:
                 return False
             del self._jobs[handle]
             return True
