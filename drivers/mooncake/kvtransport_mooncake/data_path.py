@@ -6,7 +6,10 @@ most ``INLINE_RUNS`` runs, e.g. one request's pages of a few layers) is posted r
 ``poll`` checks its requests (the runner polls it back to back for a moment, then with back-off):
 no thread hop on the way. A large batch runs on a small worker pool, which posts (up to
 ``KVTRANSPORT_MOONCAKE_MAX_BATCH`` in flight) and polls with short, growing sleeps, and tells
-the core through ``context.completed`` when it is done. Neither uses Mooncake's blocking calls
+the core through ``context.completed`` when it is done. Both check a batch's requests oldest
+first and stop at the first one still running: each check releases and retakes the interpreter
+lock, and checking every request in flight on each pass (up to 1,024) took the CPU the engine's
+own threads need. Neither uses Mooncake's blocking calls
 (``batch_transfer_sync_write``, ``get_batch_transfer_status``): they spin a CPU core while they
 wait (measured 1.35-1.7x slower than posting and polling on the same runs here). Mooncake cannot
 cancel a posted request: ``abort`` releases the handle at once, stops a worker before it posts

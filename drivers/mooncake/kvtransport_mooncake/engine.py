@@ -133,7 +133,8 @@ class Engine:
         stop: threading.Event | None = None,
     ) -> None:
         """Write every descriptor as its own request, at most ``window`` in flight, polling
-        completion with short sleeps; blocks until all are written (or, once ``stop`` is set,
+        completion (oldest first, up to the first still running) with short sleeps; blocks
+        until all are written (or, once ``stop`` is set,
         until what was posted has finished), raises on the first failure.
 
         Mooncake's own batch calls spin a core per waiting caller and reject batches above a
