@@ -8,6 +8,7 @@ type and every field before anything else sees the message, and raises only
 
 from __future__ import annotations
 
+import os
 import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -29,8 +30,18 @@ ENV_MAX_MESSAGE_BYTES = "KVTRANSPORT_MAX_MESSAGE_BYTES"
 MAX_INT = (1 << 62) - 1
 
 
+#: The variable's text and its value, parsed again only when the text changes: every message
+#: sent and received reads the limit, and parsing it each time cost a third of an encode.
+_parsed_limit: tuple[str, int] = ("", DEFAULT_MAX_MESSAGE_BYTES)
+
+
 def max_message_bytes() -> int:
-    return env_int(ENV_MAX_MESSAGE_BYTES, DEFAULT_MAX_MESSAGE_BYTES)
+    global _parsed_limit
+    raw = os.environ.get(ENV_MAX_MESSAGE_BYTES, "")
+    if raw != _parsed_limit[0]:
+        # A bad value raises here each time (nothing is cached for it), as before.
+        _parsed_limit = (raw, env_int(ENV_MAX_MESSAGE_BYTES, DEFAULT_MAX_MESSAGE_BYTES, {ENV_MAX_MESSAGE_BYTES: raw}))
+    return _parsed_limit[1]
 
 
 @dataclass(frozen=True)
@@ -91,6 +102,13 @@ SCHEMAS: dict[str, dict[str, Field]] = {
 }
 
 
+#: Per message type, its text fields and their longest length (``encode`` cuts longer ones).
+_TEXT_FIELDS: dict[str, tuple[tuple[str, int], ...]] = {
+    kind: tuple((name, spec.max_len) for name, spec in schema.items() if isinstance(spec, Text))
+    for kind, schema in SCHEMAS.items()
+}
+
+
 @dataclass(frozen=True)
 class Message:
     type: str
@@ -105,14 +123,14 @@ def encode(kind: str, **fields: Any) -> bytes:
     schema = SCHEMAS.get(kind)
     if schema is None:
         raise ValueError(f"unknown message type {kind!r}")
-    missing = set(schema) - set(fields)
-    extra = set(fields) - set(schema)
-    if missing or extra:
+    if fields.keys() != schema.keys():
+        missing, extra = set(schema) - set(fields), set(fields) - set(schema)
         raise ValueError(f"{kind}: missing {sorted(missing)}, unexpected {sorted(extra)}")
-    for name, spec in schema.items():
-        if isinstance(spec, Text) and isinstance(fields[name], str) and len(fields[name]) > spec.max_len:
+    for name, max_len in _TEXT_FIELDS[kind]:
+        value = fields[name]
+        if isinstance(value, str) and len(value) > max_len:
             # Reasons quote peers and engines; cut them rather than fail to report the failure.
-            fields[name] = fields[name][: spec.max_len - 3] + "..."
+            fields[name] = value[: max_len - 3] + "..."
     data = msgpack.packb({"v": PROTOCOL_VERSION, "t": kind, **fields}, use_bin_type=True)
     assert isinstance(data, bytes)
     limit = max_message_bytes()
@@ -139,8 +157,9 @@ def decode(data: bytes, *, limit: int | None = None) -> Message:
     schema = SCHEMAS.get(kind) if isinstance(kind, str) else None
     if schema is None:
         raise ProtocolError(f"unknown message type {_short(kind)}")
-    fields = {k: v for k, v in obj.items() if k not in ("v", "t")}
-    if set(fields) != set(schema):
+    del obj["v"], obj["t"]
+    fields = obj
+    if fields.keys() != schema.keys():
         raise ProtocolError(f"{kind} message fields {_short(sorted(map(str, fields)))} do not match {sorted(schema)}")
     for name, spec in schema.items():
         _check_field(str(kind), name, spec, fields[name])

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtransport.errors import MessageTooLarge, ProtocolError, VersionMismatch
+from kvtransport.errors import ConfigError, MessageTooLarge, ProtocolError, VersionMismatch
 from kvtransport.hello import PROTOCOL_VERSION
 from kvtransport.wire import MAX_INT, SCHEMAS, Field, Int, Text, decode, encode
 
@@ -82,6 +82,23 @@ def test_size_limit() -> None:
     big = encode("notice", payload=b"x" * 5000, lane="")
     with pytest.raises(MessageTooLarge):
         decode(big, limit=1000)
+
+
+def test_the_size_limit_follows_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The parsed limit is kept between messages; a changed variable still takes effect.
+    notice = encode("notice", payload=b"x" * 5000, lane="")
+    monkeypatch.setenv("KVTRANSPORT_MAX_MESSAGE_BYTES", "1000")
+    with pytest.raises(MessageTooLarge, match="1000-byte limit"):
+        decode(notice)
+    with pytest.raises(MessageTooLarge, match="1000-byte limit"):
+        encode("notice", payload=b"x" * 5000, lane="")
+    monkeypatch.setenv("KVTRANSPORT_MAX_MESSAGE_BYTES", "ten")
+    with pytest.raises(ConfigError, match="KVTRANSPORT_MAX_MESSAGE_BYTES='ten'"):
+        decode(notice)
+    with pytest.raises(ConfigError):
+        decode(notice)  # a bad value is not remembered as good
+    monkeypatch.delenv("KVTRANSPORT_MAX_MESSAGE_BYTES")
+    assert decode(notice)["payload"] == b"x" * 5000
 
 
 def test_truncated_message() -> None:
