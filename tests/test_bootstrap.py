@@ -45,10 +45,12 @@ def no_security_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def make_server() -> Iterator[Callable[..., BootstrapServer]]:
     servers: list[BootstrapServer] = []
 
-    def make(**kw: Any) -> BootstrapServer:
+    def make(port: int = 0, **kw: Any) -> BootstrapServer:
         kw.setdefault("secret", SECRET)
-        kw.setdefault("request_timeout", 0.5)
-        servers.append(BootstrapServer("127.0.0.1", 0, **kw))
+        # Long enough for a loaded machine to read and answer a large request; the tests of
+        # slow clients pass their own.
+        kw.setdefault("request_timeout", 5.0)
+        servers.append(BootstrapServer("127.0.0.1", port, **kw))
         return servers[-1]
 
     yield make
@@ -238,11 +240,11 @@ def test_get_never_shows_the_owner(server: BootstrapServer) -> None:
 def test_an_expired_route_disappears_and_another_owner_can_claim_it(
     make_server: Callable[..., BootstrapServer],
 ) -> None:
-    server = make_server(ttl=0.3)
+    server = make_server(ttl=1.0)
     first, second = client(server), client(server)
     first.register(route(address="tcp://10.0.0.1:5000"))
     assert lookup(server)[0] == 200
-    time.sleep(0.5)
+    time.sleep(1.5)
     assert lookup(server)[0] == 404
     assert call(server, "GET", "/route")[1] == {"routes": []}
     second.register(route(address="tcp://10.0.0.2:5000"))
@@ -252,20 +254,22 @@ def test_an_expired_route_disappears_and_another_owner_can_claim_it(
 
 
 def test_keep_registered_outlives_the_ttl_until_unregistered(make_server: Callable[..., BootstrapServer]) -> None:
-    server = make_server(ttl=0.45)
+    server = make_server(ttl=1.5)
     c = client(server)
     c.keep_registered(route())  # a third of the server's ttl by default
-    time.sleep(1.2)
+    time.sleep(4)  # well past the ttl: only the refreshes keep it
     assert lookup(server)[0] == 200
     c.unregister()
     assert lookup(server)[0] == 404
-    time.sleep(0.4)  # the refresher is gone: nothing brings it back
+    time.sleep(0.8)  # the refresher is gone: nothing brings it back
     assert lookup(server)[0] == 404
 
 
 def test_keep_registered_survives_a_registry_restart(make_server: Callable[..., BootstrapServer]) -> None:
-    server = make_server(ttl=5)
-    port = server.port
+    # A port outside the ephemeral range: the client's own connections cannot take it while
+    # the registry is down.
+    port = unused_port()
+    server = make_server(port, ttl=5)
     c = client(server)
     c.keep_registered(route(), interval=0.1)
     server.close()
@@ -335,7 +339,8 @@ def test_a_half_sent_request_neither_blocks_others_nor_stays_connected(
     slow.close()
 
 
-def test_a_client_dripping_bytes_is_cut_off_at_the_deadline(server: BootstrapServer) -> None:
+def test_a_client_dripping_bytes_is_cut_off_at_the_deadline(make_server: Callable[..., BootstrapServer]) -> None:
+    server = make_server(request_timeout=0.5)
     drip = socket.create_connection(("127.0.0.1", server.port))
     stop = threading.Event()
 

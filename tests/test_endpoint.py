@@ -299,11 +299,13 @@ def test_two_sided_receiver_succeeds_only_after_its_inbound_work() -> None:
         r = recv_conn.expect("staged", [4, 5])
         t = send_conn.sender("staged")
         ready(t)
+        # Taken before the send: the copy-in's 0.3 s start after it, however late this thread
+        # wakes up later.
+        sent_at = time.monotonic()
         t.send([0, 1])
         assert t.wait(5) is State.SUCCESS
-        sent_at = time.monotonic()
         assert r.wait(5) is State.SUCCESS
-        assert time.monotonic() - sent_at >= 0.2, "receiver reported Success before its copy-in drained"
+        assert time.monotonic() - sent_at >= 0.28, "receiver reported Success before its copy-in drained"
         assert b.drivers["fake-two-sided"].notices, "the notice never reached the receiving driver"
         assert b_pool.page_digests([4, 5]) == a_pool.page_digests([0, 1])
 

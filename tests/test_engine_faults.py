@@ -20,7 +20,7 @@ from kvtransport.kv_pool import KVPool
 from kvtransport.peer_process import PeerProcess
 from kvtransport.registry import load_driver
 
-from .conftest import require_engines
+from .conftest import require_engines, unused_port
 
 ENGINES = ["nixl-ucx", "mooncake-gdr"]
 PAGES, LAYERS, ITEM = 64, 4, 4096
@@ -91,9 +91,7 @@ def test_mooncake_write_to_a_dead_engine_fails_typed_and_endpoint_serves_others(
     a = _endpoint(a_pool, driver, "prefill")
     ghost = _endpoint(ghost_pool, driver, "ghost")
     good = _endpoint(good_pool, driver, "decode")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead_port = s.getsockname()[1]
+    dead_port = unused_port()  # not ephemeral: no outgoing connection takes it meanwhile
     try:
         # The ghost advertises a well-formed session where no engine listens: the handshake
         # passes, the write fails inside Mooncake.

@@ -413,12 +413,16 @@ def test_a_small_write_that_finishes_at_once_completes_inside_submit_without_a_s
     _wait(lambda: b.pipe.inbound_idle("a"))
     assert b.pool.page_digests([9]) == a.pool.page_digests([3])
 
-    slow = time.monotonic() + 0.05
-    link.check = lambda token: time.monotonic() >= slow  # type: ignore[method-assign]
+    # Finished only once the test says so (a deadline on the clock could pass before submit
+    # returned on a loaded machine).
+    finish = threading.Event()
+    link.check = lambda token: finish.is_set()  # type: ignore[method-assign]
     b.pipe.lend_ahead("a", 4096)
     _wait(lambda: len(a.pipe._out["b"].credits) == 1)
     h2 = a.pipe.submit("b", plan(a.regions.kv, b.regions.kv, [4], [10]))
     assert not a.pipe.poll(h2)
+    assert signals == []
+    finish.set()
     _wait(lambda: signals == [h2])
     _finish(a, b, [h2], courier)
     assert b.pool.page_digests([10]) == a.pool.page_digests([4])
@@ -733,9 +737,9 @@ def test_a_peer_sitting_on_its_credits_cannot_starve_another(pair_factory: Any) 
     forward = b.notify
     b.notify = lambda peer, data: to_hog.append(data) if peer == "hog" else forward(peer, data)
     b.pipe.connect("hog", a.pipe.describe(), MemcpyLink())
+    started = time.monotonic()  # before the hog's grants: they are at most this old
     b.pipe.on_notice("hog", msgpack.packb({"op": "want", "n": 1000}))
     _wait(lambda: b.pipe.usage().granted == b.pipe.config.slots)
-    started = time.monotonic()
     h = a.pipe.submit("b", plan(a.regions.kv, b.regions.kv, list(range(16)), list(range(16))))
     _finish(a, b, [h], courier)
     assert time.monotonic() - started >= 0.25, "the hog's fresh grants were taken back early"
