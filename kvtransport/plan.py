@@ -213,7 +213,11 @@ def _plan_small(
             out_dst.append(dr.ptr + d * item)
             out_len.append(n * item)
     runs = Runs(np.array(out_src, np.uint64), np.array(out_dst, np.uint64), np.array(out_len, np.uint64))
-    return _cap(runs, max_run_bytes)
+    if max_run_bytes is not None and out_len and max(out_len) > max_run_bytes:
+        return _cap(runs, max_run_bytes)
+    # Known here without a numpy reduction (the cached property's slot; the arrays never change).
+    runs.__dict__["total_bytes"] = sum(out_len)
+    return runs
 
 
 def _cap(runs: Runs, max_run_bytes: int | None) -> Runs:

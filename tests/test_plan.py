@@ -53,6 +53,7 @@ def test_runs_cover_exactly_the_requested_bytes(case) -> None:  # type: ignore[n
             assert d + b not in written, "a destination byte written twice"
             written[d + b] = s + b
     assert written == expected
+    assert runs.total_bytes == len(expected)  # however it was counted (small plans count as they go)
     check_runs_within(runs.src, runs.length, src_r, "src")
     check_runs_within(runs.dst, runs.length, dst_r, "dst")
 

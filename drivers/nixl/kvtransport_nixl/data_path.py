@@ -41,6 +41,11 @@ _RELEASE_RETRIES = 50
 DISCONNECT_GRACE_S = 5.0
 
 
+#: Batches of at most this many descriptors are handed to NIXL as lists of tuples, larger
+#: ones as arrays (built in a few vectorised calls, where a list would cost a tuple each).
+TUPLE_DESCRIPTORS_MAX = 16
+
+
 def _mem_type(kind: MemoryKind) -> str:
     return "VRAM" if kind.is_cuda else "DRAM"
 
@@ -226,11 +231,23 @@ class NixlDataPath(KVTransport):
         if target is None or self._regions is None:
             raise DriverError(f"{self.name}: submit to {peer!r} before open()/connect()")
         n = len(runs)
-        local_mem = _mem_type(self._regions.kv_kind)
-        local = np.empty((n, 3), dtype=np.uint64)
-        local[:, 0], local[:, 1], local[:, 2] = runs.src, runs.length, _device_id(self._regions.kv_kind)
-        remote = np.empty((n, 3), dtype=np.uint64)
-        remote[:, 0], remote[:, 1], remote[:, 2] = runs.dst, runs.length, target.device
+        kind = self._regions.kv_kind
+        local_mem = _mem_type(kind)
+        local: Any
+        remote: Any
+        if n <= TUPLE_DESCRIPTORS_MAX:
+            # A few descriptors: NIXL takes a list of tuples with fewer numpy calls than an
+            # array needs to be built (1.3 us less per list in a loop, several times that in
+            # situ, where a small request's latency is made of such calls).
+            src, dst, length = runs.src.tolist(), runs.dst.tolist(), runs.length.tolist()
+            here, there = _device_id(kind), target.device
+            local = [(a, b, here) for a, b in zip(src, length, strict=True)]
+            remote = [(a, b, there) for a, b in zip(dst, length, strict=True)]
+        else:
+            local = np.empty((n, 3), dtype=np.uint64)
+            local[:, 0], local[:, 1], local[:, 2] = runs.src, runs.length, _device_id(kind)
+            remote = np.empty((n, 3), dtype=np.uint64)
+            remote[:, 0], remote[:, 1], remote[:, 2] = runs.dst, runs.length, target.device
         agent = self._agent
 
         def post(lo: int, hi: int) -> Callable[[], tuple[Any, str]]:
