@@ -156,6 +156,78 @@ def plan(
     )
 
 
+class RegionPairs:
+    """Two sides' regions paired once for the many small plans between them (a session plans
+    every request between the same regions): the per-region facts :func:`plan` would look up
+    again for each request are kept, and a request of at most ``SMALL`` pages whose indices are
+    all in range and unique is planned from plain lists. Anything else (a large request, any
+    bad index, regions that do not pair) goes through :func:`plan`, which plans it or raises
+    the error it always has; the runs are the same either way."""
+
+    __slots__ = ("_bases", "_dst_pages", "_dst_regions", "_src_pages", "_src_regions")
+
+    def __init__(self, src_regions: Sequence[Region], dst_regions: Sequence[Region]) -> None:
+        self._src_regions, self._dst_regions = src_regions, dst_regions
+        paired = (
+            bool(src_regions)
+            and len(src_regions) == len(dst_regions)
+            and all(s.item_len == d.item_len for s, d in zip(src_regions, dst_regions, strict=False))
+        )
+        #: (source base, destination base, page bytes) per region pair; empty: use plan().
+        self._bases = tuple((s.ptr, d.ptr, s.item_len) for s, d in zip(src_regions, dst_regions, strict=False))
+        if not paired:
+            self._bases = ()
+        self._src_pages = min((r.num_items for r in src_regions), default=0)
+        self._dst_pages = min((r.num_items for r in dst_regions), default=0)
+
+    def plan(self, src_pages: Any, dst_pages: Any, *, max_run_bytes: int | None = None) -> Runs:
+        src = as_pages(src_pages, "source")
+        dst = as_pages(dst_pages, "destination")
+        n = src.size
+        if not self._bases or not 0 < n <= SMALL or dst.shape != src.shape or src.ndim != 1:
+            return plan(self._src_regions, self._dst_regions, src, dst, max_run_bytes=max_run_bytes)
+        s, d = src.tolist(), dst.tolist()
+        if (
+            min(s) < 0
+            or max(s) >= self._src_pages
+            or min(d) < 0
+            or max(d) >= self._dst_pages
+            or len(set(d)) != n
+            or (max_run_bytes is not None and max_run_bytes <= 0)
+        ):
+            return plan(self._src_regions, self._dst_regions, src, dst, max_run_bytes=max_run_bytes)
+        return _runs_of_groups(self._bases, _page_groups(s, d), max_run_bytes)
+
+
+def _page_groups(src: list[int], dst: list[int]) -> list[list[int]]:
+    """``[first src page, first dst page, count]`` for each stretch of pages consecutive on both sides."""
+    groups: list[list[int]] = []
+    for s, d in zip(src, dst, strict=True):
+        last = groups[-1] if groups else None
+        if last is not None and s == last[0] + last[2] and d == last[1] + last[2]:
+            last[2] += 1
+        else:
+            groups.append([s, d, 1])
+    return groups
+
+
+def _runs_of_groups(bases: Sequence[tuple[int, int, int]], groups: list[list[int]], max_run_bytes: int | None) -> Runs:
+    out_src: list[int] = []
+    out_dst: list[int] = []
+    out_len: list[int] = []
+    for src_base, dst_base, item in bases:
+        for s, d, n in groups:
+            out_src.append(src_base + s * item)
+            out_dst.append(dst_base + d * item)
+            out_len.append(n * item)
+    runs = Runs(np.array(out_src, np.uint64), np.array(out_dst, np.uint64), np.array(out_len, np.uint64))
+    if max_run_bytes is not None and out_len and max(out_len) > max_run_bytes:
+        return _cap(runs, max_run_bytes)
+    # Known here without a numpy reduction (the cached property's slot; the arrays never change).
+    runs.__dict__["total_bytes"] = sum(out_len)
+    return runs
+
+
 def _checked_pairs(
     src_regions: Sequence[Region],
     dst_regions: Sequence[Region],
@@ -196,28 +268,8 @@ def _plan_small(
 ) -> Runs:
     """:func:`plan` for a few pages, in plain Python: the same runs, without the fixed cost of a
     dozen numpy calls (small requests are latency-bound; see ``kvtransport bench --layers 1``)."""
-    groups: list[list[int]] = []  # [first src page, first dst page, page count]
-    for s, d in zip(src, dst, strict=True):
-        last = groups[-1] if groups else None
-        if last is not None and s == last[0] + last[2] and d == last[1] + last[2]:
-            last[2] += 1
-        else:
-            groups.append([s, d, 1])
-    out_src: list[int] = []
-    out_dst: list[int] = []
-    out_len: list[int] = []
-    for sr, dr in zip(src_regions, dst_regions, strict=True):
-        item = sr.item_len
-        for s, d, n in groups:
-            out_src.append(sr.ptr + s * item)
-            out_dst.append(dr.ptr + d * item)
-            out_len.append(n * item)
-    runs = Runs(np.array(out_src, np.uint64), np.array(out_dst, np.uint64), np.array(out_len, np.uint64))
-    if max_run_bytes is not None and out_len and max(out_len) > max_run_bytes:
-        return _cap(runs, max_run_bytes)
-    # Known here without a numpy reduction (the cached property's slot; the arrays never change).
-    runs.__dict__["total_bytes"] = sum(out_len)
-    return runs
+    bases = [(sr.ptr, dr.ptr, sr.item_len) for sr, dr in zip(src_regions, dst_regions, strict=True)]
+    return _runs_of_groups(bases, _page_groups(src, dst), max_run_bytes)
 
 
 def _cap(runs: Runs, max_run_bytes: int | None) -> Runs:

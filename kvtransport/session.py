@@ -44,7 +44,7 @@ from .express import ORDERED_KINDS
 from .inbound import Claim, InboundGuard
 from .lane import Lane
 from .memory import MAX_STATE_GROUPS, KVLayout, RegionSet
-from .plan import Runs, as_pages, check_pages, check_unique, plan, plan_heads
+from .plan import RegionPairs, Runs, as_pages, check_pages, check_unique, plan, plan_heads
 from .tp_map import EQUAL, PairShape, pair_shape
 from .transfer import RECV, SEND, State, Transfer
 from .wire import MAX_INT, Message, encode
@@ -225,6 +225,8 @@ class Session:
         self.error: KVTransportError | None = None
         self.decision: Decision | None = None
         self.peer_regions: RegionSet | None = None
+        #: This side's KV regions paired with the peer's, for planning (made at the first send).
+        self._kv_pairs: RegionPairs | None = None
         self.peer_hello: Hello | None = None
         self._shapes: dict[bool, PairShape] = {}  # True: what this side sends; False: receives
         #: One per driver of the decision's lanes, the chosen driver's first (set at handshake).
@@ -546,7 +548,10 @@ class Session:
             # Nothing of these pages is this side's to write; the caller's indices still must be right.
             check_pages(as_pages(src, "source"), ep.regions.num_pages, "source")
             return Runs.empty()
-        return plan(ep.regions.kv, self.peer_regions.kv, src, dst, max_run_bytes=ep.max_run_bytes)
+        pairs = self._kv_pairs
+        if pairs is None:
+            pairs = self._kv_pairs = RegionPairs(ep.regions.kv, self.peer_regions.kv)
+        return pairs.plan(src, dst, max_run_bytes=ep.max_run_bytes)
 
     def _plan_state(self, transfer: Transfer, state: Sequence[Any]) -> Runs:
         """Runs moving, per state group, the source items to the items the receiver announced

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvtransport.errors import InvalidPages, MemoryLayoutError
 from kvtransport.memory import HOST, MemoryKind, Region, RegionSet
-from kvtransport.plan import check_runs_within, plan
+from kvtransport.plan import SMALL, RegionPairs, check_runs_within, plan
 
 
 def regions(base: int, n: int, pages: int, item: int) -> tuple[Region, ...]:
@@ -56,6 +56,78 @@ def test_runs_cover_exactly_the_requested_bytes(case) -> None:  # type: ignore[n
     assert runs.total_bytes == len(expected)  # however it was counted (small plans count as they go)
     check_runs_within(runs.src, runs.length, src_r, "src")
     check_runs_within(runs.dst, runs.length, dst_r, "dst")
+
+
+def _outcome(fn: object, *args: object, **kw: object) -> object:
+    try:
+        runs = fn(*args, **kw)  # type: ignore[operator]
+    except Exception as exc:  # noqa: BLE001 - the error is the outcome compared
+        return (type(exc), str(exc))
+    return (runs.src.tolist(), runs.dst.tolist(), runs.length.tolist(), runs.total_bytes)
+
+
+@settings(max_examples=600)
+@given(
+    n_regions=st.integers(0, 3),
+    dst_regions=st.integers(0, 3),
+    item=st.sampled_from([8, 64]),
+    dst_item=st.sampled_from([8, 64]),
+    src_pages=st.integers(1, 12),
+    dst_pages=st.integers(1, 12),
+    fault=st.sampled_from(["none", "src -1", "src past", "dst -1", "dst past", "dst twice", "one more"]),
+    cap=st.none() | st.integers(-1, 200),
+    data=st.data(),
+)
+def test_paired_regions_plan_exactly_what_plan_does(
+    n_regions: int,
+    dst_regions: int,
+    item: int,
+    dst_item: int,
+    src_pages: int,
+    dst_pages: int,
+    fault: str,
+    cap: int | None,
+    data: st.DataObject,
+) -> None:
+    """The sessions' planner (regions paired once, small requests from plain lists) gives the
+    same runs, or the same error, as :func:`plan`: on requests in range and on each way one
+    index can be wrong (just outside either side's range, a destination twice, one page more
+    on one side), with regions that do not pair, and caps of zero or below."""
+    count = data.draw(st.integers(1, min(SMALL, dst_pages)))
+    src = data.draw(st.lists(st.integers(0, src_pages - 1), min_size=count, max_size=count))
+    dst = data.draw(st.permutations(range(dst_pages)))[:count]
+    at = data.draw(st.integers(0, count - 1))
+    if fault == "src -1":
+        src[at] = -1
+    elif fault == "src past":
+        src[at] = src_pages
+    elif fault == "dst -1":
+        dst[at] = -1
+    elif fault == "dst past":
+        dst[at] = dst_pages
+    elif fault == "dst twice" and count > 1:
+        dst[at] = dst[(at + 1) % count]
+    elif fault == "one more":
+        src.append(0)
+    src_r = regions(1 << 20, n_regions, src_pages, item)
+    dst_r = regions(1 << 30, dst_regions, dst_pages, dst_item)
+    pairs = RegionPairs(src_r, dst_r)
+    got = _outcome(pairs.plan, np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64), max_run_bytes=cap)
+    want = _outcome(plan, src_r, dst_r, np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64), max_run_bytes=cap)
+    assert got == want
+    # ... and a second plan between the same regions too (the pairing is kept).
+    assert _outcome(pairs.plan, src, dst, max_run_bytes=cap) == _outcome(
+        plan, src_r, dst_r, src, dst, max_run_bytes=cap
+    )
+
+
+@settings(max_examples=400)
+@given(cases())
+def test_paired_regions_plan_valid_requests_as_plan_does(case) -> None:  # type: ignore[no-untyped-def]
+    src_r, dst_r, src, dst, cap = case
+    assert _outcome(RegionPairs(src_r, dst_r).plan, src, dst, max_run_bytes=cap) == _outcome(
+        plan, src_r, dst_r, src, dst, max_run_bytes=cap
+    )
 
 
 def test_consecutive_pages_coalesce_into_one_run_per_region() -> None:
