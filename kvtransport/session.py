@@ -227,6 +227,8 @@ class Session:
         self.peer_regions: RegionSet | None = None
         #: This side's KV regions paired with the peer's, for planning (made at the first send).
         self._kv_pairs: RegionPairs | None = None
+        #: The receiving shape, and the bytes a page and an aux slot take in it (expected_bytes).
+        self._receive_sizes: tuple[PairShape, int, int] | None = None
         self.peer_hello: Hello | None = None
         self._shapes: dict[bool, PairShape] = {}  # True: what this side sends; False: receives
         #: One per driver of the decision's lanes, the chosen driver's first (set at handshake).
@@ -1047,11 +1049,17 @@ class Session:
         if claim is None:
             return 0
         shape = self.shape(sending=False)
-        total = int(claim.pages.size) * shape.kv_bytes_per_page(tuple(r.item_len for r in regions.kv))
+        sizes = self._receive_sizes
+        if sizes is None or sizes[0] is not shape:
+            # Per page and per aux slot, over every region (a model has dozens): asked for at
+            # each announcement and each "done", the same for the session's life.
+            kv = shape.kv_bytes_per_page(tuple(r.item_len for r in regions.kv))
+            sizes = self._receive_sizes = (shape, kv, sum(r.item_len for r in regions.aux))
+        total = int(claim.pages.size) * sizes[1]
         if not shape.primary:
             return total  # the receiver's first source sends its aux slot and state
         if claim.aux >= 0:
-            total += sum(r.item_len for r in regions.aux)
+            total += sizes[2]
         for g, items in enumerate(claim.state):
             total += int(items.size) * sum(r.item_len for r in regions.state_group(g))
         return total
