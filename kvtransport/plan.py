@@ -181,20 +181,15 @@ class RegionPairs:
         self._dst_pages = min((r.num_items for r in dst_regions), default=0)
 
     def plan(self, src_pages: Any, dst_pages: Any, *, max_run_bytes: int | None = None) -> Runs:
+        if max_run_bytes is not None and max_run_bytes <= 0:
+            return plan(self._src_regions, self._dst_regions, src_pages, dst_pages, max_run_bytes=max_run_bytes)
         src = as_pages(src_pages, "source")
         dst = as_pages(dst_pages, "destination")
         n = src.size
         if not self._bases or not 0 < n <= SMALL or dst.shape != src.shape or src.ndim != 1:
             return plan(self._src_regions, self._dst_regions, src, dst, max_run_bytes=max_run_bytes)
         s, d = src.tolist(), dst.tolist()
-        if (
-            min(s) < 0
-            or max(s) >= self._src_pages
-            or min(d) < 0
-            or max(d) >= self._dst_pages
-            or len(set(d)) != n
-            or (max_run_bytes is not None and max_run_bytes <= 0)
-        ):
+        if min(s) < 0 or max(s) >= self._src_pages or min(d) < 0 or max(d) >= self._dst_pages or len(set(d)) != n:
             return plan(self._src_regions, self._dst_regions, src, dst, max_run_bytes=max_run_bytes)
         return _runs_of_groups(self._bases, _page_groups(s, d), max_run_bytes)
 

@@ -6,8 +6,12 @@ native engine counts the calls the polling loop makes, which the real engine can
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
 from unittest import mock
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -104,3 +108,93 @@ def test_a_stop_posts_no_more_and_waits_for_what_was_posted() -> None:
     write(native, 100, 8, stop)
     assert len(native.posted) == 5
     assert native.released == set(native.posted)
+
+
+class TickedEngine:
+    """Write ``k`` ends once the test has advanced ``tick`` to ``k`` (one more between polls, as
+    time passes between the runner's checks); ``fail`` fails that write, ``timeout`` makes it
+    report -2 (not freed by Mooncake then)."""
+
+    def __init__(self, fail: int | None = None, timeout: int | None = None) -> None:
+        self.fail, self.timeout = fail, timeout
+        self.tick = 0
+        self.checks = 0
+        self.posted: list[int] = []
+        self.released: set[int] = set()
+
+    def transfer_submit_write(self, session: str, src: int, dst: int, length: int) -> int:
+        self.posted.append(len(self.posted) + 1)
+        return self.posted[-1]
+
+    def transfer_check_status(self, batch: int) -> int:
+        assert batch not in self.released, f"write {batch} checked after its end was reported"
+        self.checks += 1
+        if batch == self.timeout:
+            return -2
+        if batch > self.tick:
+            return 0
+        self.released.add(batch)
+        return -1 if batch == self.fail else 1
+
+
+@pytest.fixture
+def inline_path() -> Iterator[Callable[[TickedEngine], Any]]:
+    """A ``mooncake-gdr`` data path whose engine is the scripted one (its worker pool shut down
+    after the test)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    gdr = pytest.importorskip("kvtransport_mooncake.gdr")
+    pools: list[ThreadPoolExecutor] = []
+
+    def make(native: TickedEngine) -> Any:
+        path = gdr.MooncakeGDR(None)
+        path._engine = polling_engine(native)
+        path._pool = ThreadPoolExecutor(1)
+        path._peers = {"peer": "peer:1"}
+        pools.append(path._pool)
+        return path
+
+    yield make
+    for pool in pools:
+        pool.shutdown(wait=True)
+
+
+def small_batch(path: object, n: int) -> int:
+    from kvtransport.plan import Runs
+
+    runs = Runs(*(np.arange(n, dtype=np.uint64) * 4096 for _ in range(2)), np.full(n, 4096, dtype=np.uint64))
+    return int(path.submit("peer", runs))  # type: ignore[attr-defined]
+
+
+def test_a_small_batch_is_polled_oldest_first_and_ends_with_every_write(inline_path: Any) -> None:
+    native = TickedEngine()
+    path = inline_path(native)
+    h = small_batch(path, 10)
+    polls = 1
+    while not path.poll(h):  # type: ignore[attr-defined]
+        native.tick += 1
+        polls += 1
+        assert polls < 100
+    assert native.released == set(native.posted) == set(range(1, 11))
+    # Oldest first, up to the first still running: a poll checks the writes that ended and
+    # one more (the old loop checked every write in flight on every poll: 65 checks here).
+    assert native.checks <= polls + 10, (native.checks, polls)
+    assert path.settled(h)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("how", ["fail", "timeout"])
+def test_a_small_batch_that_fails_raises_and_leaves_no_write_running(how: str, inline_path: Any) -> None:
+    native = TickedEngine(**{how: 4})
+    path = inline_path(native)
+    h = small_batch(path, 10)
+    with pytest.raises(EngineError, match="failed" if how == "fail" else "timed out"):
+        for _ in range(100):
+            path.poll(h)  # type: ignore[attr-defined]
+            native.tick += 1
+    native.tick = 100  # the rest end meanwhile
+    # The writes behind the failed one are drained on the worker; the core asks ``settled``.
+    deadline = time.monotonic() + 10
+    while not path.settled(h):  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, "the writes behind the failure were never drained"
+        time.sleep(0.01)
+    assert native.released >= set(range(1, 11)) - {4}, "a posted write was left running"

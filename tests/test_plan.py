@@ -115,6 +115,10 @@ def test_paired_regions_plan_exactly_what_plan_does(
     got = _outcome(pairs.plan, np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64), max_run_bytes=cap)
     want = _outcome(plan, src_r, dst_r, np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64), max_run_bytes=cap)
     assert got == want
+    # Pages that are not integers, or not one-dimensional, with any cap: the same error first.
+    for odd in ([0.5] * len(src), [[p] for p in src], [True] * len(src)):
+        want_odd = _outcome(plan, src_r, dst_r, odd, dst, max_run_bytes=cap)
+        assert _outcome(pairs.plan, odd, dst, max_run_bytes=cap) == want_odd
     # ... and a second plan between the same regions too (the pairing is kept).
     assert _outcome(pairs.plan, src, dst, max_run_bytes=cap) == _outcome(
         plan, src_r, dst_r, src, dst, max_run_bytes=cap

@@ -421,8 +421,9 @@ def test_decode_scheduler_calls_never_block_and_fill_the_prefill_info_table(rank
     assert mgr.prefill_info_table.get(ranks.bootstrap) is None
     t0 = time.monotonic()
     first = mgr.try_ensure_parallel_info(ranks.bootstrap)
-    # A call that waited for the registry would take the lookup's retry window (seconds); 1 s
-    # leaves room for a loaded machine's thread start and hand-off.
+    # Against this live registry even a waiting call would be quick: the dead address below is
+    # what catches one (its lookup would wait for seconds); 1 s leaves room for a loaded
+    # machine's thread start and hand-off.
     assert time.monotonic() - t0 < 1.0
     deadline = time.monotonic() + 10
     while not mgr.try_ensure_parallel_info(ranks.bootstrap):

@@ -333,13 +333,13 @@ def test_peer_loss_fails_transfers(pair: Pair) -> None:
     t = pair.conn.sender("lost")
     while t.state is State.BOOTSTRAPPING:
         time.sleep(0.001)
-    start = time.monotonic()
     pair.peer.kill()
+    start = time.monotonic()  # dead by now (kill() waits for it): how long that took is not the driver's
     with pytest.raises(PeerLost, match="decode"):
         t.wait(10)
-    # The heartbeat timeout and two beats (2.4 s), with 2 s for a loaded machine (the kill's
-    # own wait, a late timer); a session that noticed nothing would wait for the 10 s above.
-    assert time.monotonic() - start < 2.0 + 2 * 0.2 + 2.0
+    # The heartbeat timeout and two beats (2.4 s), with 1.5 s for a loaded machine (a late
+    # timer, this thread's wake-up): detection at twice the timeout (4 s) still fails it.
+    assert time.monotonic() - start < 2.0 + 2 * 0.2 + 1.5
 
 
 def test_close_while_in_flight(pair: Pair) -> None:

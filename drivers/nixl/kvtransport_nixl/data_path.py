@@ -220,6 +220,10 @@ class NixlDataPath(KVTransport):
             meta, mem, device = doc["meta"], str(doc["mem"]), int(doc["device"])
             if not isinstance(meta, bytes) or mem not in ("DRAM", "VRAM"):
                 raise ValueError("malformed fields")
+            if not 0 <= device < 1 << 31:
+                # Checked here, not left to each submit (where a list of descriptors and an
+                # array of them would fail differently).
+                raise ValueError(f"device {device} is not a device index")
         except Exception as exc:
             raise DriverError(f"{self.name}: the peer's connection info is not NIXL agent metadata: {exc}") from exc
         if mem != _mem_type(peer_regions.kv_kind):
