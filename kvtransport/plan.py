@@ -174,9 +174,9 @@ class RegionPairs:
             and all(s.item_len == d.item_len for s, d in zip(src_regions, dst_regions, strict=False))
         )
         #: (source base, destination base, page bytes) per region pair; empty: use plan().
-        self._bases = tuple((s.ptr, d.ptr, s.item_len) for s, d in zip(src_regions, dst_regions, strict=False))
-        if not paired:
-            self._bases = ()
+        self._bases = (
+            tuple((s.ptr, d.ptr, s.item_len) for s, d in zip(src_regions, dst_regions, strict=True)) if paired else ()
+        )
         self._src_pages = min((r.num_items for r in src_regions), default=0)
         self._dst_pages = min((r.num_items for r in dst_regions), default=0)
 
@@ -186,7 +186,7 @@ class RegionPairs:
         src = as_pages(src_pages, "source")
         dst = as_pages(dst_pages, "destination")
         n = src.size
-        if not self._bases or not 0 < n <= SMALL or dst.shape != src.shape or src.ndim != 1:
+        if not self._bases or not 0 < n <= SMALL or dst.shape != src.shape:  # as_pages: both 1-D
             return plan(self._src_regions, self._dst_regions, src, dst, max_run_bytes=max_run_bytes)
         s, d = src.tolist(), dst.tolist()
         if min(s) < 0 or max(s) >= self._src_pages or min(d) < 0 or max(d) >= self._dst_pages or len(set(d)) != n:

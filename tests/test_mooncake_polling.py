@@ -159,11 +159,11 @@ def inline_path() -> Iterator[Callable[[TickedEngine], Any]]:
         pool.shutdown(wait=True)
 
 
-def small_batch(path: object, n: int) -> int:
+def small_batch(path: Any, n: int) -> int:
     from kvtransport.plan import Runs
 
     runs = Runs(*(np.arange(n, dtype=np.uint64) * 4096 for _ in range(2)), np.full(n, 4096, dtype=np.uint64))
-    return int(path.submit("peer", runs))  # type: ignore[attr-defined]
+    return int(path.submit("peer", runs))
 
 
 def test_a_small_batch_is_polled_oldest_first_and_ends_with_every_write(inline_path: Any) -> None:
@@ -171,7 +171,7 @@ def test_a_small_batch_is_polled_oldest_first_and_ends_with_every_write(inline_p
     path = inline_path(native)
     h = small_batch(path, 10)
     polls = 1
-    while not path.poll(h):  # type: ignore[attr-defined]
+    while not path.poll(h):
         native.tick += 1
         polls += 1
         assert polls < 100
@@ -179,7 +179,7 @@ def test_a_small_batch_is_polled_oldest_first_and_ends_with_every_write(inline_p
     # Oldest first, up to the first still running: a poll checks the writes that ended and
     # one more (the old loop checked every write in flight on every poll: 65 checks here).
     assert native.checks <= polls + 10, (native.checks, polls)
-    assert path.settled(h)  # type: ignore[attr-defined]
+    assert path.settled(h)
 
 
 @pytest.mark.parametrize("how", ["fail", "timeout"])
@@ -189,12 +189,12 @@ def test_a_small_batch_that_fails_raises_and_leaves_no_write_running(how: str, i
     h = small_batch(path, 10)
     with pytest.raises(EngineError, match="failed" if how == "fail" else "timed out"):
         for _ in range(100):
-            path.poll(h)  # type: ignore[attr-defined]
+            path.poll(h)
             native.tick += 1
     native.tick = 100  # the rest end meanwhile
     # The writes behind the failed one are drained on the worker; the core asks ``settled``.
     deadline = time.monotonic() + 10
-    while not path.settled(h):  # type: ignore[attr-defined]
+    while not path.settled(h):
         assert time.monotonic() < deadline, "the writes behind the failure were never drained"
         time.sleep(0.01)
     assert native.released >= set(range(1, 11)) - {4}, "a posted write was left running"

@@ -173,19 +173,14 @@ class MooncakeDataPath(KVTransport):
             assert self._engine is not None
             # Oldest first, up to the first still running (as the workers do): the runner
             # polls back to back for a moment, and each call must stay a few checks.
-            finished = 0
-            for batch in job.posted:
-                try:
-                    if not self._engine.check(batch):
-                        break
-                except KVTransportError:
-                    del self._jobs[handle]
-                    draining = self._drain(job.posted[finished + 1 :])
-                    if draining is not None:  # the core asks ``settled`` before it confirms
-                        self._settling[handle] = draining
-                    raise
-                finished += 1
-            del job.posted[:finished]
+            try:
+                self._engine.reap(job.posted)
+            except KVTransportError:
+                del self._jobs[handle]
+                draining = self._drain(job.posted)
+                if draining is not None:  # the core asks ``settled`` before it confirms
+                    self._settling[handle] = draining
+                raise
             if job.posted:
                 return False
             del self._jobs[handle]

@@ -147,32 +147,36 @@ class Engine:
                 while i < len(src) and len(pending) < window and not (stop and stop.is_set()):
                     pending.append(self.post(session, src[i], dst[i], lengths[i]))
                     i += 1
-                # Oldest first, up to the first one still running: the engine finishes them
-                # about in order, and checking every one in flight each pass (up to ``window``
-                # calls) took the CPU the engine's own threads need.
-                finished = 0
-                for batch in pending:
-                    try:
-                        done = self.check(batch)
-                    except EngineError:
-                        # ``check`` released this batch id and those found done before it; the
-                        # rest are drained below.
-                        pending = pending[finished + 1 :]
-                        raise
-                    if not done:
-                        break
-                    finished += 1
-                still = pending[finished:]
-                if not finished:
+                before = len(pending)
+                self.reap(pending)  # on a failure, what it leaves is drained below
+                if len(pending) == before:
                     # Nothing finished: back off from a few microseconds (a small write is done
                     # in tens of them) to POLL_S (a large one gains nothing from faster checks).
                     time.sleep(nap)
                     nap = min(nap * 2, POLL_S)
                 else:
                     nap = POLL_MIN_S
-                pending = still
         finally:
             self.drain(pending)  # never leave posted writes behind a failure
+
+    def reap(self, batches: list[int]) -> None:
+        """Drop from the front of ``batches`` the writes that finished, oldest first, up to the
+        first one still running: the engine finishes them about in order, and checking every
+        one in flight on each pass (up to a window's worth of calls, each releasing and
+        retaking the interpreter lock) took the CPU the engine's own threads need. A failed
+        write raises, dropped too (``check`` released its id, as it does for finished ones):
+        what is left is still posted, for the caller to drain."""
+        finished = 0
+        try:
+            for batch in batches:
+                if not self.check(batch):
+                    break
+                finished += 1
+        except EngineError:
+            finished += 1
+            raise
+        finally:
+            del batches[:finished]
 
     def drain(self, batches: list[int], timeout: float = 30.0) -> None:
         """Wait (polling, up to ``timeout`` each) until posted writes have finished, whatever
