@@ -511,7 +511,10 @@ class Endpoint:
         # In ordered mode (session.py) it goes out right here, on the express stream, which
         # carries that "done" too, behind it.
         session = self.sessions.get(peer)
-        data = encode("notice", payload=payload, lane=session.wire_name(driver) if session is not None else "")
+        lane = session.wire_name(driver) if session is not None else ""
+        if session is not None and session.hold_notice(lane, payload):
+            return  # the thread that submitted its batch sends it, in that transfer's "done"
+        data = encode("notice", payload=payload, lane=lane)
         if session is not None:
             with session.order_lock:
                 ordered = session.ordered is not None

@@ -35,6 +35,7 @@ from .errors import (
     EndpointDown,
     InvalidPages,
     KVTransportError,
+    MessageTooLarge,
     PeerLost,
     ProtocolError,
     TransferAborted,
@@ -70,6 +71,9 @@ INLINE_WAIT_MAX_RUNS = 64
 #: Largest driver notice the I/O thread hands to an idle thread-agnostic driver itself (a
 #: staged chunk notice of up to about 256 pieces); larger ones go through the runner.
 INLINE_NOTICE_MAX_BYTES = 8 << 10
+#: Most driver notices one "done" carries (``release_ordered`` puts the notices of a one-batch
+#: transfer in it: one per chunk, and an inline batch has one chunk); more is a protocol error.
+MAX_DONE_NOTICES = 8
 
 
 class Phase(enum.Enum):
@@ -262,6 +266,8 @@ class Session:
         #: order they were sent. Set once, on the I/O thread, under ``order_lock``; never unset.
         self.ordered: ExpressLink | None = None
         self.order_lock = threading.Lock()
+        #: Per thread: ordered messages held back to go out in one write (``hold_ordered``).
+        self._held = threading.local()
         #: Whether an ordered message already went out on the control channel (the session can
         #: then no longer switch: one of those could be overtaken by the stream).
         self.sent_ordered_on_control = False
@@ -510,9 +516,14 @@ class Session:
             return
         with transfer.express_lock:
             if transfer.stopping or transfer.state.final or self.closing:
+                if link is self.ordered:
+                    self.release_ordered()  # its notices go all the same, before the news of its end
                 return
-            data = encode("done", tag=transfer.tag, bytes=nbytes, lane=self.wire_name(transfer.driver))
-            transfer.done_sent = self.send_ordered(data) if link is self.ordered else link.send(data)
+            done = {"tag": transfer.tag, "bytes": nbytes, "lane": self.wire_name(transfer.driver)}
+            if link is self.ordered:
+                transfer.done_sent = self.release_ordered(done)
+            else:
+                transfer.done_sent = link.send(encode("done", **done, notices=[]))
 
     def shape(self, *, sending: bool) -> PairShape:
         """What this side moves into the peer's pages (``sending``), or the peer into this
@@ -612,13 +623,58 @@ class Session:
         out whole there cannot go anywhere else either (a later one could overtake it): the
         session ends, with :class:`~kvtransport.errors.PeerLost`, and everything it held
         fails; nothing is left waiting for a message that was never sent."""
+        held: list[tuple[str | None, bytes]] | None = getattr(self._held, "items", None)
+        if held is not None:
+            held.append((None, data))
+            return True
+        return self._write_ordered((data,))
+
+    def _write_ordered(self, frames: Sequence[bytes]) -> bool:
         link = self.ordered
         assert link is not None
-        if link.send(data, wait_s=self.timeouts.heartbeat_timeout):
+        if link.send_many(frames, wait_s=self.timeouts.heartbeat_timeout):
             return True
         if not self.closing:
             self.endpoint.post(functools.partial(self.express_lost, link, "a message could not be written to it"))
         return False
+
+    def hold_ordered(self) -> None:
+        """Ordered mode: this thread's ordered messages and driver notices of this session
+        wait for :meth:`release_ordered`. Held only by the thread that submits a one-batch
+        transfer and may see it finish (``_driver_submit``): the chunk notices the driver
+        sends from inside ``submit`` then ride in that transfer's "done" (one message, one
+        write, read by the peer in one wake-up) instead of going out one frame each. Nothing
+        can need to overtake them meanwhile: the transfer's "done" and "drained" come from
+        this thread (or after the runner's claim that this thread holds), and every other
+        message of the session is about other transfers or ring slots, whose order against
+        these does not matter."""
+        if getattr(self._held, "items", None) is None:
+            self._held.items = []
+
+    def hold_notice(self, lane: str, payload: bytes) -> bool:
+        """A driver notice for ``lane``: held, if this thread holds (see :meth:`hold_ordered`)."""
+        held: list[tuple[str | None, bytes]] | None = getattr(self._held, "items", None)
+        if held is None:
+            return False
+        held.append((lane, payload))
+        return True
+
+    def release_ordered(self, done: dict[str, Any] | None = None) -> bool:
+        """Stop holding; send what this thread held, and the "done" whose fields ``done``
+        gives behind it, in one write. The held notices ride in that "done" when they are
+        all its lane's and fit in one message. Whether it all went out (what a lone
+        :meth:`send_ordered` answers)."""
+        items: list[tuple[str | None, bytes]] = getattr(self._held, "items", None) or []
+        self._held.items = None
+        frames: list[bytes] = []
+        if done is not None and 0 < len(items) <= MAX_DONE_NOTICES and all(lane == done["lane"] for lane, _ in items):
+            with contextlib.suppress(MessageTooLarge):  # one frame each, then
+                frames = [encode("done", **done, notices=[payload for _, payload in items])]
+        if not frames:
+            frames = [data if lane is None else encode("notice", payload=data, lane=lane) for lane, data in items]
+            if done is not None:
+                frames.append(encode("done", **done, notices=[]))
+        return self._write_ordered(frames) if frames else True
 
     def take_ordered_mode(self, link: ExpressLink) -> bool:
         """I/O thread, when ``link`` bound: a two-sided session that has sent no ordered message
@@ -821,7 +877,9 @@ class Session:
             # the session, so one copy is all there is.
             self.endpoint.flush_notices()
             if not (transfer.done_sent and self.ordered is not None):
-                self.send("done", tag=transfer.tag, bytes=transfer.bytes, lane=self.wire_name(transfer.driver))
+                self.send(
+                    "done", tag=transfer.tag, bytes=transfer.bytes, lane=self.wire_name(transfer.driver), notices=[]
+                )
             if transfer.submitted_at:
                 transfer.measured_s = time.monotonic() - transfer.submitted_at
                 if transfer.lane is not None and transfer.raw_predicted_s:
@@ -989,6 +1047,16 @@ class Session:
         return msg
 
     def on_done(self, msg: Message) -> None:
+        notices = msg["notices"]
+        if notices:
+            # The notices that rode in it come first, as if they had come as messages of their
+            # own just before it (their chunks occupy ring slots whatever became of the transfer).
+            if len(notices) > MAX_DONE_NOTICES or not all(isinstance(n, bytes) for n in notices):
+                raise ProtocolError(f"done.notices must be a list of at most {MAX_DONE_NOTICES} byte strings")
+            for payload in notices:
+                self.take_notice(msg["lane"], payload)
+                if self.phase is Phase.CLOSED:
+                    return  # a notice ended the session: nothing of it is trusted any more
         t = self.transfers.get(msg["tag"])
         if t is None:
             # A transfer this side already failed and forgot (timeout, abort): a benign race.
@@ -1014,9 +1082,12 @@ class Session:
         # are still being copied into our pages. Queued behind the notices that came before
         # this "done" (or run right here when the driver is idle, so has seen all of them), so
         # no check can answer before its driver has seen all of them.
-        if t.state is State.WAITING_FOR_INPUT and any(x.two_sided for x in self.lanes.values()):
-            t._set(State.TRANSFERRING)
         self.after_inbound(t, "inbound", lambda error: self.inbound_settled(t, error))
+        if t.state is State.WAITING_FOR_INPUT and any(x.two_sided for x in self.lanes.values()):
+            # Not answered in this pass (a driver is still copying in): Transferring meanwhile.
+            # Answered at once (the usual case for a small transfer), it went straight to
+            # Success, as a one-sided transfer's does, without a state change in between.
+            t._set(State.TRANSFERRING)
 
     def after_inbound(self, t: Transfer, kind: str, then: Callable[[KVTransportError | None], None]) -> None:
         """``then(first error or None)`` once every two-sided lane's inbound work from this
@@ -1119,10 +1190,15 @@ class Session:
         self.after_inbound(t, "drained", drained)
 
     def on_notice(self, msg: Message) -> None:
-        lane = self.lane_named(msg["lane"])
+        self.take_notice(msg["lane"], msg["payload"])
+
+    def take_notice(self, lane_name: str, payload: bytes) -> None:
+        """A driver notice from the peer for the two-sided driver ``lane_name`` names (a
+        "notice" message, or one that rode in a "done")."""
+        lane = self.lane_named(lane_name)
         if lane is None or not lane.two_sided:
-            raise ProtocolError(f"notice for {msg['lane'][:64] or '?'!r}, not a two-sided driver of this connection")
-        driver, payload = lane.driver, msg["payload"]
+            raise ProtocolError(f"notice for {lane_name[:64] or '?'!r}, not a two-sided driver of this connection")
+        driver = lane.driver
         # A small notice right here when the driver allows it and is idle: a small chunk's
         # copy-in then costs no thread wake-up, and the "done" behind it finds the driver idle
         # too. A large one (many pieces to check) goes to the runner, off the I/O thread.
@@ -1192,13 +1268,27 @@ class Session:
         it. The I/O thread hears of the batch (``noted``) after the engine has it, so that no
         wake-up of the I/O thread competes with posting it, and before its result, in the
         same wake-up when the engine finished it inside ``submit``."""
-        driver, runner = lane.driver, lane.runner
         if transfer.state.final or transfer.driver_stopped:
             self.endpoint.post(noted)
             return  # failed or aborted before its batch got here: nothing may be written now
+        if express and self.two_sided and self.ordered is not None:
+            # The notices of a batch that finishes inside ``submit`` go out with its "done".
+            self.hold_ordered()
+            try:
+                self._submit_and_watch(lane, transfer, bid, runs, noted, express)
+            finally:
+                self.release_ordered()
+        else:
+            self._submit_and_watch(lane, transfer, bid, runs, noted, express)
+
+    def _submit_and_watch(
+        self, lane: Lane, transfer: Transfer, bid: int, runs: Runs, noted: Callable[[], None], express: bool
+    ) -> None:
+        driver, runner = lane.driver, lane.runner
         try:
             handle = driver.submit(self.id, runs)
         except BaseException:
+            self.release_ordered()  # a notice held from inside it goes before the failure's news
             self.endpoint.post(noted)  # before the failure, which the runner posts next
             raise
         lane.handles[bid] = (handle, transfer)

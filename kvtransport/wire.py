@@ -88,8 +88,10 @@ SCHEMAS: dict[str, dict[str, Field]] = {
     # state group, the destination items (packed int64, empty: none) the last chunk fills
     "expect": {"tag": Text(256), "pages": bytes, "aux": Int(-1), "prefix": Int(), "state": list},
     # sender -> receiver: every byte of ``tag`` is in place, moved by the driver ``lane`` names
-    # (one of the connection's lanes; "": the chosen driver)
-    "done": {"tag": Text(256), "bytes": Int(), "lane": Text(64)},
+    # (one of the connection's lanes; "": the chosen driver); ``notices``: payloads for that
+    # (two-sided) driver, each handled as a "notice" of ``lane`` before the "done" itself (the
+    # notices of a transfer whose one batch finished on the thread that sends its "done")
+    "done": {"tag": Text(256), "bytes": Int(), "lane": Text(64), "notices": list},
     # either side: the transfer failed or was aborted
     "abort": {"tag": Text(256), "reason": Text()},
     # sender -> receiver, after a failure or abort of ``tag`` (or an abort of a tag it never

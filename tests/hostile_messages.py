@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 
 # --- the wire schema, as read from kvtransport/wire.py (deliberately not imported) -----------
 
-VERSION = 8
+VERSION = 9
 LIMIT = 4 << 20  # DEFAULT_MAX_MESSAGE_BYTES
 #: Frames larger than this make zmq drop the connection (MAXMSGSIZE: the limit plus framing room):
 #: the attacker's DEALER reconnects with a new route, so a session on the old one is orphaned.
@@ -58,7 +58,7 @@ SCHEMA: dict[str, dict[str, type]] = {
     "express": {"conn": str},
     "refuse": {"conn": str, "reason": str},
     "expect": {"tag": str, "pages": bytes, "aux": int, "prefix": int, "state": list},
-    "done": {"tag": str, "bytes": int, "lane": str},
+    "done": {"tag": str, "bytes": int, "lane": str, "notices": list},
     "abort": {"tag": str, "reason": str},
     "drained": {"tag": str},
     "notice": {"payload": bytes, "lane": str},
@@ -68,6 +68,8 @@ SCHEMA: dict[str, dict[str, type]] = {
 #: Bounds on the fields above (wire.py: connection ids 64 characters, tags 256, reasons 4096).
 INT_LOW = {("expect", "aux"): -1}
 TEXT_MAX = {"conn": 64, "tag": 256, "reason": 4096, "lane": 64}
+#: Most notices one "done" may carry.
+DONE_NOTICES_MAX = 8
 KINDS = tuple(SCHEMA)
 STAGED_OPS = ("want", "grant", "lend", "release", "chunk")
 
@@ -511,6 +513,12 @@ class StrikeLedger:
         if kind == "notice":
             return "close" if self.two_sided and obj["lane"] in self.lanes else "strike"
         if kind == "done":
+            notices = obj["notices"]
+            if notices:
+                # Handled first, each as a notice of the done's lane (at most 8 byte strings).
+                if len(notices) > DONE_NOTICES_MAX or not all(isinstance(n, bytes) for n in notices):
+                    return "strike"
+                return "close" if self.two_sided and obj["lane"] in self.lanes else "strike"
             tag = obj["tag"]
             if tag in self.send_tags:
                 return "strike"
@@ -1047,7 +1055,10 @@ def session_frames(r: random.Random, sender_tags: list[str], recv_tags: list[str
         elif k < 6:
             tag = r.choice([*recv_tags, "unknown-" + str(r.randrange(10**6))]) if recv_tags else "nobody"
             lane = r.choice(["", "", "no-such-driver", "x" * 64])
-            yield message("done", tag=tag, bytes=r.choice(EXTREME_INTS), lane=lane)
+            notices = r.choice(
+                [[], [], [], [b"\x81\xa2op\xa5chunk"], [b""], [1], ["text"], [None], [b"x"] * 9, [b""] * 8]
+            )
+            yield message("done", tag=tag, bytes=r.choice(EXTREME_INTS), lane=lane, notices=notices)
         elif k < 7:
             tag = r.choice([*sender_tags, "unknown-" + str(r.randrange(10**6))]) if sender_tags else "nobody"
             yield message("abort", tag=tag, reason=r.choice(["", "x" * 1000, "\x00"]))

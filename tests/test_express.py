@@ -210,9 +210,10 @@ def test_a_two_sided_session_sends_its_notices_and_done_on_the_stream_in_ordered
         move(recv, send, "one", [1, 2], [3, 4])
         move(recv, send, "chunked", [5, 6, 7, 8], [9, 10, 11, 12], chunks=2)
         assert b_pool.page_digests([3, 4, 9, 10, 11, 12]) == a_pool.page_digests([1, 2, 5, 6, 7, 8])
-        # One notice a batch (3) and a "done" a transfer (2).
-        assert link.sent - sent >= 5
-        until(lambda: receiving.received - received >= 5, "the receiver reading them")
+        # A "done" a transfer (2), and one notice a batch (3), of which the one-batch
+        # transfer's rides in its "done": 4 frames.
+        assert link.sent - sent >= 4
+        until(lambda: receiving.received - received >= 4, "the receiver reading them")
         kinds = {decode_kind(d) for d in on_control}
         assert not kinds & {"notice", "done"}, f"ordered messages went on the control channel: {kinds}"
 
@@ -321,7 +322,7 @@ def test_a_notice_that_failed_on_the_drivers_thread_is_never_followed_by_success
         lane = send._session.wire_name(lane_name)
         big = b"bad" + bytes(16 << 10)  # over the inline limit: it goes to the driver's thread
         assert send._session.send_ordered(encode("notice", payload=big, lane=lane))
-        done = encode("done", tag="x", bytes=session.expected_bytes(r), lane=lane)
+        done = encode("done", tag="x", bytes=session.expected_bytes(r), lane=lane, notices=[])
         assert send._session.send_ordered(done)
         with pytest.raises(KVTransportError):
             r.wait(5)
@@ -562,3 +563,132 @@ def test_generated_garbage_on_the_express_port_binds_nothing_and_stops_nothing()
         assert b_pool.page_digests([3, 4]) == a_pool.page_digests([1, 2])
         assert link is not None and link.sent == 1 and send._session.express is link
         assert prefill.stats()["express_links"] == 1
+
+
+# -- a one-batch transfer's notices ride in its "done" ------------------------------------------
+
+
+def _handled(session: Any) -> list[tuple[str, int]]:
+    """Spy on what ``session`` handles: ("notice", 0) per notice message, ("done", n) per
+    "done" carrying n notices."""
+    seen: list[tuple[str, int]] = []
+    real_on_done, real_on_notice = session.on_done, session.on_notice
+
+    def on_done(msg: Any) -> None:
+        seen.append(("done", len(msg["notices"])))
+        real_on_done(msg)
+
+    def on_notice(msg: Any) -> None:
+        seen.append(("notice", 0))
+        real_on_notice(msg)
+
+    session.on_done = on_done
+    session.on_notice = on_notice
+    return seen
+
+
+def test_the_notice_of_a_batch_that_finishes_inside_submit_rides_in_its_done() -> None:
+    """A one-batch transfer whose batch finished on the submitting thread: its chunk notice
+    goes out inside its "done" (one frame, one message for the peer to open and decode), is
+    handled by the receiver's driver before the "done", and the bytes are right. A transfer of
+    several chunks sends its notices as messages of their own, as before."""
+    with ordered_pair() as (_prefill, a_pool, send, decode, b_pool, recv):
+        until(lambda: send._session.ordered is not None and recv._session.ordered is not None, "ordered mode")
+        link = send._session.ordered
+        assert link is not None
+        seen = _handled(recv._session)
+        driver = decode.drivers["fake-two-sided"]
+        assert isinstance(driver, FakeTwoSided)
+        notices_before, sent = len(driver.notices), link.sent
+        move(recv, send, "one", [1, 2], [3, 4])
+        assert link.sent - sent == 1, "the notice and the done went as more than one frame"
+        until(lambda: len(seen) == 1, "the done handled")
+        assert seen == [("done", 1)]
+        assert len(driver.notices) == notices_before + 1  # handed to the driver like any notice
+        seen.clear()
+        move(recv, send, "chunked", [5, 6, 7, 8], [9, 10, 11, 12], chunks=2)
+        until(lambda: len(seen) == 3, "two notices and the done handled")
+        assert seen == [("notice", 0), ("notice", 0), ("done", 0)]
+        assert b_pool.page_digests([3, 4, 9, 10, 11, 12]) == a_pool.page_digests([1, 2, 5, 6, 7, 8])
+
+
+def test_a_done_whose_notice_is_refused_ends_the_session_and_never_succeeds() -> None:
+    """A notice that rides in a "done" is checked as one sent on its own: a malformed one
+    ends the session, and the "done" it came in does not make the transfer a Success."""
+    receiver = {"drivers": {"fake-two-sided": _FailingNotices}, "driver_options": {"fake.inbound_delay": "0"}}
+    with connected(TWO_SIDED, receiver) as (_prefill, _a_pool, send, _decode, _b_pool, recv):
+        until(lambda: send._session.ordered is not None and recv._session.ordered is not None, "ordered mode")
+        session = recv._session
+        r = recv.expect("x", [3, 4])
+        until(lambda: r.announced is not None, "the announcement filed")
+        lane = send._session.wire_name(session.primary.name if session.primary else "")
+        done = encode("done", tag="x", bytes=session.expected_bytes(r), lane=lane, notices=[b"bad notice"])
+        assert send._session.send_ordered(done)
+        with pytest.raises(KVTransportError):
+            r.wait(5)
+        assert r.state is State.FAILED
+        until(lambda: recv._session.phase.name == "CLOSED", "the session ended")
+
+
+_LANES = st.sampled_from(["", "fake-two-sided", "other"])
+_ITEMS = st.lists(
+    st.one_of(
+        st.tuples(_LANES, st.binary(max_size=64)),  # a driver notice for a lane
+        st.tuples(st.none(), st.sampled_from(["abort", "drained"])),  # another ordered message
+    ),
+    max_size=12,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(items=_ITEMS, with_done=st.booleans(), big=st.booleans())
+def test_released_messages_reach_the_peer_in_the_order_they_were_held(
+    items: list[tuple[str | None, Any]], with_done: bool, big: bool
+) -> None:
+    """Whatever a thread held (notices of any lane, other messages, many or large ones), what it
+    releases decodes, in the order the receiver handles it (a "done"'s notices just before the
+    "done"), to exactly what was held, then the "done"; the notices ride in the "done" only when
+    they are all its lane's, at most MAX_DONE_NOTICES, and fit in one message."""
+    from kvtransport.session import MAX_DONE_NOTICES, Session
+    from kvtransport.wire import decode, max_message_bytes
+
+    session = Session.__new__(Session)  # only the holding and its writes are exercised
+    session._held = __import__("threading").local()
+    frames: list[bytes] = []
+    session._write_ordered = lambda fs: frames.extend(fs) or True  # type: ignore[method-assign]
+    filler = bytes(max_message_bytes() // 2) if big else b""
+    expected: list[tuple[str, str, bytes]] = []
+    session.hold_ordered()
+    for lane, what in items:
+        if lane is None:
+            assert session.send_ordered(encode(what, tag="t", reason="r") if what == "abort" else encode(what, tag="t"))
+            expected.append((what, "", b""))
+        else:
+            payload = what + filler
+            assert session.hold_notice(lane, payload)
+            expected.append(("notice", lane, payload))
+    done = {"tag": "t", "bytes": 1, "lane": "fake-two-sided"} if with_done else None
+    assert session.release_ordered(done)
+    if done is not None:
+        expected.append(("done", "fake-two-sided", b""))
+    got: list[tuple[str, str, bytes]] = []
+    riding = 0
+    for data in frames:
+        msg = decode(data)
+        if msg.type == "done":
+            got += [("notice", msg["lane"], p) for p in msg["notices"]]
+            riding += len(msg["notices"])
+            got.append(("done", msg["lane"], b""))
+        elif msg.type == "notice":
+            got.append(("notice", msg["lane"], msg["payload"]))
+        else:
+            got.append((msg.type, "", b""))
+    assert got == expected
+    notices = [lane for lane, _ in items]
+    fits = len(items) * len(filler) < max_message_bytes() - 4096
+    if with_done and items and len(items) <= MAX_DONE_NOTICES and set(notices) == {"fake-two-sided"} and fits:
+        assert len(frames) == 1 and riding == len(items)
+    else:
+        assert riding == 0
+    # Released: nothing is held any more, a later message goes out at once.
+    assert not session.hold_notice("", b"x")

@@ -998,7 +998,7 @@ def test_sixteen_violations_close_the_session_with_a_bye(rig_factory: Callable[.
     bad = [
         message("ping", seq=-1),
         message("notice", payload=b"x", lane=""),
-        message("done", tag=s.recv_tags[0], bytes=1, lane=""),
+        message("done", tag=s.recv_tags[0], bytes=1, lane="", notices=[]),
     ]
     bad += [message("ping", seq=2**62 + i) for i in range(12)]
     rig.send(s.attacker, bad)
@@ -1120,7 +1120,7 @@ def test_done_with_a_wrong_byte_count_is_not_a_success(count: str, rig_factory: 
     tag = s.recv_tags[0]
     right = sum(int(region["item_len"]) for region in s.welcome["regions"]["kv"])
     n = {"0": 0, "1": 1, "right-1": right - 1, "right+1": right + 1, "2**62-1": 2**62 - 1}[count]
-    rig.send(s.attacker, [message("done", tag=tag, bytes=n, lane="")])
+    rig.send(s.attacker, [message("done", tag=tag, bytes=n, lane="", notices=[])])
     rig.sync(s.attacker, f"done bytes={n}")
     state = rig.victim.ok("state", tags=[tag])["states"][tag]
     assert state[0] == "FAILED", f"the victim reports {state} for a transfer whose done says {n} bytes, not {right}"
@@ -1709,7 +1709,7 @@ def test_done_naming_a_driver_that_is_not_a_lane_of_the_connection_fails_its_tra
     s = rig.session("atk", receivers=1)
     tag = s.recv_tags[0]
     right = sum(int(region["item_len"]) for region in s.welcome["regions"]["kv"])
-    rig.send(s.attacker, [message("done", tag=tag, bytes=right, lane="nixl-ucx")])
+    rig.send(s.attacker, [message("done", tag=tag, bytes=right, lane="nixl-ucx", notices=[])])
     rig.sync(s.attacker, "done from another lane")
     state = rig.victim.ok("state", tags=[tag])["states"][tag]
     assert state[0] == "FAILED", f"the victim reports {state} for a done naming a driver it does not share"
