@@ -210,7 +210,15 @@ class StagingPipeline:
         slots = config.slots
         # Fault the ring in now, not in the middle of the first transfer.
         ctypes.memset(ring_ptr, 0, 2 * slots * config.chunk_bytes)
-        self._lock = threading.Condition()
+        # One lock for the pipeline's state; each stage thread waits on a condition of its own
+        # over it, woken only by a change that may give it work: a small request handled on
+        # the threads at hand wakes none of them (each needless wake-up took the interpreter
+        # from the thread moving the request, several times per request).
+        mutex = threading.RLock()
+        self._lock = threading.Condition(mutex)
+        self._gather_cv = threading.Condition(mutex)
+        self._wire_cv = threading.Condition(mutex)
+        self._scatter_cv = threading.Condition(mutex)
         self._free_out = list(range(slots))
         self._free_in = list(range(slots))
         self._out: dict[str, _Outbound] = {}
@@ -318,7 +326,7 @@ class StagingPipeline:
                 inbound.wants = 0
                 if inbound.busy:
                     self._draining.append(inbound)
-            self._lock.notify_all()
+            self._wake_all()
         for handle in finished:
             self._completed(handle)
         self._grant()
@@ -332,7 +340,7 @@ class StagingPipeline:
             self.disconnect(peer)
         with self._lock:
             self._closed = True
-            self._lock.notify_all()
+            self._wake_all()
         deadline = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
@@ -364,7 +372,7 @@ class StagingPipeline:
                 need = len(out.queue) - len(out.credits) - out.asked
                 if need > 0:
                     out.asked += need
-                self._lock.notify_all()
+                self._gather_cv.notify()
         if need > 0:
             self._send(peer, encode_want(need))
         if here is not None:
@@ -399,7 +407,7 @@ class StagingPipeline:
         except Exception:  # noqa: BLE001 - the wire stage posts it again and fails it there
             with self._lock:
                 self._wire.append((out, job, local, remote))
-                self._lock.notify_all()
+                self._wire_cv.notify()
             return
         until = time.monotonic() + INLINE_FINISH_S
         while True:
@@ -417,7 +425,7 @@ class StagingPipeline:
             os.sched_yield()
         with self._lock:
             self._posted.append((token, out, job, local, remote))
-            self._lock.notify_all()
+            self._wire_cv.notify()
 
     def _post(self, out: _Outbound, job: _Job, local: int, remote: int) -> Any:
         """Start writing outbound slot ``local`` into the peer's slot ``remote``; its token."""
@@ -435,7 +443,7 @@ class StagingPipeline:
                 failed = self._fail(job.batch, EngineError(f"{self.name}: gathering a chunk failed: {exc}"))
                 self._free_out.append(local)
                 out.credits.append(remote)
-                self._lock.notify_all()
+                self._gather_cv.notify()
             if failed:
                 self._completed(job.batch.handle)
             return False
@@ -464,7 +472,7 @@ class StagingPipeline:
                     self._settling[handle] = batch
             for done in [h for h, b in self._settling.items() if not b.moving]:  # never asked: forget
                 del self._settling[done]
-            self._lock.notify_all()
+            self._gather_cv.notify()  # its queued chunks are skipped
 
     def settled(self, handle: int) -> bool:
         with self._lock:
@@ -518,7 +526,7 @@ class StagingPipeline:
                         break
                     until = self._lent_until()
                     # Lent credits unused when their hold ends go back to the receiver: wake then.
-                    self._lock.wait(None if until is None else max(0.0, until - time.monotonic()) + 0.001)
+                    self._gather_cv.wait(None if until is None else max(0.0, until - time.monotonic()) + 0.001)
             for peer, slots in releases:
                 self._send(peer, encode_release(slots))
             if work is None:
@@ -528,7 +536,12 @@ class StagingPipeline:
                 continue
             with self._lock:
                 self._wire.append((out, job, local, remote))
-                self._lock.notify_all()
+                self._wire_cv.notify()
+
+    def _wake_all(self) -> None:
+        """Lock held: every stage looks again (a peer left, or the pipeline closes)."""
+        for cv in (self._gather_cv, self._wire_cv, self._scatter_cv):
+            cv.notify()
 
     def _fail(self, batch: _Batch, error: KVTransportError) -> bool:
         """Lock held. ``True`` when the batch just failed: the caller then reports it with
@@ -547,7 +560,7 @@ class StagingPipeline:
                 while not self._wire and not inflight and not self._posted:
                     if self._closed:
                         return
-                    self._lock.wait()
+                    self._wire_cv.wait()
                 ready = list(self._wire)
                 self._wire.clear()
                 fresh = bool(ready or self._posted)
@@ -588,7 +601,7 @@ class StagingPipeline:
                         self._free_out.append(local)
                         if not out.closed:
                             out.credits.append(remote)  # nothing usable landed there: reuse it
-                    self._lock.notify_all()
+                    self._gather_cv.notify()
                 for handle in completed:
                     self._completed(handle)
             if done or failed:
@@ -617,13 +630,15 @@ class StagingPipeline:
             self._send(out.peer, encode_chunk(remote, c.dst, c.length, c.offset))
         completed: list[int] = []
         with self._lock:
+            starved = not self._free_out
             for _, job, local, _ in done:
                 self._free_out.append(local)
                 job.batch.moving -= 1
                 job.batch.written += 1
                 if job.batch.written == job.batch.chunks and not job.batch.aborted:
                     completed.append(job.batch.handle)
-            self._lock.notify_all()
+            if starved:
+                self._gather_cv.notify()  # it may wait for an outbound slot; none was free
         if signal:
             for handle in completed:
                 self._completed(handle)
@@ -640,7 +655,7 @@ class StagingPipeline:
                     take = [s for s in notice.slots if s < out.remote_slots][: out.asked]
                     out.asked -= len(take)
                     out.credits.extend(take)
-                    self._lock.notify_all()
+                    self._gather_cv.notify()
             return
         if isinstance(notice, Lend):
             self._take_lent(peer, notice)
@@ -680,7 +695,7 @@ class StagingPipeline:
                     held.add(s)
                     out.credits.append(s)
                     out.lent[s] = until
-            self._lock.notify_all()
+            self._gather_cv.notify()
 
     def lend_ahead(self, peer: str, nbytes: int) -> None:
         """Receiver: ``peer`` is about to send a transfer of ``nbytes`` (its pages were just
@@ -747,7 +762,7 @@ class StagingPipeline:
             here = not self._scatter and not self.scatter_delay and self._inline(chunk)
             if not here:
                 self._scatter.append((inbound, peer, slot, chunk))
-                self._lock.notify_all()
+                self._scatter_cv.notify()
         if here:
             self._scatter_one(inbound, peer, slot, chunk)
 
@@ -769,10 +784,10 @@ class StagingPipeline:
                     if self._closed:
                         return
                     if not self._starving:
-                        self._lock.wait()
+                        self._scatter_cv.wait()
                         continue
                     # A peer waits for slots others hold unused: look again once grants age.
-                    self._lock.wait(self.grant_timeout / 4)
+                    self._scatter_cv.wait(self.grant_timeout / 4)
                     if not self._scatter:
                         regrant = True
                         break
@@ -798,8 +813,7 @@ class StagingPipeline:
                 inbound.error = error
             if inbound.gone and not inbound.busy and inbound in self._draining:
                 self._draining.remove(inbound)
-            self._free_in.append(slot)
-            self._lock.notify_all()
+            self._free_in.append(slot)  # handed out by ``_grant`` below; no stage waits for it
         self._progress(peer)
         self._grant()
 
@@ -854,7 +868,7 @@ class StagingPipeline:
                 i.wants > 0 and not i.granted and not i.busy for i in self._in.values()
             )
             if self._starving:
-                self._lock.notify_all()  # the scatter thread looks again as grants age
+                self._scatter_cv.notify()  # the scatter thread looks again as grants age
         for peer, slots in grants.items():
             self._send(peer, encode_grant(slots))
 
