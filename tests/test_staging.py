@@ -429,6 +429,44 @@ def test_a_small_write_that_finishes_at_once_completes_inside_submit_without_a_s
     _quiet(a, b)
 
 
+def test_small_requests_moved_on_the_threads_at_hand_wake_no_stage_thread(
+    pair_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One-chunk requests gathered, written and copied in on the submitting and notice-reading
+    threads leave the stage threads asleep: only the sender's gather stage is woken, once per
+    lend (it must give lent slots back when their hold ends). Every needless wake-up takes the
+    interpreter from the thread that moves the request."""
+    woken: dict[str, int] = {}
+
+    class Counting(threading.Condition):
+        def wait(self, timeout: float | None = None) -> bool:
+            answer = super().wait(timeout)
+            name = threading.current_thread().name
+            woken[name] = woken.get(name, 0) + 1
+            return answer
+
+    monkeypatch.setattr(pipeline_module.threading, "Condition", Counting)
+    a, b, courier, _ = pair_factory()
+    monkeypatch.undo()
+    requests = 20
+    for i in range(requests):
+        b.pipe.lend_ahead("a", 4096)
+        _wait(lambda: len(a.pipe._out["b"].credits) == 1)
+        h = a.pipe.submit("b", plan(a.regions.kv, b.regions.kv, [3 + i], [20 + i]))
+        assert a.pipe.poll(h), "the write finished inside submit"
+        courier.q.join()
+        _wait(lambda: b.pipe.inbound_idle("a"))
+    assert b.pool.page_digests(list(range(20, 20 + requests))) == a.pool.page_digests(list(range(3, 3 + requests)))
+    stages = {
+        f"{side}-{stage}": woken.get(f"{side}-{stage}", 0) for side in "ab" for stage in ("gather", "wire", "scatter")
+    }
+    assert stages["a-gather"] <= requests + 1
+    assert {k: v for k, v in stages.items() if k != "a-gather"} == dict.fromkeys(
+        ["a-wire", "a-scatter", "b-gather", "b-wire", "b-scatter"], 0
+    )
+    _quiet(a, b)
+
+
 def test_unused_lent_slots_go_back_when_their_hold_ends(pair_factory: Any) -> None:
     a, b, courier, _ = pair_factory()
     b.pipe.grant_timeout = 0.4  # a hold of 0.1 s
