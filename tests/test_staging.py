@@ -57,6 +57,8 @@ def runs_and_chunk(draw: st.DrawFn) -> tuple[Runs, int]:
     lengths = draw(st.lists(st.integers(1, 5000), min_size=n, max_size=n))
     src = np.cumsum([0, *lengths[:-1]], dtype=np.uint64) + np.uint64(1 << 20)
     dst = np.cumsum([0, *lengths[:-1]], dtype=np.uint64)[::-1].copy() + np.uint64(1 << 30)
+    if draw(st.booleans()):  # a Runs built by hand may hold signed arrays; chunks are uint64 all the same
+        src, dst = src.astype(np.int64), dst.astype(np.int64)
     return Runs(src, dst, np.array(lengths, dtype=np.uint64)), draw(st.integers(1, 9000))
 
 
@@ -67,6 +69,7 @@ def test_chunks_cover_every_byte_once_in_order_and_fit_their_slot(case: tuple[Ru
     chunks = chunk_runs(runs, size)
     assert sum(c.nbytes for c in chunks) == runs.total_bytes
     assert all(0 < c.nbytes <= size for c in chunks)
+    assert all(a.dtype == np.uint64 for c in chunks for a in (c.src, c.dst, c.length, c.offset))
     for c in chunks:  # pieces packed back to back from offset 0
         assert c.offset[0] == 0
         assert np.array_equal(c.offset[1:], np.cumsum(c.length)[:-1])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +36,12 @@ def chunk_runs(runs: Runs, chunk_bytes: int) -> list[Chunk]:
     """Cut ``runs`` into chunks of at most ``chunk_bytes``, splitting runs at chunk borders."""
     if not len(runs):
         return []
+    if len(runs) <= FEW_PIECES and runs.total_bytes <= chunk_bytes:
+        # One chunk of a few runs (a small request): their slot offsets summed in plain Python,
+        # the runs' own arrays shared (a planned Runs is never changed in place); the numpy
+        # path below costs several times that for a few pieces.
+        offsets = list(itertools.accumulate(runs.length.tolist()[:-1], initial=0))
+        return [Chunk(_u64(runs.src), _u64(runs.dst), _u64(runs.length), np.array(offsets, dtype=np.uint64))]
     length = runs.length.astype(np.uint64)
     end = np.cumsum(length, dtype=np.uint64)
     start = end - length
@@ -50,8 +57,8 @@ def chunk_runs(runs: Runs, chunk_bytes: int) -> list[Chunk]:
     piece_end = np.append(cuts[1:], np.uint64(total))
     run_of = np.searchsorted(start, cuts, side="right") - 1
     skew = cuts - start[run_of]
-    src = runs.src[run_of] + skew
-    dst = runs.dst[run_of] + skew
+    src = _u64(runs.src)[run_of] + skew  # uint64 throughout: int64 + uint64 would be float64
+    dst = _u64(runs.dst)[run_of] + skew
     plen = piece_end - cuts
     which = cuts // np.uint64(chunk_bytes)
     offset = cuts - which * np.uint64(chunk_bytes)
@@ -62,3 +69,7 @@ def chunk_runs(runs: Runs, chunk_bytes: int) -> list[Chunk]:
             np.split(src, bounds), np.split(dst, bounds), np.split(plen, bounds), np.split(offset, bounds), strict=True
         )
     ]
+
+
+def _u64(a: U64) -> U64:
+    return a if a.dtype == np.uint64 else a.astype(np.uint64)

@@ -410,6 +410,8 @@ class StagingPipeline:
                 self._wire_cv.notify()
             return
         until = time.monotonic() + INLINE_FINISH_S
+        c = job.chunk
+        notice = encode_chunk(remote, c.dst, c.length, c.offset)  # while the write is under way
         while True:
             try:
                 finished = out.link.check(token)
@@ -418,7 +420,7 @@ class StagingPipeline:
             if finished:
                 # Inside ``submit``: the core checks the batch as soon as it returns, so no
                 # completion signal (it would only wake the driver's thread for nothing).
-                self._written([(out, job, local, remote)], signal=False)
+                self._written([(out, job, local, remote)], signal=False, notice=notice)
                 return
             if time.monotonic() >= until:
                 break
@@ -615,10 +617,13 @@ class StagingPipeline:
                     time.sleep(nap)
                     nap = min(nap * 2, WIRE_POLL_S)
 
-    def _written(self, done: list[tuple[_Outbound, _Job, int, int]], *, signal: bool = True) -> None:
+    def _written(
+        self, done: list[tuple[_Outbound, _Job, int, int]], *, signal: bool = True, notice: bytes | None = None
+    ) -> None:
         """Chunks whose writes completed (wire stage, or the thread that posted one): each
         one's notice to the receiver (or, for an aborted batch, its slot back unread), then
-        its outbound slot back and its batch's count; batches this completes are signalled."""
+        its outbound slot back and its batch's count; batches this completes are signalled.
+        ``notice``: the one chunk's notice, encoded already."""
         for out, job, _, remote in done:
             c = job.chunk
             if job.batch.aborted:
@@ -627,7 +632,7 @@ class StagingPipeline:
                 continue
             # Sent before the batch counts the chunk written (and before an aborted batch
             # counts as settled), so the endpoint sends it before "done" (or "drained").
-            self._send(out.peer, encode_chunk(remote, c.dst, c.length, c.offset))
+            self._send(out.peer, notice or encode_chunk(remote, c.dst, c.length, c.offset))
         completed: list[int] = []
         with self._lock:
             starved = not self._free_out
