@@ -48,7 +48,7 @@ from .memory import MAX_STATE_GROUPS, KVLayout, RegionSet
 from .plan import RegionPairs, Runs, as_pages, check_pages, check_unique, plan, plan_heads
 from .tp_map import EQUAL, PairShape, pair_shape
 from .transfer import RECV, SEND, State, Transfer
-from .wire import MAX_INT, Message, encode
+from .wire import MAX_INT, Done, Message, encode
 
 if TYPE_CHECKING:
     from .auth import Seal
@@ -504,7 +504,7 @@ class Session:
             return self.ordered is not None
         return self.express is not None
 
-    def express_done(self, transfer: Transfer, nbytes: int) -> None:
+    def express_done(self, transfer: Transfer, done: Done) -> None:
         """Any thread, the one that saw a one-batch transfer's batch finish (under the runner's
         claim, so no abort of it runs in the driver meanwhile): "done" straight to the peer on
         the express stream, unless the I/O thread has started failing the transfer. On a
@@ -519,11 +519,10 @@ class Session:
                 if link is self.ordered:
                     self.release_ordered()  # its notices go all the same, before the news of its end
                 return
-            done = {"tag": transfer.tag, "bytes": nbytes, "lane": self.wire_name(transfer.driver)}
             if link is self.ordered:
                 transfer.done_sent = self.release_ordered(done)
             else:
-                transfer.done_sent = link.send(encode("done", **done, notices=[]))
+                transfer.done_sent = link.send(done.encode())
 
     def shape(self, *, sending: bool) -> PairShape:
         """What this side moves into the peer's pages (``sending``), or the peer into this
@@ -659,21 +658,20 @@ class Session:
         held.append((lane, payload))
         return True
 
-    def release_ordered(self, done: dict[str, Any] | None = None) -> bool:
-        """Stop holding; send what this thread held, and the "done" whose fields ``done``
-        gives behind it, in one write. The held notices ride in that "done" when they are
-        all its lane's and fit in one message. Whether it all went out (what a lone
-        :meth:`send_ordered` answers)."""
+    def release_ordered(self, done: Done | None = None) -> bool:
+        """Stop holding; send what this thread held, and ``done`` behind it, in one write. The
+        held notices ride in that "done" when they are all its lane's and fit in one message.
+        Whether it all went out (what a lone :meth:`send_ordered` answers)."""
         items: list[tuple[str | None, bytes]] = getattr(self._held, "items", None) or []
         self._held.items = None
         frames: list[bytes] = []
-        if done is not None and 0 < len(items) <= MAX_DONE_NOTICES and all(lane == done["lane"] for lane, _ in items):
+        if done is not None and 0 < len(items) <= MAX_DONE_NOTICES and all(lane == done.lane for lane, _ in items):
             with contextlib.suppress(MessageTooLarge):  # one frame each, then
-                frames = [encode("done", **done, notices=[payload for _, payload in items])]
+                frames = [done.encode([payload for _, payload in items])]
         if not frames:
             frames = [data if lane is None else encode("notice", payload=data, lane=lane) for lane, data in items]
             if done is not None:
-                frames.append(encode("done", **done, notices=[]))
+                frames.append(done.encode())
         return self._write_ordered(frames) if frames else True
 
     def take_ordered_mode(self, link: ExpressLink) -> bool:
@@ -1285,6 +1283,11 @@ class Session:
         self, lane: Lane, transfer: Transfer, bid: int, runs: Runs, noted: Callable[[], None], express: bool
     ) -> None:
         driver, runner = lane.driver, lane.runner
+        # "done" packed ahead, all but the notices that may ride in it: before ``submit`` when
+        # the driver is two-sided (a small chunk is written, and finishes, inside it), after it
+        # otherwise (while the engine writes).
+        ahead = express and lane.two_sided
+        done_message = Done(transfer.tag, runs.total_bytes, self.wire_name(transfer.driver)) if ahead else None
         try:
             handle = driver.submit(self.id, runs)
         except BaseException:
@@ -1292,6 +1295,8 @@ class Session:
             self.endpoint.post(noted)  # before the failure, which the runner posts next
             raise
         lane.handles[bid] = (handle, transfer)
+        if express and done_message is None:
+            done_message = Done(transfer.tag, runs.total_bytes, self.wire_name(transfer.driver))
 
         def check() -> bool:
             try:
@@ -1304,8 +1309,8 @@ class Session:
                 raise
             if done:
                 lane.handles.pop(bid, None)
-                if express:
-                    self.express_done(transfer, runs.total_bytes)
+                if done_message is not None:
+                    self.express_done(transfer, done_message)
             return done
 
         # A small batch's caller waits for it a little, as the engine's own callers do; not for

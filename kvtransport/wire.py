@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import reprlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,6 +139,41 @@ def encode(kind: str, **fields: Any) -> bytes:
     if len(data) > limit:
         raise MessageTooLarge(f"{kind} message of {len(data)} bytes exceeds the {limit}-byte limit")
     return data
+
+
+class Done:
+    """A "done" message packed in two steps: all but its notices when the transfer's batch is
+    handed to the driver, the notices (and the size check) when the batch has finished, so
+    that little is left to do between the engine's completion and the frame leaving. The bytes
+    are those :func:`encode` gives for the same fields."""
+
+    __slots__ = ("_head", "lane")
+
+    def __init__(self, tag: str, nbytes: int, lane: str) -> None:
+        self.lane = lane
+        fields: dict[str, Any] = {"tag": tag, "bytes": nbytes, "lane": lane}
+        for name, max_len in _TEXT_FIELDS["done"]:
+            value = fields[name]
+            if isinstance(value, str) and len(value) > max_len:
+                fields[name] = value[: max_len - 3] + "..."
+        packer = msgpack.Packer(use_bin_type=True)
+        parts = [packer.pack_map_header(len(SCHEMAS["done"]) + 2)]
+        for key, value in (("v", PROTOCOL_VERSION), ("t", "done"), *fields.items()):
+            parts += [packer.pack(key), packer.pack(value)]
+        parts.append(packer.pack("notices"))
+        self._head = b"".join(parts)
+
+    def encode(self, notices: Sequence[bytes] = ()) -> bytes:
+        n = len(notices)  # msgpack's array header: fixarray, array 16, array 32
+        if n < 16:
+            header = bytes((0x90 | n,))
+        else:
+            header = b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xdd" + n.to_bytes(4, "big")
+        data = b"".join((self._head, header, *(msgpack.packb(p, use_bin_type=True) for p in notices)))
+        limit = max_message_bytes()
+        if len(data) > limit:
+            raise MessageTooLarge(f"done message of {len(data)} bytes exceeds the {limit}-byte limit")
+        return data
 
 
 def decode(data: bytes, *, limit: int | None = None) -> Message:

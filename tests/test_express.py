@@ -30,7 +30,7 @@ from kvtransport.errors import ConfigError, KVTransportError, PeerLost, Protocol
 from kvtransport.express import MAX_FRAME_BYTES, FrameReader
 from kvtransport.kv_pool import KVPool
 from kvtransport.testing.fake import FakeDriver, FakeTwoSided
-from kvtransport.wire import encode
+from kvtransport.wire import Done, encode
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -667,7 +667,7 @@ def test_released_messages_reach_the_peer_in_the_order_they_were_held(
             payload = what + filler
             assert session.hold_notice(lane, payload)
             expected.append(("notice", lane, payload))
-    done = {"tag": "t", "bytes": 1, "lane": "fake-two-sided"} if with_done else None
+    done = Done("t", 1, "fake-two-sided") if with_done else None
     assert session.release_ordered(done)
     if done is not None:
         expected.append(("done", "fake-two-sided", b""))

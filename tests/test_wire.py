@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvtransport.errors import ConfigError, MessageTooLarge, ProtocolError, VersionMismatch
 from kvtransport.hello import PROTOCOL_VERSION
-from kvtransport.wire import MAX_INT, SCHEMAS, Field, Int, Text, decode, encode
+from kvtransport.wire import MAX_INT, SCHEMAS, Done, Field, Int, Text, decode, encode
 
 
 def _sample(spec: Field) -> object:
@@ -138,3 +138,30 @@ def test_arbitrary_maps_raise_only_protocol_errors(obj: dict[str, object]) -> No
         return
     schema = SCHEMAS[msg.type]
     assert all(_conforms(t, msg.fields[k]) for k, t in schema.items())
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tag=st.text(max_size=300),
+    nbytes=st.integers(0, MAX_INT),
+    lane=st.text(max_size=80),
+    notices=st.lists(st.binary(max_size=300), max_size=20),
+)
+def test_a_done_packed_in_two_steps_is_the_done_encode_packs(
+    tag: str, nbytes: int, lane: str, notices: list[bytes]
+) -> None:
+    """``Done`` packs all but the notices ahead and the notices at the end: the bytes are
+    exactly ``encode``'s for the same fields (long texts cut the same way), and decode back."""
+    two_steps = Done(tag, nbytes, lane).encode(notices)
+    assert two_steps == encode("done", tag=tag, bytes=nbytes, lane=lane, notices=list(notices))
+    assert decode(two_steps)["notices"] == notices
+
+
+def test_a_done_packed_in_two_steps_keeps_the_size_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVTRANSPORT_MAX_MESSAGE_BYTES", "1024")
+    done = Done("t", 1, "")
+    assert decode(done.encode([b"x" * 900]))["notices"] == [b"x" * 900]
+    with pytest.raises(MessageTooLarge):
+        done.encode([b"x" * 1100])
+    with pytest.raises(MessageTooLarge):
+        done.encode([b"x" * 600] * 2)
