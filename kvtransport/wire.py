@@ -128,13 +128,21 @@ def encode(kind: str, **fields: Any) -> bytes:
     if fields.keys() != schema.keys():
         missing, extra = set(schema) - set(fields), set(fields) - set(schema)
         raise ValueError(f"{kind}: missing {sorted(missing)}, unexpected {sorted(extra)}")
+    _cut_texts(kind, fields)
+    data = msgpack.packb({"v": PROTOCOL_VERSION, "t": kind, **fields}, use_bin_type=True)
+    assert isinstance(data, bytes)
+    return _within_limit(kind, data)
+
+
+def _cut_texts(kind: str, fields: dict[str, Any]) -> None:
     for name, max_len in _TEXT_FIELDS[kind]:
         value = fields[name]
         if isinstance(value, str) and len(value) > max_len:
             # Reasons quote peers and engines; cut them rather than fail to report the failure.
             fields[name] = value[: max_len - 3] + "..."
-    data = msgpack.packb({"v": PROTOCOL_VERSION, "t": kind, **fields}, use_bin_type=True)
-    assert isinstance(data, bytes)
+
+
+def _within_limit(kind: str, data: bytes) -> bytes:
     limit = max_message_bytes()
     if len(data) > limit:
         raise MessageTooLarge(f"{kind} message of {len(data)} bytes exceeds the {limit}-byte limit")
@@ -152,10 +160,7 @@ class Done:
     def __init__(self, tag: str, nbytes: int, lane: str) -> None:
         self.lane = lane
         fields: dict[str, Any] = {"tag": tag, "bytes": nbytes, "lane": lane}
-        for name, max_len in _TEXT_FIELDS["done"]:
-            value = fields[name]
-            if isinstance(value, str) and len(value) > max_len:
-                fields[name] = value[: max_len - 3] + "..."
+        _cut_texts("done", fields)
         packer = msgpack.Packer(use_bin_type=True)
         parts = [packer.pack_map_header(len(SCHEMAS["done"]) + 2)]
         for key, value in (("v", PROTOCOL_VERSION), ("t", "done"), *fields.items()):
@@ -169,11 +174,8 @@ class Done:
             header = bytes((0x90 | n,))
         else:
             header = b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xdd" + n.to_bytes(4, "big")
-        data = b"".join((self._head, header, *(msgpack.packb(p, use_bin_type=True) for p in notices)))
-        limit = max_message_bytes()
-        if len(data) > limit:
-            raise MessageTooLarge(f"done message of {len(data)} bytes exceeds the {limit}-byte limit")
-        return data
+        packed = (msgpack.packb(p, use_bin_type=True) for p in notices)
+        return _within_limit("done", b"".join((self._head, header, *packed)))
 
 
 def decode(data: bytes, *, limit: int | None = None) -> Message:
