@@ -1269,7 +1269,7 @@ class Session:
         if transfer.state.final or transfer.driver_stopped:
             self.endpoint.post(noted)
             return  # failed or aborted before its batch got here: nothing may be written now
-        if express and self.two_sided and self.ordered is not None:
+        if express and self.two_sided:  # express on a two-sided session: in ordered mode
             # The notices of a batch that finishes inside ``submit`` go out with its "done".
             self.hold_ordered()
             try:

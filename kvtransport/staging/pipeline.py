@@ -214,11 +214,10 @@ class StagingPipeline:
         # over it, woken only by a change that may give it work: a small request handled on
         # the threads at hand wakes none of them (each needless wake-up took the interpreter
         # from the thread moving the request, several times per request).
-        mutex = threading.RLock()
-        self._lock = threading.Condition(mutex)
-        self._gather_cv = threading.Condition(mutex)
-        self._wire_cv = threading.Condition(mutex)
-        self._scatter_cv = threading.Condition(mutex)
+        self._lock = threading.RLock()
+        self._gather_cv = threading.Condition(self._lock)
+        self._wire_cv = threading.Condition(self._lock)
+        self._scatter_cv = threading.Condition(self._lock)
         self._free_out = list(range(slots))
         self._free_in = list(range(slots))
         self._out: dict[str, _Outbound] = {}
