@@ -25,6 +25,7 @@ from typing import Any, TextIO
 import numpy as np
 import numpy.typing as npt
 
+from . import cpu_pin
 from .baseline import RawEngine, raw_engine_of
 from .driver import KVTransport
 from .endpoint import Connection, Endpoint, State, Transfer
@@ -134,6 +135,8 @@ class Report:
     compare: str | None = None
     #: What the choice rested on: ``"calibrated"`` cost models or ``"nominal"`` estimates.
     basis: str = "nominal"
+    #: ``--pin``: the CPUs each process ran on, as each process read its threads' sets back.
+    pinned: dict[str, list[list[int]]] | None = None
 
     @property
     def integrity_ok(self) -> bool:
@@ -186,6 +189,7 @@ class Report:
             "estimate_gbps": self.estimate_gbps,
             "reason": self.reason,
             "basis": self.basis,
+            "pinned": self.pinned,
             "rejected": self.rejected,
             "figures": self.figures(),
             "integrity": {
@@ -206,6 +210,11 @@ class Report:
             f"  driver      {self.driver} ({self.path}, ~{self.estimate_gbps:g} GB/s estimated): {self.reason}",
         ]
         lines += [f"              not {name}: {why}" for name, why in self.rejected.items()]
+        if self.pinned:
+            lines.append(
+                f"  pinned      prefill on CPUs {_cpu_sets(self.pinned['prefill'])}, decode on CPUs "
+                f"{_cpu_sets(self.pinned['decode'])} (--pin: no core shared, as on two hosts)"
+            )
         taken = collections.Counter(s.driver for s in self.samples if s.driver)
         if set(taken) - {self.driver}:
             lines.append(
@@ -311,8 +320,31 @@ def run(
     progress: TextIO | None = None,
     timeout: float = 120.0,
     compare: str | None = None,
+    pin: bool = False,
 ) -> Report:
-    """Run the bench; raises a :class:`KVTransportError` when no driver can serve the pair."""
+    """Run the bench; raises a :class:`KVTransportError` when no driver can serve the pair.
+    ``pin``: this process's threads on the first half of its CPUs for the run, the decode
+    process on the rest (see :mod:`kvtransport.cpu_pin`)."""
+    if not pin:
+        return _run(workload, driver, baseline, progress, timeout, compare, None)
+    prefill_cpus, decode_cpus = cpu_pin.split_halves(cpu_pin.available())
+    # Before the pool, the endpoint and the engines start threads: they inherit the set.
+    unpin = cpu_pin.pin_process(prefill_cpus)
+    try:
+        return _run(workload, driver, baseline, progress, timeout, compare, decode_cpus)
+    finally:
+        cpu_pin.restore(unpin)
+
+
+def _run(
+    workload: Workload,
+    driver: str | None,
+    baseline: bool,
+    progress: TextIO | None,
+    timeout: float,
+    compare: str | None,
+    decode_cpus: list[int] | None,
+) -> Report:
     pool = KVPool(workload.pool_pages, workload.regions, workload.item_len, 0, shared=False, device=workload.device)
     bar = Progress(workload.requests, progress)
     bar.note(f"filling {workload.pool_pages * workload.item_len * workload.regions / MiB:.0f} MiB of prefill KV")
@@ -320,7 +352,7 @@ def run(
     pairs: list[tuple[Endpoint, PeerProcess | None]] = []
     raw: RawEngine | None = None
     try:
-        endpoint, peer, conn = _open_pair(pool, workload, driver, timeout, pairs)
+        endpoint, peer, conn = _open_pair(pool, workload, driver, timeout, pairs, decode_cpus)
         assert conn.decision is not None and conn.peer_regions is not None
         decision = conn.decision
         report = Report(
@@ -334,7 +366,10 @@ def run(
             compare=compare,
             basis=decision.basis,
         )
-        other = _open_pair(pool, workload, compare, timeout, pairs) if compare else None
+        if decode_cpus is not None:
+            # As each process reads its threads back, not as asked: a pin that did not hold shows.
+            report.pinned = {"prefill": cpu_pin.process_cpus(), "decode": peer.call("cpus", timeout=timeout)["cpus"]}
+        other = _open_pair(pool, workload, compare, timeout, pairs, decode_cpus) if compare else None
         # Raw engines are compared on host KV; device KV is measured against copy bandwidths by
         # scripts/gpu-check instead (a raw engine may not register device memory at all).
         raw_cls = raw_engine_of(endpoint.classes[decision.driver]) if baseline and workload.device is None else None
@@ -382,6 +417,10 @@ def run(
         pool.close()
 
 
+def _cpu_sets(sets: list[list[int]]) -> str:
+    return " / ".join(",".join(map(str, s)) for s in sets)
+
+
 def _sample_ok(s: Sample) -> bool:
     return s.ok and s.raw_ok is not False and s.compare_ok is not False
 
@@ -392,14 +431,17 @@ def _open_pair(
     driver: str | None,
     timeout: float,
     opened: list[tuple[Endpoint, PeerProcess | None]],
+    cpus: list[int] | None = None,
 ) -> tuple[Endpoint, PeerProcess, Connection]:
-    """A prefill endpoint over ``pool`` and a decode endpoint in a child process, connected."""
+    """A prefill endpoint over ``pool`` and a decode endpoint in a child process (on ``cpus``
+    only, when given), connected."""
     endpoint = Endpoint(pool.regions, pool.layout, drivers=_classes(driver), name="prefill")
     opened.append((endpoint, None))
     peer = PeerProcess(
         *("--driver", driver or "auto", "--pages", str(workload.pool_pages), "--layers", str(workload.regions)),
         *("--item", str(workload.item_len), "--aux-slots", "0", "--private", "--name", "decode"),
         *(("--device", str(workload.device)) if workload.device is not None else ()),
+        *(("--cpus", ",".join(map(str, cpus))) if cpus else ()),
         timeout=timeout,
     )
     opened[-1] = (endpoint, peer)

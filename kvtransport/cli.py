@@ -392,6 +392,11 @@ def _add_bench(sub: Any) -> None:
     p.add_argument("--device", type=int, default=None, help="KV in device memory of this CUDA device")
     p.add_argument("--no-baseline", action="store_true", help="skip the raw-engine comparison")
     p.add_argument("--compare", metavar="DRIVER", help="also measure this driver on the same requests")
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help="prefill on the first half of the CPUs, decode on the rest: no core shared, as on two hosts",
+    )
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any one step may take")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument(
@@ -576,6 +581,8 @@ def bench_cmd(args: argparse.Namespace) -> int:
     # Mooncake logs every set-up step at INFO; keep the report readable (MC_LOG_LEVEL=INFO
     # in the environment brings it back).
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+    if args.pin and (args.in_flight is not None or (args.prefill_tp, args.decode_tp) != (1, 1)):
+        raise KVTransportError("--pin pins the one prefill and one decode process of the plain bench only")
     if (args.prefill_tp, args.decode_tp) != (1, 1):
         if args.in_flight is not None:
             raise KVTransportError(
@@ -597,6 +604,7 @@ def bench_cmd(args: argparse.Namespace) -> int:
             progress=sys.stderr,
             timeout=args.timeout,
             compare=args.compare,
+            pin=args.pin,
         )
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))

@@ -5,7 +5,8 @@ address, then answers one JSON line per command. The bench runs it as its decode
 (and the conformance suite) use it as the far side of a real two-process transfer. Commands:
 ``accept``, ``connect``, ``expect``, ``send``, ``wait``, ``digests``, ``aux_digest``, ``abort``,
 ``state``, ``poison``, ``forget``, ``stats``, ``raw_open`` / ``raw_close`` (the driver's raw
-engine over the same pool, for the bench's baseline), ``close``.
+engine over the same pool, for the bench's baseline), ``cpus`` (the CPU sets of its threads,
+after ``--cpus`` pinned them), ``close``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import traceback
 from typing import Any
 
 from .baseline import RawEngine, raw_engine_of
+from .cpu_pin import pin_process, process_cpus
 from .driver import KVTransport
 from .endpoint import Connection, Endpoint, State, Timeouts, Transfer
 from .errors import KVTransportError
@@ -59,7 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mla", action="store_true", help="the buffers hold MLA's latent")
     p.add_argument("--listen", default="tcp://127.0.0.1:0", help="the endpoint's listen address")
     p.add_argument("--page-tokens", type=int, default=PAGE_TOKENS, help="tokens per page of the layout")
+    p.add_argument("--cpus", default="", help="run on these CPUs only, comma-separated (bench --pin)")
     args = p.parse_args(argv)
+    if args.cpus:
+        # Before any engine or endpoint thread starts: those inherit the set.
+        pin_process([int(c) for c in args.cpus.split(",")])
     pool = KVPool(
         args.pages,
         args.layers,
@@ -196,6 +202,8 @@ def _run(cmd: dict[str, Any], session: _Session) -> dict[str, Any]:
         }
     if op == "state":
         return {"states": {tag: _state(transfers[tag]) for tag in cmd["tags"]}}
+    if op == "cpus":
+        return {"cpus": process_cpus()}
     if op == "digests":
         return {"digests": pool.page_digests(cmd["pages"])}
     if op == "aux_digest":

@@ -4,14 +4,16 @@ engine measured beside it; and the report's arithmetic and verdict."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from typing import Any
 
 import pytest
 
-from kvtransport import bench, cli
+from kvtransport import bench, cli, cpu_pin
 from kvtransport.bench import Report, Sample, Workload
+from kvtransport.errors import KVTransportError
 from kvtransport.kv_pool import KVPool
 
 from .conftest import require_engines, run_cli
@@ -120,6 +122,36 @@ def test_bench_compares_a_staged_driver_with_the_driver_it_stages_over() -> None
     assert (report["driver"], report["compare"]) == ("mooncake-staged", "mooncake-gdr")
     assert report["integrity"]["compare_requests_verified"] == 3
     assert report["figures"]["compare"]["median_gbps"] > 0 and report["figures"]["ratio_compare"] > 0
+
+
+def test_bench_pin_runs_each_process_on_cpus_of_its_own_and_gives_them_back() -> None:
+    """``--pin``: the report says where each process's threads ran, as each read them back
+    (the decode process from its own threads, not what it was asked), the two sets are
+    disjoint and together every CPU; in-process, the caller's threads get their CPUs back."""
+    require_engines()
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("--pin needs two CPUs")
+    proc = run_cli("bench", *SMALL, "--driver", "mooncake-gdr", "--pin", timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["integrity"]["ok"] is True and report["integrity"]["raw_requests_verified"] == 3
+    half = len(cpus) // 2
+    assert report["pinned"] == {"prefill": [cpus[:half]], "decode": [cpus[half:]]}
+    w = Workload(requests=1, prompt_tokens=64, layers=1, warmup=0)
+    before = cpu_pin.process_cpus()
+    pinned = bench.run(w, driver="mooncake-gdr", pin=True)
+    assert pinned.integrity_ok and pinned.pinned is not None
+    assert pinned.pinned["prefill"] == [cpus[:half]] and pinned.pinned["decode"] == [cpus[half:]]
+    assert cpu_pin.process_cpus() == before
+
+
+def test_pin_refuses_a_single_cpu_and_the_modes_it_does_not_model() -> None:
+    with pytest.raises(KVTransportError, match="at least 2 CPUs"):
+        cpu_pin.split_halves([3])
+    assert cpu_pin.split_halves([0, 1, 2]) == ([0], [1, 2])
+    proc = run_cli("bench", *SMALL, "--pin", "--in-flight", "2", timeout=60)
+    assert proc.returncode != 0 and "--pin pins the one prefill and one decode process" in proc.stderr
 
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp", "driver"), [(2, 1, "nixl-ucx"), (1, 2, "")])
