@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .errors import DriverUnavailable, EngineError
-from .staging.copy import strided_groups
+from .staging.copy import Pieces, as_u64, strided_groups
 
 CUDA_SUCCESS = 0
 CUDA_ERROR_NOT_READY = 600
@@ -264,11 +264,12 @@ class CudaCopyEngine:
         if self.cuda.pin(ptr, size):
             self._pinned.append(ptr)
 
-    def copy(self, dst: npt.NDArray[np.uint64], src: npt.NDArray[np.uint64], length: npt.NDArray[np.uint64]) -> None:
+    def copy(self, dst: Pieces, src: Pieces, length: Pieces) -> None:
         """Each strided group of rows (a head slice of a page's tokens, unequal TP) that lies in
         one allocation on both sides as one 2-D copy, the rest one copy each; then the stream
         is synchronised. Pieces are not merged across pieces' borders: two regions adjacent in
         the address space are still two allocations, which one CUDA copy must not span."""
+        dst, src, length = as_u64(dst), as_u64(src), as_u64(length)
         stream = self._stream()
         start = 0
         for first, count in strided_groups(dst, src, length):

@@ -203,8 +203,9 @@ class DriverContext(Protocol):
 
     def check_inbound(self, peer: str, dst: Any, length: Any) -> bool:
         """Two-sided receiver, before writing anything a peer asked for: ``True`` when every
-        piece ``[dst[i], dst[i] + length[i])`` (uint64 arrays) lies in pages or aux slots that a
-        live transfer of ``peer`` announced; ``False`` when some land on pages of a transfer of
+        piece ``[dst[i], dst[i] + length[i])`` (uint64 arrays, or lists of ints) lies in pages
+        or aux slots that a live transfer of ``peer`` announced; ``False`` when some land on
+        pages of a transfer of
         ``peer`` that failed moments ago (late data: write none of it, it is not an error);
         raises :class:`~kvtransport.errors.InvalidPages` for anything else."""
 

@@ -70,7 +70,7 @@ from .errors import (
 from .express import ExpressPort
 from .handshake import check_agreement, decide, label_of, read_peer, regions_from_dict, regions_to_dict
 from .hello import DriverHello, Hello, build_hello, describe_driver, load_drivers
-from .inbound import U64
+from .inbound import Pieces
 from .lane import Lane
 from .memory import KVLayout, RegionSet
 from .metrics import Metrics
@@ -143,7 +143,7 @@ class _Context:
         if runner is not None:
             runner.signal_prefix(("inbound", peer))
 
-    def check_inbound(self, peer: str, dst: U64, length: U64) -> bool:
+    def check_inbound(self, peer: str, dst: Pieces, length: Pieces) -> bool:
         return self._endpoint.check_inbound(peer, dst, length)
 
 
@@ -530,19 +530,19 @@ class Endpoint:
         else:
             self.channel.call_soon(self.flush_notices)
 
-    def check_inbound(self, peer: str, dst: U64, length: U64) -> bool:
+    def check_inbound(self, peer: str, dst: Any, length: Any) -> bool:
         """Driver thread: ``True`` when every piece lands in pages announced to ``peer``;
         ``False`` for late data of a transfer of ``peer`` that failed (drop it); raises
-        :class:`InvalidPages` otherwise."""
+        :class:`InvalidPages` otherwise. Lists of ints are checked as they are (a small
+        chunk's), anything else as uint64 arrays."""
+        dst, length = _pieces(dst), _pieces(length)
         session = self.sessions.get(peer)
         if session is None or session.phase is not Phase.READY:
             raise InvalidPages(f"inbound data from {peer!r}, which is not connected")
         guard = session.guard
         if guard is None:
             raise InvalidPages(f"inbound data from {session.peer_label}, which was announced nothing")
-        return guard.check(
-            np.asarray(dst, dtype=np.uint64), np.asarray(length, dtype=np.uint64), "inbound piece destination"
-        )
+        return guard.check(dst, length, "inbound piece destination")
 
     # -- I/O thread ----------------------------------------------------------------------------
 
@@ -1112,3 +1112,9 @@ def _pending_handles(driver: KVTransport) -> int:
         return int(driver.pending())
     except Exception:  # noqa: BLE001 - diagnostics only
         return -1
+
+
+def _pieces(p: Any) -> Pieces:
+    if isinstance(p, list) and all(type(x) is int for x in p):
+        return p
+    return np.asarray(p, dtype=np.uint64)

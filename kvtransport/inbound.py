@@ -31,6 +31,19 @@ from .memory import RegionSet
 
 U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
+#: Addresses, lengths or offsets of pieces: a list for a few pieces (a small chunk's notice is
+#: decoded so: numpy's calls, cheap in a loop, cost 7-30 us each on a core whose caches went
+#: cold between requests, a list's handling a few), else an array.
+Pieces = U64 | list[int]
+
+
+def as_list(p: Pieces) -> list[int]:
+    return p if isinstance(p, list) else p.tolist()
+
+
+def as_u64(p: Pieces) -> U64:
+    return p if isinstance(p, np.ndarray) else np.array(p, dtype=np.uint64)
+
 
 #: Chunks of at most this many pieces are checked piece by piece in plain Python: the vectorised
 #: check is about twenty numpy calls whatever the count (30-60 us for the two pieces of a
@@ -103,16 +116,18 @@ class InboundGuard:
 
     # -- driver thread ---------------------------------------------------------------------
 
-    def check(self, dst: U64, length: U64, what: str) -> bool:
+    def check(self, dst: Pieces, length: Pieces, what: str) -> bool:
         """``True``: every ``[dst, dst+length)`` lies inside one region and covers only pages,
         aux slots and state items currently announced. ``False``: some pieces land on what a
         transfer of this peer that failed recently announced (late data: write none of it).
         Raises :class:`InvalidPages` for anything else."""
-        if dst.size == 0:
+        if len(dst) != len(length):
+            raise InvalidPages(f"{what}: {len(dst)} destinations for {len(length)} lengths")
+        if len(dst) == 0:
             return True
-        if dst.size <= FEW_PIECES:
-            return self._check_few(dst.tolist(), length.tolist(), what)
-        return self._check_many(dst, length, what)
+        if len(dst) <= FEW_PIECES:
+            return self._check_few(as_list(dst), as_list(length), what)
+        return self._check_many(as_u64(dst), as_u64(length), what)
 
     def _check_few(self, dst: list[int], length: list[int], what: str) -> bool:
         """:meth:`check` for a few pieces, in plain Python, with the same answers and errors as

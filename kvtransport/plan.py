@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,22 +26,71 @@ U64 = npt.NDArray[np.uint64]
 SMALL = 32
 
 
-@dataclass(frozen=True)
 class Runs:
-    """Parallel arrays of byte runs: ``src[i]`` -> ``dst[i]``, ``length[i]`` bytes."""
+    """Parallel arrays of byte runs: ``src[i]`` -> ``dst[i]``, ``length[i]`` bytes. Never
+    changed once made. A small plan's runs are kept as the lists they were planned in
+    (:meth:`of_lists`), its arrays made only if something asks for them: the small request's
+    next steps take lists, and each numpy call costs several microseconds on a core whose
+    caches went cold between requests."""
 
-    src: U64
-    dst: U64
-    length: U64
+    __slots__ = ("__dict__", "_dst", "_length", "_lists", "_src")
+
+    def __init__(self, src: U64, dst: U64, length: U64) -> None:
+        self._src: U64 | None = src
+        self._dst: U64 | None = dst
+        self._length: U64 | None = length
+        self._lists: tuple[list[int], list[int], list[int]] | None = None
+
+    @classmethod
+    def of_lists(cls, src: list[int], dst: list[int], length: list[int]) -> Runs:
+        """Runs of these lists (ints in uint64's range, as long as each other), which the
+        caller hands over: it must not change them."""
+        runs = cls.__new__(cls)
+        runs._src = runs._dst = runs._length = None
+        runs._lists = (src, dst, length)
+        runs.__dict__["total_bytes"] = sum(length)  # the cached property's slot
+        return runs
+
+    @property
+    def src(self) -> U64:
+        if self._src is None:
+            assert self._lists is not None
+            self._src = np.array(self._lists[0], dtype=np.uint64)  # two threads racing make equal arrays
+        return self._src
+
+    @property
+    def dst(self) -> U64:
+        if self._dst is None:
+            assert self._lists is not None
+            self._dst = np.array(self._lists[1], dtype=np.uint64)
+        return self._dst
+
+    @property
+    def length(self) -> U64:
+        if self._length is None:
+            assert self._lists is not None
+            self._length = np.array(self._lists[2], dtype=np.uint64)
+        return self._length
 
     def __len__(self) -> int:
+        if self._lists is not None:
+            return len(self._lists[2])
         return int(self.length.shape[0])
+
+    def __repr__(self) -> str:
+        return f"Runs({len(self)} runs, {self.total_bytes} bytes)"
 
     @functools.cached_property
     def total_bytes(self) -> int:
-        # Cached: a send reads it several times, and each sum is a numpy call (the arrays of
-        # a planned Runs are never changed in place).
+        # Cached: a send reads it several times, and each sum is a numpy call.
         return int(self.length.sum(dtype=np.uint64))
+
+    def lists(self) -> tuple[list[int], list[int], list[int]]:
+        """``src``, ``dst`` and ``length`` as lists of ints, which the caller must not change:
+        those a small plan was made of, else made now."""
+        if self._lists is not None:
+            return self._lists
+        return self.src.tolist(), self.dst.tolist(), self.length.tolist()
 
     def batches(self, max_runs: int) -> list[Runs]:
         """Split into batches of at most ``max_runs`` runs (engines limit a batch's size)."""
@@ -215,11 +263,9 @@ def _runs_of_groups(bases: Sequence[tuple[int, int, int]], groups: list[list[int
             out_src.append(src_base + s * item)
             out_dst.append(dst_base + d * item)
             out_len.append(n * item)
-    runs = Runs(np.array(out_src, np.uint64), np.array(out_dst, np.uint64), np.array(out_len, np.uint64))
+    runs = Runs.of_lists(out_src, out_dst, out_len)
     if max_run_bytes is not None and out_len and max(out_len) > max_run_bytes:
         return _cap(runs, max_run_bytes)
-    # Known here without a numpy reduction (the cached property's slot; the arrays never change).
-    runs.__dict__["total_bytes"] = sum(out_len)
     return runs
 
 

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from kvtransport.endpoint import Endpoint, State, Timeouts, Transfer
 from kvtransport.errors import ConfigError, DriverError, EngineError, PeerLost, ProtocolError
+from kvtransport.inbound import FEW_PIECES
 from kvtransport.kv_pool import KVPool
 from kvtransport.memory import RegionSet
 from kvtransport.peer_process import PeerProcess
@@ -34,11 +35,13 @@ from kvtransport.staging import MemcpyCopyEngine, RingConfig, StagingPipeline, c
 from kvtransport.staging import pipeline as pipeline_module
 from kvtransport.staging.notices import (
     MAX_HOLD_MS,
+    ChunkNotice,
     Grant,
     Lend,
     Release,
     Want,
     decode_notice,
+    encode_chunk,
     encode_grant,
     encode_lend,
     encode_release,
@@ -69,10 +72,16 @@ def test_chunks_cover_every_byte_once_in_order_and_fit_their_slot(case: tuple[Ru
     chunks = chunk_runs(runs, size)
     assert sum(c.nbytes for c in chunks) == runs.total_bytes
     assert all(0 < c.nbytes <= size for c in chunks)
-    assert all(a.dtype == np.uint64 for c in chunks for a in (c.src, c.dst, c.length, c.offset))
+    for c in chunks:  # uint64 arrays, or for one chunk of a few runs lists of ints in uint64's range
+        for a in (c.src, c.dst, c.length, c.offset):
+            if isinstance(a, list):
+                assert len(chunks) == 1 and len(a) <= FEW_PIECES
+                assert all(type(x) is int and 0 <= x < 1 << 64 for x in a)
+            else:
+                assert a.dtype == np.uint64
     for c in chunks:  # pieces packed back to back from offset 0
         assert c.offset[0] == 0
-        assert np.array_equal(c.offset[1:], np.cumsum(c.length)[:-1])
+        assert np.array_equal(np.asarray(c.offset[1:]), np.cumsum(np.asarray(c.length))[:-1])
     # Rebuild each run's (src, dst) byte mapping from the pieces.
     pieces = [(int(s), int(d), int(n)) for c in chunks for s, d, n in zip(c.src, c.dst, c.length, strict=True)]
     expected = []
@@ -117,6 +126,28 @@ def test_credit_notices_decode_to_what_was_encoded(slots: list[int], hold: int, 
     assert decode_notice(encode_grant(slots), SLOTS) == Grant(tuple(slots))
     assert decode_notice(encode_release(slots), SLOTS) == Release(tuple(slots))
     assert decode_notice(encode_lend(slots, hold), SLOTS) == Lend(tuple(slots), hold)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(0, SLOTS - 1),
+    st.lists(st.tuples(*[st.integers(0, 2**64 - 1)] * 3), min_size=1, max_size=3 * FEW_PIECES),
+    st.booleans(),
+)
+def test_a_chunk_notice_decodes_to_what_was_encoded_as_lists_when_few(
+    slot: int, pieces: list[tuple[int, int, int]], as_arrays: bool
+) -> None:
+    """Lists or arrays in, the same uint64 values out: lists for at most ``FEW_PIECES``
+    pieces (a small chunk's, handled without numpy downstream), arrays for more."""
+    dst, length, offset = (list(x) for x in zip(*pieces, strict=True))
+    given_ = [np.array(x, dtype=np.uint64) for x in (dst, length, offset)] if as_arrays else [dst, length, offset]
+    notice = decode_notice(encode_chunk(slot, *given_), SLOTS)
+    assert isinstance(notice, ChunkNotice) and notice.slot == slot
+    for got, want in zip((notice.dst, notice.length, notice.offset), (dst, length, offset), strict=True):
+        if len(pieces) <= FEW_PIECES:
+            assert isinstance(got, list) and got == want
+        else:
+            assert isinstance(got, np.ndarray) and got.dtype == np.uint64 and got.tolist() == want
 
 
 @settings(max_examples=300, deadline=None)

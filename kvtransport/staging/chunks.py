@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..inbound import FEW_PIECES
+from ..inbound import FEW_PIECES, Pieces, as_list, as_u64
 from ..plan import Runs
 from .copy import U64
 
@@ -18,18 +18,18 @@ class Chunk:
     """Pieces of runs packed back to back into one ring slot: piece i goes from ``src[i]`` to
     ``dst[i]`` through the slot at ``offset[i]``."""
 
-    src: U64
-    dst: U64
-    length: U64
-    offset: U64
+    src: Pieces
+    dst: Pieces
+    length: Pieces
+    offset: Pieces
 
     @functools.cached_property
     def nbytes(self) -> int:
         # Read several times per chunk on the hot path (inline checks, posting, the wire
         # stage's polling): summed once.
         if len(self.length) <= FEW_PIECES:  # a ufunc reduction costs more than a few pieces' sum
-            return sum(self.length.tolist())
-        return int(self.length.sum())
+            return sum(as_list(self.length))
+        return int(as_u64(self.length).sum())
 
 
 def chunk_runs(runs: Runs, chunk_bytes: int) -> list[Chunk]:
@@ -37,11 +37,12 @@ def chunk_runs(runs: Runs, chunk_bytes: int) -> list[Chunk]:
     if not len(runs):
         return []
     if len(runs) <= FEW_PIECES and runs.total_bytes <= chunk_bytes:
-        # One chunk of a few runs (a small request): their slot offsets summed in plain Python,
-        # the runs' own arrays shared (a planned Runs is never changed in place); the numpy
-        # path below costs several times that for a few pieces.
-        offsets = list(itertools.accumulate(runs.length.tolist()[:-1], initial=0))
-        return [Chunk(_u64(runs.src), _u64(runs.dst), _u64(runs.length), np.array(offsets, dtype=np.uint64))]
+        # One chunk of a few runs (a small request): lists, their slot offsets summed in plain
+        # Python (the runs' own lists shared: a planned Runs is never changed); the numpy path
+        # below costs several times that for a few pieces, and so would arrays in the steps
+        # after (gather, the notice, the checks and copies at the receiver).
+        few_src, few_dst, few_len = runs.lists()
+        return [Chunk(few_src, few_dst, few_len, list(itertools.accumulate(few_len[:-1], initial=0)))]
     length = runs.length.astype(np.uint64)
     end = np.cumsum(length, dtype=np.uint64)
     start = end - length

@@ -9,7 +9,16 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-U64 = npt.NDArray[np.uint64]
+from ..inbound import U64, Pieces, as_list, as_u64
+
+__all__ = ["U64", "CopyEngine", "MemcpyCopyEngine", "Pieces", "WireLink", "as_list", "as_u64", "shifted"]
+
+
+def shifted(base: int, offsets: Pieces) -> Pieces:
+    """``base + offsets``, of the same kind as ``offsets``."""
+    if isinstance(offsets, list):
+        return [base + o for o in offsets]
+    return np.uint64(base) + offsets
 
 
 class CopyEngine(Protocol):
@@ -24,7 +33,7 @@ class CopyEngine(Protocol):
     #: pipeline's own stage threads (an engine with per-thread state, such as CUDA streams).
     any_thread: bool
 
-    def copy(self, dst: U64, src: U64, length: U64) -> None: ...
+    def copy(self, dst: Pieces, src: Pieces, length: Pieces) -> None: ...
 
     def close(self) -> None: ...
 
@@ -59,13 +68,13 @@ class MemcpyCopyEngine:
     name = "memcpy"
     any_thread = True
 
-    def copy(self, dst: U64, src: U64, length: U64) -> None:
+    def copy(self, dst: Pieces, src: Pieces, length: Pieces) -> None:
         if len(length) < STRIDED_MIN:
             # A small chunk's few pieces: merging them would cost more numpy calls than the
             # one ``memmove`` each it could save.
             _memmove_each(dst, src, length)
             return
-        dst, src, length = coalesce(dst, src, length)
+        dst, src, length = coalesce(as_u64(dst), as_u64(src), as_u64(length))
         if int(length.min()) > ROWS_MAX_LEN:
             # Long pieces (whole pages): a call each costs little beside its copy, and looking
             # for rows or strided groups would cost more than it could save.
@@ -142,8 +151,8 @@ def _rows(addr: int, span: int, row: np.dtype[Any]) -> np.ndarray[Any, np.dtype[
     return np.frombuffer(memoryview((ctypes.c_uint8 * span).from_address(addr)).cast("B"), dtype=row)
 
 
-def _memmove_each(dst: U64, src: U64, length: U64) -> None:
-    for d, s, n in zip(dst.tolist(), src.tolist(), length.tolist(), strict=True):
+def _memmove_each(dst: Pieces, src: Pieces, length: Pieces) -> None:
+    for d, s, n in zip(as_list(dst), as_list(src), as_list(length), strict=True):
         ctypes.memmove(d, s, n)
 
 

@@ -11,6 +11,7 @@ them can overflow.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,8 +19,9 @@ import msgpack
 import numpy as np
 
 from ..errors import ProtocolError
+from ..inbound import FEW_PIECES
 from .config import MAX_SLOTS
-from .copy import U64
+from .copy import Pieces
 
 #: Most pieces in one chunk notice (a chunk of 8 MiB of 1 KiB pages is 8,192).
 MAX_PIECES = 1 << 16
@@ -50,10 +52,12 @@ class Release:
 
 @dataclass(frozen=True)
 class ChunkNotice:
+    """Lists for a chunk of at most ``FEW_PIECES`` pieces, arrays for more."""
+
     slot: int
-    dst: U64
-    length: U64
-    offset: U64
+    dst: Pieces
+    length: Pieces
+    offset: Pieces
 
 
 Notice = Want | Grant | Lend | Release | ChunkNotice
@@ -75,10 +79,17 @@ def encode_release(slots: list[int]) -> bytes:
     return _pack({"op": "release", "slots": [int(s) for s in slots]})
 
 
-def encode_chunk(slot: int, dst: U64, length: U64, offset: U64) -> bytes:
+def encode_chunk(slot: int, dst: Pieces, length: Pieces, offset: Pieces) -> bytes:
     return _pack(
-        {"op": "chunk", "slot": int(slot), "dst": dst.tobytes(), "len": length.tobytes(), "off": offset.tobytes()}
+        {"op": "chunk", "slot": int(slot), "dst": _packed(dst), "len": _packed(length), "off": _packed(offset)}
     )
+
+
+def _packed(p: Pieces) -> bytes:
+    """Native uint64s, as ``decode_notice`` reads them (both ends run on one architecture)."""
+    if isinstance(p, list):
+        return struct.pack(f"={len(p)}Q", *p)
+    return p.astype(np.uint64, copy=False).tobytes()
 
 
 def _pack(doc: dict[str, Any]) -> bytes:
@@ -111,14 +122,18 @@ def decode_notice(payload: Any, slots: int) -> Notice:
     if op == "chunk":
         _fields(msg, "slot", "dst", "len", "off")
         slot = _int(msg["slot"], "chunk.slot", 0, slots - 1)
-        arrays = []
+        fields: list[Pieces] = []
         for key in ("dst", "len", "off"):
             raw = msg[key]
             if not isinstance(raw, bytes) or len(raw) % 8 or not 0 < len(raw) <= 8 * MAX_PIECES:
                 raise ProtocolError(f"chunk.{key} must be 1..{MAX_PIECES} packed uint64")
-            arrays.append(np.frombuffer(raw, dtype=np.uint64))
-        dst, length, offset = arrays
-        if not dst.size == length.size == offset.size:
+            # A few pieces (a small request's chunk) as plain ints: what handles them next is
+            # cheaper on lists than numpy's per-call cost; many as one array.
+            fields.append(
+                memoryview(raw).cast("Q").tolist() if len(raw) <= 8 * FEW_PIECES else np.frombuffer(raw, np.uint64)
+            )
+        dst, length, offset = fields
+        if not len(dst) == len(length) == len(offset):
             raise ProtocolError("chunk piece lists of different lengths")
         return ChunkNotice(slot, dst, length, offset)
     raise ProtocolError(f"unknown staging notice {str(op)[:32]!r}")

@@ -45,7 +45,7 @@ from ..memory import RegionSet
 from ..plan import Runs, check_runs_within
 from .chunks import Chunk, chunk_runs
 from .config import ENV_CHUNK_BYTES, MAX_SLOTS, RingConfig
-from .copy import U64, CopyEngine, WireLink
+from .copy import CopyEngine, Pieces, WireLink, as_list, as_u64, shifted
 from .notices import (
     MAX_HOLD_MS,
     ChunkNotice,
@@ -105,7 +105,7 @@ LEND_MAX_SLOTS = 2
 
 #: ``guard(peer, dst, length)``: ``True`` when the pieces land where ``peer`` may write, ``False``
 #: for late data of a transfer that failed (dropped); raises for anything else.
-Guard = Callable[[str, U64, U64], bool]
+Guard = Callable[[str, Pieces, Pieces], bool]
 
 
 @dataclass
@@ -437,7 +437,7 @@ class StagingPipeline:
         return both slots and say ``False``."""
         try:
             c = job.chunk
-            self.copy_engine.copy(np.uint64(self._out_ptr(local)) + c.offset, c.src, c.length)
+            self.copy_engine.copy(shifted(self._out_ptr(local), c.offset), c.src, c.length)
         except Exception as exc:  # noqa: BLE001 - the batch fails, the slots come back
             with self._lock:
                 job.batch.moving -= 1
@@ -734,7 +734,7 @@ class StagingPipeline:
             if not _within_slot(offset, length, self.config.chunk_bytes):
                 raise ProtocolError("a piece reaches past its ring slot")
             if self._guard is None:
-                check_runs_within(dst, length, self._regions.all(), "staged chunk destination")
+                check_runs_within(as_u64(dst), as_u64(length), self._regions.all(), "staged chunk destination")
                 live = True
             else:  # the guard checks the regions too, and the pages announced to this peer
                 live = self._guard(peer, dst, length)
@@ -758,7 +758,7 @@ class StagingPipeline:
         with self._lock:
             inbound.granted.pop(slot, None)
             inbound.busy.add(slot)
-            chunk = Chunk(np.uint64(self._in_ptr(slot)) + offset, dst, length, offset)
+            chunk = Chunk(shifted(self._in_ptr(slot), offset), dst, length, offset)
             # A small chunk with nothing queued before it is copied in right here: handing it to
             # the scatter thread costs a wake-up (about 0.2 ms on a cold core) against a copy of
             # a few microseconds. Bigger ones go to the scatter thread, which overlaps them with
@@ -883,13 +883,14 @@ class StagingPipeline:
             log.debug("%s: notice to %s not sent: %s", self.name, peer, exc)
 
 
-def _within_slot(offset: U64, length: U64, room: int) -> bool:
+def _within_slot(offset: Pieces, length: Pieces, room: int) -> bool:
     """Whether every piece ``[offset, offset + length)`` lies inside a ring slot of ``room``
     bytes. A few pieces in plain Python (its ints cannot overflow; numpy's per-call cost is
     most of a small chunk's handling); many vectorised, overflow-safe: "offset <= room and
     length <= room - offset", never "offset + length"."""
     if len(offset) <= FEW_PIECES:
-        return all(o + n <= room for o, n in zip(offset.tolist(), length.tolist(), strict=True))
+        return all(o + n <= room for o, n in zip(as_list(offset), as_list(length), strict=True))
+    offset, length = as_u64(offset), as_u64(length)
     big = np.uint64(room)
     return not (np.any(offset > big) or np.any(length > big - np.minimum(offset, big)))
 

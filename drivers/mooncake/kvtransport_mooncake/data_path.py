@@ -126,7 +126,7 @@ class MooncakeDataPath(KVTransport):
         if session is None or self._engine is None or self._pool is None:
             raise DriverError(f"{self.name}: submit to {peer!r} before open()/connect()")
         engine = self._engine
-        src, dst, lengths = runs.src.tolist(), runs.dst.tolist(), runs.length.tolist()
+        src, dst, lengths = runs.lists()
         self._next += 1
         handle = self._next
         if len(src) <= INLINE_RUNS:

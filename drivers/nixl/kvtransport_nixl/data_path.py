@@ -245,7 +245,7 @@ class NixlDataPath(KVTransport):
             # A few descriptors: NIXL takes a list of tuples with fewer numpy calls than an
             # array needs to be built (1.3 us less per list in a loop, several times that in
             # situ, where a small request's latency is made of such calls).
-            src, dst, length = runs.src.tolist(), runs.dst.tolist(), runs.length.tolist()
+            src, dst, length = runs.lists()
             here, there = _device_id(kind), target.device
             local = [(a, b, here) for a, b in zip(src, length, strict=True)]
             remote = [(a, b, there) for a, b in zip(dst, length, strict=True)]
