@@ -63,7 +63,12 @@ def _outcome(fn: object, *args: object, **kw: object) -> object:
         runs = fn(*args, **kw)  # type: ignore[operator]
     except Exception as exc:  # noqa: BLE001 - the error is the outcome compared
         return (type(exc), str(exc))
-    return (runs.src.tolist(), runs.dst.tolist(), runs.length.tolist(), runs.total_bytes)
+    # The lists a small plan keeps (or any plan's, made on asking) say what its arrays say.
+    listed = tuple(list(x) for x in runs.lists())
+    arrays = (runs.src.tolist(), runs.dst.tolist(), runs.length.tolist())
+    assert listed == arrays and len(runs) == len(arrays[2])
+    assert all(a.dtype == np.uint64 for a in (runs.src, runs.dst, runs.length))
+    return (*arrays, runs.total_bytes)
 
 
 @settings(max_examples=600)
@@ -132,6 +137,18 @@ def test_paired_regions_plan_valid_requests_as_plan_does(case) -> None:  # type:
     assert _outcome(RegionPairs(src_r, dst_r).plan, src, dst, max_run_bytes=cap) == _outcome(
         plan, src_r, dst_r, src, dst, max_run_bytes=cap
     )
+
+
+def test_a_small_plan_makes_no_array_until_one_is_asked_for() -> None:
+    """Its next steps (a direct driver's small post, a one-chunk staged request) take lists;
+    numpy's calls are what a small request's latency is made of on a cold core."""
+    src_r, dst_r = regions(1 << 20, 2, 8, 64), regions(1 << 30, 2, 8, 64)
+    runs = RegionPairs(src_r, dst_r).plan([1, 2, 5], [0, 1, 7])
+    assert (runs._src, runs._dst, runs._length) == (None, None, None)
+    src, dst, length = runs.lists()
+    assert len(runs) == 4 and runs.total_bytes == 2 * 3 * 64
+    assert (runs._src, runs._dst, runs._length) == (None, None, None)
+    assert runs.dst.tolist() == dst and runs.src.tolist() == src and runs.length.tolist() == length == [128, 64] * 2
 
 
 def test_consecutive_pages_coalesce_into_one_run_per_region() -> None:
