@@ -127,6 +127,20 @@ def as_pages(values: Any, what: str) -> npt.NDArray[np.int64]:
     return arr.astype(np.int64, copy=False)
 
 
+def few_pages(values: Any) -> list[int] | None:
+    """A small request's page indices as a list of ints, with no numpy call when they come
+    as a list (or tuple) of ints and one when they come as an integer array; ``None`` when
+    they are more than ``SMALL`` or anything else, for :func:`as_pages` (and its errors)."""
+    if isinstance(values, list | tuple):
+        if len(values) <= SMALL and all(type(v) is int for v in values):
+            return list(values)
+        return None
+    if isinstance(values, np.ndarray) and values.ndim == 1 and values.size <= SMALL and values.dtype.kind in "iu":
+        listed: list[int] = values.tolist()
+        return listed
+    return None
+
+
 def check_pages(pages: npt.NDArray[np.int64], num_pages: int, what: str) -> None:
     if not pages.size:
         return
@@ -231,14 +245,18 @@ class RegionPairs:
     def plan(self, src_pages: Any, dst_pages: Any, *, max_run_bytes: int | None = None) -> Runs:
         if max_run_bytes is not None and max_run_bytes <= 0:
             return plan(self._src_regions, self._dst_regions, src_pages, dst_pages, max_run_bytes=max_run_bytes)
-        src = as_pages(src_pages, "source")
-        dst = as_pages(dst_pages, "destination")
-        n = src.size
-        if not self._bases or not 0 < n <= SMALL or dst.shape != src.shape:  # as_pages: both 1-D
-            return plan(self._src_regions, self._dst_regions, src, dst, max_run_bytes=max_run_bytes)
-        s, d = src.tolist(), dst.tolist()
+        s, d = few_pages(src_pages), few_pages(dst_pages)
+        if s is None or d is None:
+            src = as_pages(src_pages, "source")
+            dst = as_pages(dst_pages, "destination")
+            if not self._bases or not 0 < src.size <= SMALL or dst.shape != src.shape:  # as_pages: both 1-D
+                return plan(self._src_regions, self._dst_regions, src, dst, max_run_bytes=max_run_bytes)
+            s, d = src.tolist(), dst.tolist()
+        n = len(s)
+        if not self._bases or not 0 < n <= SMALL or len(d) != n:
+            return plan(self._src_regions, self._dst_regions, s, d, max_run_bytes=max_run_bytes)
         if min(s) < 0 or max(s) >= self._src_pages or min(d) < 0 or max(d) >= self._dst_pages or len(set(d)) != n:
-            return plan(self._src_regions, self._dst_regions, src, dst, max_run_bytes=max_run_bytes)
+            return plan(self._src_regions, self._dst_regions, s, d, max_run_bytes=max_run_bytes)
         return _runs_of_groups(self._bases, _page_groups(s, d), max_run_bytes)
 
 

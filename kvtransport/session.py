@@ -45,7 +45,7 @@ from .express import ORDERED_KINDS
 from .inbound import Claim, InboundGuard
 from .lane import Lane
 from .memory import MAX_STATE_GROUPS, KVLayout, RegionSet
-from .plan import RegionPairs, Runs, as_pages, check_pages, check_unique, plan, plan_heads
+from .plan import SMALL, RegionPairs, Runs, as_pages, check_pages, check_unique, few_pages, plan, plan_heads
 from .tp_map import EQUAL, PairShape, pair_shape
 from .transfer import RECV, SEND, State, Transfer
 from .wire import MAX_INT, Done, Message, encode
@@ -403,8 +403,9 @@ class Session:
             raise KVTransportError(f"transfer {transfer.tag!r}: the last chunk was already sent")
         assert self.peer_regions is not None
         ep = self.endpoint
-        src = as_pages(src_pages, f"transfer {transfer.tag!r} source")
-        start, stop = transfer.sent_pages, transfer.sent_pages + src.size
+        few = few_pages(src_pages)
+        src = few if few is not None else as_pages(src_pages, f"transfer {transfer.tag!r} source")
+        start, stop = transfer.sent_pages, transfer.sent_pages + len(src)
         announced = transfer.dst_pages.size
         if stop > announced or (last and stop != announced):
             raise InvalidPages(
@@ -412,7 +413,10 @@ class Session:
                 f"would make {stop}{' (the last chunk must complete them)' if last else ''}"
             )
         shape = self.shape(sending=True)
-        runs = self._plan_kv(shape, src, transfer.dst_pages[start:stop])
+        listed = transfer.dst_page_list
+        runs = self._plan_kv(
+            shape, src, listed[start:stop] if few is not None and listed is not None else transfer.dst_pages[start:stop]
+        )
         if not shape.primary:
             # Another rank of this side sends the receiver's aux slot and state (unequal TP).
             aux, state = None, None
@@ -988,6 +992,7 @@ class Session:
             self.abort(t, str(exc), notify=True, error=exc)
             return
         t.dst_pages, t.dst_aux, t.peer_prefix = pages, int(msg["aux"]), int(msg["prefix"])
+        t.dst_page_list = pages.tolist() if pages.size <= SMALL else None
         t.dst_state = state
         t._set(State.WAITING_FOR_INPUT)
 

@@ -62,6 +62,8 @@ class Transfer:
         self._final = threading.Event()
         # sender side
         self.dst_pages: npt.NDArray[np.int64] | None = None
+        #: The same, as a list, when they are few (a small request plans from lists).
+        self.dst_page_list: list[int] | None = None
         self.dst_aux = -1
         self.dst_state: tuple[npt.NDArray[np.int64], ...] = ()  # per state group
         self.sent_pages = 0  # caller thread: pages planned so far
