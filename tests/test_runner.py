@@ -325,3 +325,44 @@ def test_a_callers_wait_sees_a_quick_batch_finish_on_its_own_thread(here_s: floa
             assert any(t != threading.get_ident() for t in checked_on[1:]), "the runner should finish the watch"
     finally:
         runner.stop()
+
+
+def test_a_paced_watch_keeps_its_own_pace_until_a_watch_without_one_joins() -> None:
+    """Receiver-side progress of small transfers is paced slowly (``watch(pace=...)``): alone,
+    the runner checks it at that pace; a batch watch without a pace brings the runner's quick
+    back-off back for as long as it lasts, and the slow pace returns after it."""
+
+    class _Polled(_Engine):
+        signals_completion = False
+
+    posted = _Posted()
+    runner = DriverRunner("stub", _Polled(True), posted)  # type: ignore[arg-type]
+    checks: list[float] = []
+    batch_done = threading.Event()
+
+    def paced() -> bool:
+        checks.append(time.monotonic())
+        return False
+
+    try:
+        runner.call(lambda: runner.watch(("progress",), paced, lambda r, e: None, spin=False, pace=(0.02, 0.04)))
+        time.sleep(0.5)
+        alone = len(checks)
+        assert 2 <= alone <= 1 + 0.5 / 0.02, f"{alone} checks in 0.5 s at a 20-40 ms pace"
+        runner.call(lambda: runner.watch(("batch", 1), batch_done.is_set, lambda r, e: None, spin=False))
+        time.sleep(0.5)
+        joined = len(checks) - alone
+        assert joined >= 3 * (1 + 0.5 / 0.02), f"only {joined} checks in 0.5 s beside an unpaced watch"
+        batch_done.set()
+        deadline = time.monotonic() + 5
+        while runner.watching > 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert runner.watching == 1 and runner._paced == {("progress",): (0.02, 0.04)}
+        time.sleep(0.05)
+        mark = len(checks)
+        time.sleep(0.5)
+        assert len(checks) - mark <= 1 + 0.5 / 0.02, "the slow pace did not come back"
+        runner.unwatch(("progress",))
+        assert not runner._paced
+    finally:
+        assert runner.stop()
