@@ -11,6 +11,7 @@ them can overflow.
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -146,8 +147,13 @@ def _slots(msg: dict[str, Any], op: str, slots: int) -> tuple[int, ...]:
     return tuple(_int(s, f"{op}.slots[]", 0, slots - 1) for s in raw)
 
 
+@functools.lru_cache(maxsize=8)  # one entry per kind of notice
+def _field_set(names: tuple[str, ...]) -> frozenset[str]:
+    return frozenset(("op", *names))
+
+
 def _fields(msg: dict[str, Any], *names: str) -> None:
-    if set(msg) != {"op", *names}:
+    if msg.keys() != _field_set(names):
         raise ProtocolError(f"staging notice {str(msg.get('op'))[:32]} must have exactly the fields {sorted(names)}")
 
 
