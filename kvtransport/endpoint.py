@@ -79,7 +79,7 @@ from .probe import probe_host
 from .registry import Policy, warn_unknown_env_vars
 from .runner import DriverRunner
 from .session import Connection, Phase, Session
-from .transfer import SMALL_PROGRESS, State, Transfer
+from .transfer import State, Transfer
 from .wire import Message, decode, encode, max_message_bytes
 
 log = logging.getLogger(__name__)
@@ -245,7 +245,6 @@ class Endpoint:
         #: sends it there): another session cannot announce, abort or receive it (I/O thread).
         self.tag_owners: dict[str, Session] = {}
         self._receiving: dict[str, int] = {}  # driver -> live receive transfers (I/O thread)
-        self._receiving_large: dict[str, int] = {}  # ... of them, those of more than SMALL_RECEIVE_BYTES
         self.early_expect_bytes_total = 0
         self.pending_handshakes = 0
         #: Finished transfers counted per driver and peer (docs/metrics.md).
@@ -547,27 +546,19 @@ class Endpoint:
 
     # -- I/O thread ----------------------------------------------------------------------------
 
-    def receiving(self, session: Session, delta: int, large: bool = True) -> None:
-        """A receive transfer of ``session`` started (+1) or ended (-1); ``large``: of more
-        than ``SMALL_RECEIVE_BYTES``. A driver that must be driven while bytes arrive gets
-        ``progress()`` calls from its runner, with back-off, from the first live receive
-        transfer to the last; none when nothing is arriving. Paced slowly (``SMALL_PROGRESS``)
-        while every one of them is small, at the runner's back-off once a large one is live."""
+    def receiving(self, session: Session, delta: int) -> None:
+        """A receive transfer of ``session`` started (+1) or ended (-1). A driver that must be
+        driven while bytes arrive gets ``progress()`` calls from its runner, with back-off,
+        from the first live receive transfer to the last; none when nothing is arriving."""
         # Any of the session's lanes may carry the transfer: each is driven while it lasts.
         for lane in session.lanes.values():
             name, driver, runner = lane.name, lane.driver, lane.runner
             count = self._receiving.get(name, 0) + delta
             self._receiving[name] = count
-            big = self._receiving_large.get(name, 0) + (delta if large else 0)
-            self._receiving_large[name] = big
-            if delta <= 0 or not type(driver).progress_while_receiving:
-                continue
-            if count == 1 or (large and big == 1):
-                # The first transfer starts the watch; the first large one among small ones
-                # speeds it up (a watch of the same key replaces the one before).
-                runner.call(functools.partial(self._drive, name, driver, runner, big > 0))
+            if count == 1 and delta > 0 and type(driver).progress_while_receiving:
+                runner.call(functools.partial(self._drive, name, driver, runner))
 
-    def _drive(self, name: str, driver: KVTransport, runner: DriverRunner, fast: bool) -> None:
+    def _drive(self, name: str, driver: KVTransport, runner: DriverRunner) -> None:
         """Driver thread: ``driver.progress()`` with back-off while ``name`` receives."""
 
         def progress() -> bool:
@@ -577,8 +568,7 @@ class Endpoint:
             return False
 
         # Not spun: spinning here would take a core from the sender's own threads on a small host.
-        pace = None if fast else SMALL_PROGRESS
-        runner.watch(("progress",), progress, lambda _, error: None, spin=False, pace=pace)
+        runner.watch(("progress",), progress, lambda _, error: None, spin=False)
 
     def next_batch_id(self) -> int:
         """Any thread (``next`` on an ``itertools.count`` is atomic)."""

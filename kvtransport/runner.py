@@ -86,8 +86,6 @@ class DriverRunner:
         self._signals: set[Hashable] = set()
         self._prefixes: set[tuple[Any, ...]] = set()
         self._watches: dict[Hashable, _Watch] = {}
-        #: Watches with a back-off of their own (``watch(pace=...)``); every key is watched.
-        self._paced: dict[Hashable, tuple[float, float]] = {}
         self._delay = POLL_MIN_S
         self._next_check = 0.0
         self._spin_until = 0.0
@@ -211,7 +209,6 @@ class DriverRunner:
         *,
         spin: bool = True,
         here_s: float = 0.0,
-        pace: tuple[float, float] | None = None,
     ) -> None:
         """Driver thread: check ``check()`` until it returns ``True`` or raises, then post
         ``then``. Checked once now (a batch that completed inside ``submit``). ``first`` runs
@@ -220,9 +217,7 @@ class DriverRunner:
         sooner for checking it back to back): back-off from the start. ``here_s``: on a
         caller's thread (``call_here``), keep checking for up to that long before the runner
         takes the watch over: a batch that finishes within it is seen with no thread wake-up,
-        as the engine's own API sees it when its caller polls. ``pace``: ``(first, longest)``
-        back-off of its own (with ``spin=False``), followed while it is the only kind of watch
-        here; any watch without one brings the runner's back-off back."""
+        as the engine's own API sees it when its caller polls."""
         w = _Watch(check, then if first is None else _first_then(first, then))
         # ``first`` must reach the I/O thread: posting it raises (``ChannelDown``) rather than
         # dropping it, and the watch is not kept then.
@@ -240,11 +235,7 @@ class DriverRunner:
         if not done:
             with self._cv:  # a caller's thread may add a watch (``call_here``)
                 self._watches[key] = w
-                if pace is None:
-                    self._paced.pop(key, None)
-                else:
-                    self._paced[key] = pace
-                self._delay = self._backoff()[0]
+                self._delay = POLL_MIN_S
                 now = time.monotonic()
                 self._next_check = now + self._delay
                 if spin and not self._signalled_driver:
@@ -252,14 +243,6 @@ class DriverRunner:
 
     def unwatch(self, key: Hashable) -> None:
         self._watches.pop(key, None)
-        self._paced.pop(key, None)
-
-    def _backoff(self) -> tuple[float, float]:
-        """First and longest step between checks: the runner's, unless every watch is paced
-        (then the quickest pace among them)."""
-        if not self._paced or len(self._paced) < len(self._watches):
-            return POLL_MIN_S, self._cap
-        return min(p[0] for p in self._paced.values()), min(p[1] for p in self._paced.values())
 
     def _check(self, key: Hashable, w: _Watch, strict: bool = False) -> bool:
         """``True`` when the watch is over (its result posted; ``strict``: or raised, when
@@ -283,15 +266,13 @@ class DriverRunner:
         if w is not None and self._check(key, w):
             with self._cv:  # the runner's wait loop reads the watches under it
                 self._watches.pop(key, None)
-                self._paced.pop(key, None)
-                self._delay = self._backoff()[0]
+                self._delay = POLL_MIN_S
 
     def _check_all(self) -> bool:
         """Check every watch; ``True`` if any of them ended."""
         finished = [k for k, w in list(self._watches.items()) if self._check(k, w)]
         for k in finished:
             self._watches.pop(k, None)
-            self._paced.pop(k, None)
         return bool(finished)
 
     def _post_then(self, then: Then, result: Any, error: KVTransportError | None) -> None:
@@ -368,6 +349,5 @@ class DriverRunner:
             return
         if self._watches and time.monotonic() >= self._next_check:
             finished = self._check_all()
-            first, longest = self._backoff()
-            self._delay = first if finished else min(max(self._delay * 2, first), longest)
+            self._delay = POLL_MIN_S if finished else min(self._delay * 2, self._cap)
             self._next_check = time.monotonic() + self._delay

@@ -47,7 +47,7 @@ from .lane import Lane
 from .memory import MAX_STATE_GROUPS, KVLayout, RegionSet
 from .plan import SMALL, RegionPairs, Runs, as_pages, check_pages, check_unique, few_pages, plan, plan_heads
 from .tp_map import EQUAL, PairShape, pair_shape
-from .transfer import RECV, SEND, SMALL_RECEIVE_BYTES, State, Transfer
+from .transfer import RECV, SEND, State, Transfer
 from .wire import MAX_INT, Done, Message, encode
 
 if TYPE_CHECKING:
@@ -810,14 +810,13 @@ class Session:
         """I/O thread: receive transfer ``t`` was announced; its bytes may arrive from now on."""
         if not t.arriving:
             t.arriving = True
-            t.arriving_large = self.expected_bytes(t) > SMALL_RECEIVE_BYTES
-            self.endpoint.receiving(self, +1, t.arriving_large)
+            self.endpoint.receiving(self, +1)
 
     def stop_arriving(self, t: Transfer) -> None:
         """I/O thread: nothing more of receive transfer ``t`` can arrive (once per transfer)."""
         if t.arriving:
             t.arriving = False
-            self.endpoint.receiving(self, -1, t.arriving_large)
+            self.endpoint.receiving(self, -1)
 
     def forget(self, t: Transfer) -> None:
         self.stop_arriving(t)

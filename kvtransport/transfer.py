@@ -30,20 +30,6 @@ if TYPE_CHECKING:
     from .timers import Timer
 
 
-#: A receive transfer of at most this many bytes is "small" for receiver-side progress: while
-#: every live receive transfer of a driver that must be driven (``progress_while_receiving``)
-#: is small, its runner drives it at ``SMALL_PROGRESS`` instead of its own back-off. Each of
-#: the runner's wake-ups takes the core from the thread receiving the "done" (it is the wake-ups,
-#: not UCX's progress call: skipping the call but not the wake-up changed nothing). Measured on
-#: NIXL/UCX here, alternated bench runs: 64 KiB requests, median gap to raw over 8 pairs,
-#: nixl-staged 0.49 -> 0.45 ms, nixl-ucx 0.25 -> 0.22 ms; 2 MiB requests over nixl-ucx need the
-#: quick back-off (the slow pace cost them 0.01-0.16 ms in 3 of 3 pairs).
-SMALL_RECEIVE_BYTES = 256 << 10
-#: ``(first, longest)`` step between progress calls then: raw NIXL's own receiver is driven
-#: every 5 ms, and a small write does not wait for it.
-SMALL_PROGRESS = (1e-3, 5e-3)
-
-
 class State(enum.IntEnum):
     """Transfer states; the values equal SGLang's ``KVPoll``."""
 
@@ -103,7 +89,6 @@ class Transfer:
         #: Receiver, I/O thread: counted among the endpoint's arriving transfers (its drivers
         #: are driven while any is), from its announcement until nothing more of it can arrive.
         self.arriving = False
-        self.arriving_large = False  # ... and counted as more than SMALL_RECEIVE_BYTES
         self.filed = False  # filed under its tag in the session
         self.timer: Timer | None = None  # its state's timeout, or when it is forgotten
         self.started = 0.0
