@@ -535,6 +535,9 @@ def bench_cmd(args: argparse.Namespace) -> int:
         for p in PRESETS.values():
             print(f"{p.key:<18}{p.name:<17}{p.note}")
         return 0
+    other_mode = args.listen or args.sweep or args.connect or args.connects is not None or args.in_flight is not None
+    if args.pin and (other_mode or (args.prefill_tp, args.decode_tp) != (1, 1)):
+        raise KVTransportError("--pin pins the one prefill and one decode process of the plain bench only")
     if args.listen:
         os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # the peers it starts inherit it
         return _listen(args)
@@ -581,8 +584,6 @@ def bench_cmd(args: argparse.Namespace) -> int:
     # Mooncake logs every set-up step at INFO; keep the report readable (MC_LOG_LEVEL=INFO
     # in the environment brings it back).
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
-    if args.pin and (args.in_flight is not None or (args.prefill_tp, args.decode_tp) != (1, 1)):
-        raise KVTransportError("--pin pins the one prefill and one decode process of the plain bench only")
     if (args.prefill_tp, args.decode_tp) != (1, 1):
         if args.in_flight is not None:
             raise KVTransportError(

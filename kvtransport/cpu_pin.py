@@ -48,6 +48,7 @@ def pin_process(cpus: list[int]) -> dict[int, set[int]]:
         except ProcessLookupError:
             continue  # the thread ended meanwhile
         except OSError as exc:
+            restore(before)  # the threads pinned so far get their CPUs back
             raise KVTransportError(f"could not pin thread {tid} to CPUs {cpus}: {exc}") from exc
     return before
 

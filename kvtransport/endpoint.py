@@ -1115,6 +1115,11 @@ def _pending_handles(driver: KVTransport) -> int:
 
 
 def _pieces(p: Any) -> Pieces:
+    """A driver's piece addresses or lengths as the guard takes them: a list of ints as it is
+    (each must be a uint64 value: a negative length would pass a check that adds it), anything
+    else as a uint64 array."""
     if isinstance(p, list) and all(type(x) is int for x in p):
+        if any(x < 0 or x >= 1 << 64 for x in p):
+            raise InvalidPages("inbound piece addresses and lengths must be uint64 values")
         return p
     return np.asarray(p, dtype=np.uint64)

@@ -85,6 +85,11 @@ class Runs:
         # Cached: a send reads it several times, and each sum is a numpy call.
         return int(self.length.sum(dtype=np.uint64))
 
+    @property
+    def listed(self) -> bool:
+        """Whether these runs were made of lists (:meth:`of_lists`)."""
+        return self._lists is not None
+
     def lists(self) -> tuple[list[int], list[int], list[int]]:
         """``src``, ``dst`` and ``length`` as lists of ints, which the caller must not change:
         those a small plan was made of, else made now."""
@@ -110,6 +115,10 @@ class Runs:
     def concat(cls, parts: Sequence[Runs]) -> Runs:
         if not parts:
             return cls.empty()
+        if sum(len(p) for p in parts) <= SMALL:
+            # A small request's pages with its aux slot (its last chunk): lists, as its plan.
+            listed = [p.lists() for p in parts]
+            return cls.of_lists(*([x for lists in listed for x in lists[i]] for i in range(3)))
         return cls(
             np.concatenate([p.src for p in parts]),
             np.concatenate([p.dst for p in parts]),

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from typing import Any
 
 import pytest
@@ -146,12 +147,41 @@ def test_bench_pin_runs_each_process_on_cpus_of_its_own_and_gives_them_back() ->
     assert cpu_pin.process_cpus() == before
 
 
+def test_a_pin_that_fails_half_way_gives_back_what_it_pinned(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs to pin to a part of them")
+    stop = threading.Event()
+    helper = threading.Thread(target=stop.wait, daemon=True)
+    helper.start()  # a second thread, so that the pin fails after pinning one
+    before = cpu_pin.process_cpus()
+    real = os.sched_setaffinity
+    calls: list[int] = []
+
+    def flaky(tid: int, mask: Any) -> None:
+        calls.append(tid)
+        if len(calls) == 2:
+            raise PermissionError("not allowed")
+        real(tid, mask)
+
+    monkeypatch.setattr(os, "sched_setaffinity", flaky)
+    try:
+        with pytest.raises(KVTransportError, match="could not pin"):
+            cpu_pin.pin_process(cpus[:1])
+        assert len(calls) >= 2
+        monkeypatch.setattr(os, "sched_setaffinity", real)
+        assert cpu_pin.process_cpus() == before
+    finally:
+        stop.set()
+
+
 def test_pin_refuses_a_single_cpu_and_the_modes_it_does_not_model() -> None:
     with pytest.raises(KVTransportError, match="at least 2 CPUs"):
         cpu_pin.split_halves([3])
     assert cpu_pin.split_halves([0, 1, 2]) == ([0], [1, 2])
-    proc = run_cli("bench", *SMALL, "--pin", "--in-flight", "2", timeout=60)
-    assert proc.returncode != 0 and "--pin pins the one prefill and one decode process" in proc.stderr
+    for mode in (["--in-flight", "2"], ["--sweep", "--quick"], ["--connects", "2"], ["--prefill-tp", "2"]):
+        proc = run_cli("bench", *SMALL, "--pin", *mode, timeout=60)
+        assert proc.returncode != 0 and "--pin pins the one prefill and one decode process" in proc.stderr, mode
 
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp", "driver"), [(2, 1, "nixl-ucx"), (1, 2, "")])

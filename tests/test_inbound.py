@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtransport import endpoint as endpoint_module
 from kvtransport import inbound
 from kvtransport.errors import InvalidPages
 from kvtransport.inbound import Claim, InboundGuard
@@ -143,7 +144,9 @@ def test_state_items_are_guarded_per_group(few: int, monkeypatch: pytest.MonkeyP
 _NEAR = [BASE_K, BASE_V, BASE_AUX, BASE_SWA_K, BASE_SWA_V, BASE_SLOTS, BASE_K + ITEM * PAGES, BASE_AUX + 64 * 8]
 
 
-def _outcome(guard: InboundGuard, dst: npt.NDArray[np.uint64], length: npt.NDArray[np.uint64]) -> object:
+def _outcome(
+    guard: InboundGuard, dst: npt.NDArray[np.uint64] | list[int], length: npt.NDArray[np.uint64] | list[int]
+) -> object:
     try:
         return guard.check(dst, length, "test")
     except InvalidPages as exc:
@@ -186,7 +189,27 @@ def test_both_paths_give_the_same_answer_for_any_integers(
         vectorised = _outcome(guard, dst, length)
     with mock.patch.object(inbound, "FEW_PIECES", 64):
         piecewise = _outcome(guard, dst, length)
-    assert piecewise == vectorised
+        # As a small chunk's notice is decoded (lists of ints), and with a piece's pages
+        # looked up item by item or as one slice whatever its span.
+        listed = _outcome(guard, dst.tolist(), length.tolist())
+        with mock.patch.object(inbound, "SHORT_SPAN", 0):
+            sliced = _outcome(guard, dst.tolist(), length.tolist())
+        with mock.patch.object(inbound, "SHORT_SPAN", 1 << 20):
+            itemwise = _outcome(guard, dst.tolist(), length.tolist())
+    assert piecewise == vectorised == listed == sliced == itemwise
+
+
+@pytest.mark.parametrize(("dst", "length"), [(BASE_K, -1), (-1, 8), (BASE_K, 1 << 64), (1 << 64, 8)])
+def test_list_pieces_outside_uint64_are_refused(dst: int, length: int) -> None:
+    """Lists skip numpy's uint64 conversion: a negative length would pass a check that adds it
+    (and a ``memmove`` of -1 bytes is one of 2**64 - 1), so values outside uint64 are refused,
+    by the guard and by the endpoint before it (what a two-sided driver calls)."""
+    guard = InboundGuard(_regions())
+    guard.add(Claim(np.arange(PAGES, dtype=np.int64), 0))
+    with pytest.raises(InvalidPages):
+        guard.check([dst], [length], "test")
+    with pytest.raises(InvalidPages, match="uint64"):
+        endpoint_module._pieces([dst] if dst < 0 or dst >= 1 << 64 else [length])
 
 
 _NO_ITEMS = np.zeros(0, dtype=np.int64)

@@ -36,8 +36,8 @@ def chunk_runs(runs: Runs, chunk_bytes: int) -> list[Chunk]:
     """Cut ``runs`` into chunks of at most ``chunk_bytes``, splitting runs at chunk borders."""
     if not len(runs):
         return []
-    if len(runs) <= FEW_PIECES and runs.total_bytes <= chunk_bytes:
-        # One chunk of a few runs (a small request): lists, their slot offsets summed in plain
+    if runs.listed and len(runs) <= FEW_PIECES and runs.total_bytes <= chunk_bytes:
+        # One chunk of a few planned runs (a small request): lists, their slot offsets summed in plain
         # Python (the runs' own lists shared: a planned Runs is never changed); the numpy path
         # below costs several times that for a few pieces, and so would arrays in the steps
         # after (gather, the notice, the checks and copies at the receiver).

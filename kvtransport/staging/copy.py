@@ -25,7 +25,9 @@ class CopyEngine(Protocol):
     """Copies pieces between KV memory and the host ring; ``copy`` returns when every byte is
     in place (for device copies: when the stream's work has completed). No piece's
     destination overlaps another piece's source (KV memory to ring, or ring to KV memory), so
-    the pieces may be copied in any order or together."""
+    the pieces may be copied in any order or together. ``dst``, ``src`` and ``length`` are
+    uint64 arrays, or lists of ints for a chunk of at most ``FEW_PIECES`` pieces (``as_u64``
+    makes arrays of them)."""
 
     name: str
     #: ``copy`` may be called from any thread, briefly (the pipeline then copies small chunks
@@ -69,9 +71,9 @@ class MemcpyCopyEngine:
     any_thread = True
 
     def copy(self, dst: Pieces, src: Pieces, length: Pieces) -> None:
-        if len(length) < STRIDED_MIN:
-            # A small chunk's few pieces: merging them would cost more numpy calls than the
-            # one ``memmove`` each it could save.
+        if len(length) < STRIDED_MIN or isinstance(length, list):
+            # A small chunk's few pieces (lists come only for at most ``FEW_PIECES``): merging
+            # them would cost more numpy calls than the one ``memmove`` each it could save.
             _memmove_each(dst, src, length)
             return
         dst, src, length = coalesce(as_u64(dst), as_u64(src), as_u64(length))
