@@ -134,10 +134,10 @@ class InboundGuard:
     def _check_few(self, dst: list[int], length: list[int], what: str) -> bool:
         """:meth:`check` for a few pieces, in plain Python, with the same answers and errors as
         the vectorised :meth:`_check_many` (the tests hold the two to one model)."""
-        if min(length) <= 0:  # (negative: only from a caller that skipped the uint64 range)
+        # (Negative: only from a caller that skipped the uint64 range. Addresses outside it and
+        # lengths past it fail the region rules below, as in the vectorised check.)
+        if min(length) <= 0:
             raise InvalidPages(f"{what}: a piece of zero bytes" if 0 in length else f"{what}: a negative length")
-        if min(dst) < 0 or max(dst) >= 1 << 64 or max(length) >= 1 << 64:
-            raise InvalidPages(f"{what}: piece addresses and lengths must be uint64 values")
         starts, ends, items, spaces = self._start_list, self._end_list, self._item_list, self._space_list
         # Rule by rule over every piece, as the vectorised check, so both raise the same error.
         at = [bisect.bisect_right(starts, d) - 1 for d in dst]

@@ -53,24 +53,23 @@ class Runs:
 
     @property
     def src(self) -> U64:
-        if self._src is None:
-            assert self._lists is not None
-            self._src = np.array(self._lists[0], dtype=np.uint64)  # two threads racing make equal arrays
-        return self._src
+        return self._src if self._src is not None else self._array(0, "_src")
 
     @property
     def dst(self) -> U64:
-        if self._dst is None:
-            assert self._lists is not None
-            self._dst = np.array(self._lists[1], dtype=np.uint64)
-        return self._dst
+        return self._dst if self._dst is not None else self._array(1, "_dst")
 
     @property
     def length(self) -> U64:
-        if self._length is None:
-            assert self._lists is not None
-            self._length = np.array(self._lists[2], dtype=np.uint64)
-        return self._length
+        return self._length if self._length is not None else self._array(2, "_length")
+
+    def _array(self, i: int, slot: str) -> U64:
+        """The array of the ``i``-th list, made now and kept in ``slot`` (two threads racing
+        make equal arrays)."""
+        assert self._lists is not None
+        made = np.array(self._lists[i], dtype=np.uint64)
+        setattr(self, slot, made)
+        return made
 
     def __len__(self) -> int:
         if self._lists is not None:
