@@ -341,15 +341,9 @@ class Session:
         transfer = Transfer(self, tag, RECV, State.WAITING_FOR_INPUT)
         claim = Claim(pages, -1 if aux is None else int(aux), items)
 
-        def announce() -> None:
-            if not self.file(transfer):
-                return
-            transfer.announced = claim
-            if self.guard is None:
-                self.guard = InboundGuard(ep.regions)
-            self.guard.add(claim)
-            self.start_arriving(transfer)
-            self.expecting(transfer)
+        def send_expect() -> None:
+            if transfer.state.final:
+                return  # failed or aborted before its drivers were ready: the peer heard of that
             self.send(
                 "expect",
                 tag=tag,
@@ -359,21 +353,47 @@ class Session:
                 state=[g.tobytes() for g in items],
             )
 
+        def announce() -> None:
+            if not self.file(transfer):
+                return
+            transfer.announced = claim
+            if self.guard is None:
+                self.guard = InboundGuard(ep.regions)
+            self.guard.add(claim)
+            # The drivers hear first: starting to receive may queue work on a driver's thread
+            # (progress), which would keep ``expecting`` off this thread.
+            self.expecting(transfer, send_expect)
+            self.start_arriving(transfer)
+
         ep.call(announce)
         return transfer
 
-    def expecting(self, transfer: Transfer) -> None:
-        """I/O thread, before a transfer's announcement goes out: tell each two-sided driver
-        what is coming (the staged ones lend ring slots ahead; run here when the driver is
-        idle, those notices reach the peer before the announcement does, so its first chunk
-        needs no credit round trip)."""
+    def expecting(self, transfer: Transfer, then: Callable[[], None]) -> None:
+        """I/O thread: tell each two-sided driver that ``transfer`` is coming, then ``then()``
+        (the announcement). The staged drivers lend ring slots ahead; what a driver sends then
+        must reach the peer before the announcement, or the sender, answered at once, finds no
+        credit and pays a round trip for one. So the announcement waits for every driver that
+        could not hear of it right here (its thread was busy) to have heard on its own thread."""
         nbytes = self.expected_bytes(transfer)
+        busy: list[Lane] = []
         for lane in self.lanes.values():
             if lane.two_sided:
-                try:
-                    lane.runner.call_here(functools.partial(lane.driver.expecting, self.id, nbytes))
-                except KVTransportError:
-                    pass  # the driver is closed; nothing to get ready
+                ran, _, error = lane.runner.try_here(functools.partial(lane.driver.expecting, self.id, nbytes))
+                if not ran:
+                    busy.append(lane)
+                elif error is not None:
+                    log.debug("%s: expecting() failed (a hint; the transfer goes on): %s", lane.name, error)
+        if not busy:
+            then()
+            return
+        countdown = _Countdown(len(busy), lambda _: then())
+        for lane in busy:
+            try:
+                lane.runner.call(
+                    functools.partial(lane.driver.expecting, self.id, nbytes), lambda _, __: countdown.one(None)
+                )
+            except KVTransportError:
+                countdown.one(None)  # the driver is closed; nothing to get ready
 
     def sender(self, tag: str) -> Transfer:
         _check_tag(tag)
