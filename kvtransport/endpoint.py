@@ -249,6 +249,9 @@ class Endpoint:
         self.pending_handshakes = 0
         #: Finished transfers counted per driver and peer (docs/metrics.md).
         self.metrics = Metrics(gauges=self._gauges)
+        #: Largest message taken or sent (``KVTRANSPORT_MAX_MESSAGE_BYTES``, read once, before
+        #: anything is acquired: a bad value fails here).
+        self.max_message_bytes = max_message_bytes()
         self._closed = False
         self._down: KVTransportError | None = None
         self._hellos: dict[str, DriverHello] = {}
@@ -263,7 +266,7 @@ class Endpoint:
             self.channel = ControlChannel(
                 listen,
                 self._on_frame,
-                max_message_bytes=max_message_bytes(),
+                max_message_bytes=self.max_message_bytes,
                 frames_per_pass=self.limits.frames_per_pass,
                 max_queued_calls=self.limits.max_queued_calls,
                 on_crash=self._on_crash,
@@ -638,7 +641,7 @@ class Endpoint:
             self._stranger(route, f"dropped an unsealed frame of {len(frame)} bytes from {self._describe(route)}")
             return
         try:
-            msg = decode(frame)
+            msg = decode(frame, limit=self.max_message_bytes)
         except ProtocolError as exc:
             self._stranger(route, f"bad unauthenticated control message from {self._describe(route)}: {exc}")
             return
@@ -699,7 +702,7 @@ class Endpoint:
         if session is not None:
             session.last_seen = time.monotonic()
         try:
-            msg = decode(body)
+            msg = decode(body, limit=self.max_message_bytes)
         except ProtocolError as exc:
             self._violation(route, session, f"bad control message from {self._describe(route)}: {exc}")
             return
@@ -1118,8 +1121,12 @@ def _pieces(p: Any) -> Pieces:
     """A driver's piece addresses or lengths as the guard takes them: a list of ints as it is
     (each must be a uint64 value: a negative length would pass a check that adds it), anything
     else as a uint64 array."""
-    if isinstance(p, list) and all(type(x) is int for x in p):
-        if any(x < 0 or x >= 1 << 64 for x in p):
+    # Builtins over the list, not generator expressions: a call each, not one per item.
+    if isinstance(p, list) and p and set(map(type, p)) == _INTS_ONLY:
+        if min(p) < 0 or max(p) >= 1 << 64:
             raise InvalidPages("inbound piece addresses and lengths must be uint64 values")
         return p
     return np.asarray(p, dtype=np.uint64)
+
+
+_INTS_ONLY = frozenset({int})

@@ -96,9 +96,10 @@ _MAX_CONN_ID = 64
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
 
 
-def bound_frame_bytes() -> int:
-    """Largest frame a bound stream takes: a sealed message of the control channel's limit."""
-    return max_message_bytes() + _SEAL_BYTES
+def bound_frame_bytes(limit: int | None = None) -> int:
+    """Largest frame a bound stream takes: a sealed message of the control channel's limit
+    (``limit``; ``None``: ``max_message_bytes()``)."""
+    return (max_message_bytes() if limit is None else limit) + _SEAL_BYTES
 
 
 def frame(data: bytes) -> bytes:
@@ -174,7 +175,7 @@ class ExpressLink:
             if self._closed:
                 return False
             seal = self.seal.seal
-            data = b"".join(frame(seal(body)) for body in bodies)
+            data = frame(seal(bodies[0])) if len(bodies) == 1 else b"".join([frame(seal(body)) for body in bodies])
             if wait_s <= 0:
                 return self._write(data, len(bodies))
             return self._write_within(data, time.monotonic() + wait_s, len(bodies))
@@ -480,7 +481,7 @@ class ExpressPort:
     def _attach(self, session: Session, link: ExpressLink) -> None:
         # Bound, so authenticated: it may carry any session message (ordered mode), up to the
         # control channel's size limit.
-        link.reader.limit = bound_frame_bytes()
+        link.reader.limit = bound_frame_bytes(self._ep.max_message_bytes)
         session.express = link
         self._links[link.fd] = (link, session)
         self._ep.channel.watch_fd(link.fd, self._on_link)
@@ -524,7 +525,7 @@ class ExpressPort:
             body = link.seal.open(data)
             if body is None:
                 raise ProtocolError("a frame failed authentication (forged, replayed or corrupted)")
-            msg = decode(body, limit=max_message_bytes())
+            msg = decode(body, limit=self._ep.max_message_bytes)
             if msg.type not in ORDERED_KINDS:
                 raise ProtocolError(f"a {msg.type} message (the stream carries {', '.join(sorted(ORDERED_KINDS))})")
             session.last_seen = time.monotonic()

@@ -21,6 +21,7 @@ transfer's end is refused, which is the safe answer.
 from __future__ import annotations
 
 import bisect
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -133,36 +134,47 @@ class InboundGuard:
 
     def _check_few(self, dst: list[int], length: list[int], what: str) -> bool:
         """:meth:`check` for a few pieces, in plain Python, with the same answers and errors as
-        the vectorised :meth:`_check_many` (the tests hold the two to one model)."""
+        the vectorised :meth:`_check_many` (the tests hold the two to one model). Plain loops,
+        no comprehensions: each of those is a function call of its own, and on a core whose
+        caches went cold between requests every call counts."""
         # (Negative: only from a caller that skipped the uint64 range. Addresses outside it and
         # lengths past it fail the region rules below, as in the vectorised check.)
         if min(length) <= 0:
             raise InvalidPages(f"{what}: a piece of zero bytes" if 0 in length else f"{what}: a negative length")
         starts, ends, items, spaces = self._start_list, self._end_list, self._item_list, self._space_list
         # Rule by rule over every piece, as the vectorised check, so both raise the same error.
-        at = [bisect.bisect_right(starts, d) - 1 for d in dst]
+        at: list[int] = []
+        for d in dst:
+            at.append(bisect.bisect_right(starts, d) - 1)
         if min(at) < 0:
             raise InvalidPages(f"{what}: a piece starts below every registered region")
-        if any(d + n > ends[i] for d, n, i in zip(dst, length, at, strict=True)):
-            raise InvalidPages(f"{what}: a piece reaches outside the registered region it starts in")
-        pieces = [
-            (spaces[i], (d - starts[i]) // items[i], (d + n - 1 - starts[i]) // items[i])
-            for d, n, i in zip(dst, length, at, strict=True)
-        ]
+        pieces: list[tuple[int, int, int]] = []
+        for d, n, i in zip(dst, length, at, strict=True):
+            if d + n > ends[i]:
+                raise InvalidPages(f"{what}: a piece reaches outside the registered region it starts in")
+            base, item = starts[i], items[i]
+            pieces.append((spaces[i], (d - base) // item, (d + n - 1 - base) // item))
+        # One index space (KV pages only: the usual chunk) or several, in order.
+        order = sorted(set(map(operator.itemgetter(0), pieces))) if len(pieces) > 1 else [pieces[0][0]]
         live = True
-        for space in sorted({s for s, _, _ in pieces}):
+        for space in order:
             counts, revoked, name = self._live[space], self._revoked[space], self._names[space]
-            mine = [(lo, hi) for s, lo, hi in pieces if s == space]
-            if any(hi >= counts.size for _, hi in mine):
-                raise InvalidPages(f"{what}: a piece reaches past the last {name}")
-            for lo, hi in mine:
+            size = counts.size
+            for s, _, hi in pieces:
+                if s == space and hi >= size:
+                    raise InvalidPages(f"{what}: a piece reaches past the last {name}")
+            for s, lo, hi in pieces:
+                if s != space:
+                    continue
                 # Element by element for a short span (a numpy slice and reduction cost tens of
                 # microseconds on a cold core, an ``item`` a few).
-                if (
-                    all(counts.item(i) > 0 for i in range(lo, hi + 1))
-                    if hi - lo < SHORT_SPAN
-                    else bool((counts[lo : hi + 1] > 0).all())
-                ):
+                if hi - lo < SHORT_SPAN:
+                    for i in range(lo, hi + 1):
+                        if counts.item(i) <= 0:
+                            break
+                    else:
+                        continue
+                elif bool((counts[lo : hi + 1] > 0).all()):
                     continue
                 live = False
                 if not bool(((counts[lo : hi + 1] > 0) | (revoked[lo : hi + 1] > 0)).all()):

@@ -140,13 +140,17 @@ def few_pages(values: Any) -> list[int] | None:
     as a list (or tuple) of ints and one when they come as an integer array; ``None`` when
     they are more than ``SMALL`` or anything else, for :func:`as_pages` (and its errors)."""
     if isinstance(values, list | tuple):
-        if len(values) <= SMALL and all(type(v) is int for v in values):
+        # (``set(map(type, ...))``: builtins only; a generator expression is a call per item.)
+        if len(values) <= SMALL and set(map(type, values)) <= _INT_TYPE:
             return list(values)
         return None
     if isinstance(values, np.ndarray) and values.ndim == 1 and values.size <= SMALL and values.dtype.kind in "iu":
         listed: list[int] = values.tolist()
         return listed
     return None
+
+
+_INT_TYPE = frozenset({int})
 
 
 def check_pages(pages: npt.NDArray[np.int64], num_pages: int, what: str) -> None:

@@ -81,7 +81,10 @@ class DriverRunner:
         self._post = post
         self._signalled_driver = bool(getattr(driver, "signals_completion", False))
         self._cap = SIGNALLED_POLL_MAX_S if self._signalled_driver else POLL_MAX_S
-        self._cv = threading.Condition()
+        # Entered as the lock itself where no wait is needed: ``with`` on the condition adds a
+        # Python-level call each way, on every request's path.
+        self._lock = threading.RLock()
+        self._cv = threading.Condition(self._lock)
         self._calls: collections.deque[tuple[Callable[[], Any], Then | None]] = collections.deque()
         self._signals: set[Hashable] = set()
         self._prefixes: set[tuple[Any, ...]] = set()
@@ -90,7 +93,7 @@ class DriverRunner:
         self._next_check = 0.0
         self._spin_until = 0.0
         self._stop = False
-        #: Set (under ``_cv``) while a thread runs driver calls: the runner's thread for what
+        #: Set (under ``_lock``) while a thread runs driver calls: the runner's thread for what
         #: it took off the queue, or a caller running a submit in place (``call_here``).
         self._busy = False
         self._inline = bool(getattr(driver, "thread_agnostic", False))
@@ -105,7 +108,7 @@ class DriverRunner:
 
     def call(self, fn: Callable[[], Any], then: Then | None = None) -> None:
         """Run ``fn`` on the driver thread; ``then(result, error)`` on the I/O thread after."""
-        with self._cv:
+        with self._lock:
             if self._stop:
                 raise DriverError(f"{self.name}: the driver is closed")
             self._calls.append((fn, then))
@@ -116,7 +119,7 @@ class DriverRunner:
         (``thread_agnostic``) and its thread has nothing queued or running: calls stay one
         at a time and in order, and a small request skips a thread hop on its way to the
         engine. ``then`` still runs on the I/O thread."""
-        with self._cv:
+        with self._lock:
             if not self._claim_here():
                 self.call(fn, then)  # queued (raises once the driver is closed)
                 return
@@ -131,7 +134,7 @@ class DriverRunner:
         error)``; ``(False, None, None)`` when only the driver's thread may run it now. For a
         quick check whose answer the caller uses in the same pass, with no round trip through
         the driver's thread and the I/O thread's queue."""
-        with self._cv:
+        with self._lock:
             if not self._claim_here():
                 return False, None, None
         try:
@@ -146,7 +149,7 @@ class DriverRunner:
         """The driver says watch ``key`` may have finished: check it now, on this thread when
         the driver allows it (``thread_agnostic``) and its thread is idle, else on the
         driver's thread."""
-        with self._cv:
+        with self._lock:
             if not self._claim_here():
                 self._signals.add(key)
                 self._cv.notify()
@@ -157,7 +160,7 @@ class DriverRunner:
             self._release_here()
 
     def _claim_here(self) -> bool:
-        """``_cv`` held: may this (non-runner) thread make driver calls now? If so it must
+        """``_lock`` held: may this (non-runner) thread make driver calls now? If so it must
         call :meth:`_release_here` after them."""
         here = self._inline and not self._busy and not self._calls and not self._stop and not self.in_runner_thread()
         if here:
@@ -165,7 +168,7 @@ class DriverRunner:
         return here
 
     def _release_here(self) -> None:
-        with self._cv:
+        with self._lock:
             self._busy = False
             # The thread re-reads its watches and anything queued meanwhile; woken for nothing
             # (no watch, nothing queued) it would only take the interpreter from this caller,
@@ -177,8 +180,8 @@ class DriverRunner:
         """Check every watch whose key (a tuple) starts with ``prefix`` (none: nothing to do,
         and the driver's thread is not woken)."""
         n = len(prefix)
-        with self._cv:
-            if any(isinstance(k, tuple) and k[:n] == prefix for k in self._watches):
+        with self._lock:
+            if self._watches and any(isinstance(k, tuple) and k[:n] == prefix for k in self._watches):
                 self._prefixes.add(prefix)
                 self._cv.notify()
 
@@ -187,7 +190,7 @@ class DriverRunner:
 
     def stop(self, timeout: float = 10.0) -> bool:
         """Run what is queued, then stop; ``True`` once the thread has ended."""
-        with self._cv:
+        with self._lock:
             self._stop = True
             self._cv.notify()
         if not self.in_runner_thread():
@@ -233,7 +236,7 @@ class DriverRunner:
             w.then = then
             self._post(first)
         if not done:
-            with self._cv:  # a caller's thread may add a watch (``call_here``)
+            with self._lock:  # a caller's thread may add a watch (``call_here``)
                 self._watches[key] = w
                 self._delay = POLL_MIN_S
                 now = time.monotonic()
@@ -264,7 +267,7 @@ class DriverRunner:
         """Check the watch ``key`` (if still watched); forget it once it is over."""
         w = self._watches.get(key)
         if w is not None and self._check(key, w):
-            with self._cv:  # the runner's wait loop reads the watches under it
+            with self._lock:  # the runner's wait loop reads the watches under it
                 self._watches.pop(key, None)
                 self._delay = POLL_MIN_S
 
@@ -284,7 +287,7 @@ class DriverRunner:
     def _run(self) -> None:
         while True:
             spin = False
-            with self._cv:
+            with self._lock:
                 while self._busy or not (self._calls or self._signals or self._prefixes or self._stop):
                     if not self._watches or self._busy:
                         self._cv.wait()
@@ -307,7 +310,7 @@ class DriverRunner:
             try:
                 self._work(calls, signals, prefixes, spin)
             finally:
-                with self._cv:
+                with self._lock:
                     self._busy = False
 
     def _run_call(self, fn: Callable[[], Any], then: Then | None) -> None:

@@ -20,6 +20,7 @@ import enum
 import functools
 import itertools
 import logging
+import operator
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -518,7 +519,7 @@ class Session:
     @property
     def two_sided(self) -> bool:
         """Whether any lane's driver is two-sided (its notices must precede "done")."""
-        return any(x.two_sided for x in self.lanes.values())
+        return any(map(_TWO_SIDED, self.lanes.values()))
 
     def express_done_possible(self) -> bool:
         """Whether the thread that sees a one-batch transfer finish may send its "done": on a
@@ -689,9 +690,11 @@ class Session:
         items: list[tuple[str | None, bytes]] = getattr(self._held, "items", None) or []
         self._held.items = None
         frames: list[bytes] = []
-        if done is not None and 0 < len(items) <= MAX_DONE_NOTICES and all(lane == done.lane for lane, _ in items):
-            with contextlib.suppress(MessageTooLarge):  # one frame each, then
-                frames = [done.encode([payload for _, payload in items])]
+        if done is not None and 0 < len(items) <= MAX_DONE_NOTICES and set(map(_FIRST, items)) == {done.lane}:
+            try:
+                frames = [done.encode(list(map(_SECOND, items)))]
+            except MessageTooLarge:
+                pass  # one frame each, then
         if not frames:
             frames = [data if lane is None else encode("notice", payload=data, lane=lane) for lane, data in items]
             if done is not None:
@@ -1312,7 +1315,8 @@ class Session:
         # the driver is two-sided (a small chunk is written, and finishes, inside it), after it
         # otherwise (while the engine writes).
         ahead = express and lane.two_sided
-        done_message = Done(transfer.tag, runs.total_bytes, self.wire_name(transfer.driver)) if ahead else None
+        limit = self.endpoint.max_message_bytes
+        done_message = Done(transfer.tag, runs.total_bytes, self.wire_name(transfer.driver), limit) if ahead else None
         try:
             handle = driver.submit(self.id, runs)
         except BaseException:
@@ -1321,7 +1325,7 @@ class Session:
             raise
         lane.handles[bid] = (handle, transfer)
         if express and done_message is None:
-            done_message = Done(transfer.tag, runs.total_bytes, self.wire_name(transfer.driver))
+            done_message = Done(transfer.tag, runs.total_bytes, self.wire_name(transfer.driver), limit)
 
         def check() -> bool:
             try:
@@ -1398,6 +1402,10 @@ class Session:
         through the driver's ``inbound_progress`` signal; "drained": after its failure)."""
         driver = lane.driver
         lane.runner.watch((kind, self.id, id(t)), lambda: driver.inbound_idle(self.id), lambda _, error: then(error))
+
+
+_TWO_SIDED = operator.attrgetter("two_sided")
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 
 
 class _Countdown:

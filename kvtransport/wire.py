@@ -143,8 +143,8 @@ def _cut_texts(kind: str, fields: dict[str, Any]) -> None:
             fields[name] = value[: max_len - 3] + "..."
 
 
-def _within_limit(kind: str, data: bytes) -> bytes:
-    limit = max_message_bytes()
+def _within_limit(kind: str, data: bytes, limit: int | None = None) -> bytes:
+    limit = max_message_bytes() if limit is None else limit
     if len(data) > limit:
         raise MessageTooLarge(f"{kind} message of {len(data)} bytes exceeds the {limit}-byte limit")
     return data
@@ -154,12 +154,14 @@ class Done:
     """A "done" message packed in two steps: all but its notices when the transfer's batch is
     handed to the driver, the notices (and the size check) when the batch has finished, so
     that little is left to do between the engine's completion and the frame leaving. The bytes
-    are those :func:`encode` gives for the same fields."""
+    are those :func:`encode` gives for the same fields. ``limit``: the size limit (an
+    endpoint's, read when it started; ``None``: ``max_message_bytes()`` at encode)."""
 
-    __slots__ = ("_head", "lane")
+    __slots__ = ("_head", "lane", "limit")
 
-    def __init__(self, tag: str, nbytes: int, lane: str) -> None:
+    def __init__(self, tag: str, nbytes: int, lane: str, limit: int | None = None) -> None:
         self.lane = lane
+        self.limit = limit
         fields: dict[str, Any] = {"tag": tag, "bytes": nbytes, "lane": lane}
         _cut_texts("done", fields)
         # In encode's order: v, t, tag, bytes, lane, notices. Only the tag and the count vary
@@ -176,7 +178,7 @@ class Done:
         else:
             header = b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xdd" + n.to_bytes(4, "big")
         packed = (msgpack.packb(p, use_bin_type=True) for p in notices)
-        return _within_limit("done", b"".join((self._head, header, *packed)))
+        return _within_limit("done", b"".join((self._head, header, *packed)), self.limit)
 
 
 def _pack(value: Any) -> bytes:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import logging
+import operator
 import os
 import threading
 import time
@@ -889,7 +890,10 @@ def _within_slot(offset: Pieces, length: Pieces, room: int) -> bool:
     most of a small chunk's handling); many vectorised, overflow-safe: "offset <= room and
     length <= room - offset", never "offset + length"."""
     if len(offset) <= FEW_PIECES:
-        return all(o + n <= room for o, n in zip(as_list(offset), as_list(length), strict=True))
+        offset, length = as_list(offset), as_list(length)
+        if len(offset) != len(length):
+            return False
+        return not offset or max(map(operator.add, offset, length)) <= room
     offset, length = as_u64(offset), as_u64(length)
     big = np.uint64(room)
     return not (np.any(offset > big) or np.any(length > big - np.minimum(offset, big)))
