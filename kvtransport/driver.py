@@ -325,8 +325,8 @@ class KVTransport(ABC):
         for it, as the staged ones lend ring slots ahead so that a small transfer needs no
         credit round trip. A hint: the transfer may never come, or come on another driver.
         Must not block; runs on the I/O thread when the driver is ``thread_agnostic`` and its
-        thread is idle, else on the driver's thread, and the announcement waits for it either
-        way (what it sends reaches the peer first)."""
+        thread is idle, else on the driver's thread, and the announcement waits for it (up to
+        ``session.EXPECTING_WAIT_S``), so what it sends reaches the peer first."""
 
     def progress(self) -> None:  # noqa: B027 - optional hook
         """Drive the engine once (receiver side; see ``progress_while_receiving``)."""

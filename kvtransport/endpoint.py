@@ -517,7 +517,7 @@ class Endpoint:
         lane = session.wire_name(driver) if session is not None else ""
         if session is not None and session.hold_notice(lane, payload):
             return  # the thread that submitted its batch sends it, in that transfer's "done"
-        data = encode("notice", payload=payload, lane=lane)
+        data = encode("notice", self.max_message_bytes, payload=payload, lane=lane)
         if session is not None:
             with session.order_lock:
                 ordered = session.ordered is not None
@@ -661,7 +661,7 @@ class Endpoint:
             elif msg.type == "hello" and session is None:
                 # A peer that skipped authentication (no secret, an older kvtransport): told no more.
                 self._stranger(route, f"hello from {self._describe(route)} without authentication")
-                self.channel.send(route, encode("refuse", conn=msg["conn"], reason=AUTH_FAILED))
+                self.channel.send(route, encode("refuse", self.max_message_bytes, conn=msg["conn"], reason=AUTH_FAILED))
             elif msg.type == "refuse" and session is not None and session.initiator:
                 reason = msg["reason"]
                 error: KVTransportError = (
@@ -755,7 +755,7 @@ class Endpoint:
         if len(msg["nonce"]) != NONCE_BYTES:
             raise ProtocolError(f"auth nonce of {len(msg['nonce'])} bytes, expected {NONCE_BYTES}")
         nonce_a = self._cookies.issue(bytes(route[1]), msg["conn"], msg["nonce"])
-        self.channel.send(route, encode("challenge", conn=msg["conn"], nonce=nonce_a))
+        self.channel.send(route, encode("challenge", self.max_message_bytes, conn=msg["conn"], nonce=nonce_a))
 
     def _on_challenge(self, session: Session, msg: Message) -> None:
         """Initiator: prove the secret, bound to both nonces and the connection id."""
@@ -782,7 +782,7 @@ class Endpoint:
                 self._describe(route),
                 self.secret.source,
             )
-            self.channel.send(route, encode("refuse", conn=conn, reason=AUTH_FAILED))
+            self.channel.send(route, encode("refuse", self.max_message_bytes, conn=conn, reason=AUTH_FAILED))
             return
         while len(self._pending_auth) >= self.limits.max_pending_handshakes:
             # Only holders of the secret get here: the oldest of them that never said hello goes.
@@ -801,7 +801,9 @@ class Endpoint:
         entry.timer = self.channel.timers.call_later(self.timeouts.connect, expire)
         self._pending_auth[route] = entry
         mac = proof(self.secret, "acceptor", conn, nonce_i, nonce_a)
-        self.channel.send(route, encode("proof", conn=conn, nonce_i=nonce_i, nonce_a=nonce_a, mac=mac))
+        self.channel.send(
+            route, encode("proof", self.max_message_bytes, conn=conn, nonce_i=nonce_i, nonce_a=nonce_a, mac=mac)
+        )
 
     def _on_acceptor_proof(self, session: Session, msg: Message) -> None:
         """Initiator: the acceptor proved the secret; only now does this side say who it is."""
@@ -894,7 +896,7 @@ class Endpoint:
 
         def refuse(reason: str) -> None:
             log.warning("refusing connection from %s: %s", self._describe(route), reason)
-            self.channel.send(route, seal.seal(encode("refuse", conn=conn_id, reason=reason)))
+            self.channel.send(route, seal.seal(encode("refuse", self.max_message_bytes, conn=conn_id, reason=reason)))
 
         if conn_id != auth.conn:
             refuse("the hello's connection id is not the one authenticated")

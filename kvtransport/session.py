@@ -30,6 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .bounded import put_newest
+from .driver import KVTransport
 from .errors import (
     ChannelDown,
     DriverError,
@@ -62,6 +63,10 @@ if TYPE_CHECKING:
     from .timers import Timer
 
 log = logging.getLogger(__name__)
+
+#: Longest a receive transfer's announcement waits for a busy driver's ``expecting`` (see
+#: ``Session.expecting``): about what the credit round trip it saves costs a small transfer.
+EXPECTING_WAIT_S = 0.002
 
 #: Largest batch whose caller keeps checking it for ``Limits.inline_wait_us`` after submitting
 #: it (``call_here``): at the host engines' >= 1 GB/s a bigger one takes longer than the wait,
@@ -372,29 +377,51 @@ class Session:
     def expecting(self, transfer: Transfer, then: Callable[[], None]) -> None:
         """I/O thread: tell each two-sided driver that ``transfer`` is coming, then ``then()``
         (the announcement). The staged drivers lend ring slots ahead; what a driver sends then
-        must reach the peer before the announcement, or the sender, answered at once, finds no
-        credit and pays a round trip for one. So the announcement waits for every driver that
-        could not hear of it right here (its thread was busy) to have heard on its own thread."""
+        should reach the peer before the announcement, or the sender, answered at once, finds
+        no credit and pays a round trip for one. So a driver whose thread is busy hears of it
+        there, and the announcement waits for it, but at most ``EXPECTING_WAIT_S``: that
+        thread may be busy for long (another peer's ``connect``), and a lend that comes later
+        only costs the round trip it was meant to save."""
         nbytes = self.expected_bytes(transfer)
         busy: list[Lane] = []
         for lane in self.lanes.values():
-            if lane.two_sided:
-                ran, _, error = lane.runner.try_here(functools.partial(lane.driver.expecting, self.id, nbytes))
-                if not ran:
-                    busy.append(lane)
-                elif error is not None:
-                    log.debug("%s: expecting() failed (a hint; the transfer goes on): %s", lane.name, error)
+            if not lane.two_sided or type(lane.driver).expecting is KVTransport.expecting:
+                continue  # nothing to hear (the SPI's default does nothing): no need to wait
+            ran, _, error = lane.runner.try_here(functools.partial(lane.driver.expecting, self.id, nbytes))
+            if not ran:
+                busy.append(lane)
+            elif error is not None:
+                log.warning("%s: expecting() failed (a hint; the transfer goes on): %s", lane.name, error)
         if not busy:
             then()
             return
-        countdown = _Countdown(len(busy), lambda _: then())
+        timers = self.endpoint.channel.timers
+        left = [len(busy)]  # drivers still to hear of it; -1 once announced
+        timer: list[Timer | None] = [None]
+
+        def announce_once() -> None:
+            if left[0] >= 0:
+                left[0] = -1  # neither the timer nor a late driver announces it again
+                timers.cancel(timer[0])
+                then()
+
+        def heard(lane: Lane, error: KVTransportError | None) -> None:
+            if error is not None:
+                log.warning("%s: expecting() failed (a hint; the transfer goes on): %s", lane.name, error)
+            if left[0] > 0:
+                left[0] -= 1
+                if left[0] == 0:
+                    announce_once()
+
+        timer[0] = timers.call_later(EXPECTING_WAIT_S, announce_once)
         for lane in busy:
             try:
                 lane.runner.call(
-                    functools.partial(lane.driver.expecting, self.id, nbytes), lambda _, __: countdown.one(None)
+                    functools.partial(lane.driver.expecting, self.id, nbytes),
+                    functools.partial(lambda lane, _, error: heard(lane, error), lane),
                 )
             except KVTransportError:
-                countdown.one(None)  # the driver is closed; nothing to get ready
+                heard(lane, None)  # the driver is closed; nothing to get ready
 
     def sender(self, tag: str) -> Transfer:
         _check_tag(tag)
@@ -628,7 +655,7 @@ class Session:
     def send(self, kind: str, **fields: Any) -> bool:
         if self.phase is Phase.CLOSED:
             return False
-        return self.send_message(kind, encode(kind, **fields))
+        return self.send_message(kind, encode(kind, self.endpoint.max_message_bytes, **fields))
 
     def send_message(self, kind: str, data: bytes) -> bool:
         """I/O thread: one encoded message of type ``kind``, on the express stream in ordered
@@ -696,7 +723,10 @@ class Session:
             except MessageTooLarge:
                 pass  # one frame each, then
         if not frames:
-            frames = [data if lane is None else encode("notice", payload=data, lane=lane) for lane, data in items]
+            limit = self.endpoint.max_message_bytes
+            frames = [
+                data if lane is None else encode("notice", limit, payload=data, lane=lane) for lane, data in items
+            ]
             if done is not None:
                 frames.append(done.encode())
         return self._write_ordered(frames) if frames else True

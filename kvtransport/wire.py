@@ -121,8 +121,9 @@ class Message:
         return self.fields[key]
 
 
-def encode(kind: str, **fields: Any) -> bytes:
-    """Pack a message, checking it against its schema (a bug here is ours, not the peer's)."""
+def encode(kind: str, limit: int | None = None, /, **fields: Any) -> bytes:
+    """Pack a message, checking it against its schema (a bug here is ours, not the peer's) and
+    against the size limit (``limit``, an endpoint's; ``None``: ``max_message_bytes()``)."""
     schema = SCHEMAS.get(kind)
     if schema is None:
         raise ValueError(f"unknown message type {kind!r}")
@@ -132,7 +133,7 @@ def encode(kind: str, **fields: Any) -> bytes:
     _cut_texts(kind, fields)
     data = msgpack.packb({"v": PROTOCOL_VERSION, "t": kind, **fields}, use_bin_type=True)
     assert isinstance(data, bytes)
-    return _within_limit(kind, data)
+    return _within_limit(kind, data, limit)
 
 
 def _cut_texts(kind: str, fields: dict[str, Any]) -> None:

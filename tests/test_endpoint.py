@@ -25,7 +25,8 @@ from kvtransport.errors import (
 from kvtransport.hello import PROTOCOL_VERSION
 from kvtransport.kv_pool import KVPool
 from kvtransport.memory import KVLayout
-from kvtransport.testing.fake import FakeDriver
+from kvtransport.session import Session
+from kvtransport.testing.fake import FakeDriver, FakeTwoSided
 from tests.hostile_messages import authenticate
 
 FAKE = {"fake": FakeDriver}
@@ -311,37 +312,45 @@ def test_two_sided_receiver_succeeds_only_after_its_inbound_work() -> None:
         assert b_pool.page_digests([4, 5]) == a_pool.page_digests([0, 1])
 
 
-def test_a_driver_driven_while_receiving_still_hears_of_a_transfer_before_its_announcement() -> None:
-    """A two-sided driver that needs ``progress()`` while bytes arrive (nixl-staged) gets
-    ``expecting`` before the announcement goes out, so what it sends then (the staged drivers
-    lend ring slots) reaches the sender ahead of the announcement. Starting the progress watch
-    first queued work on the driver's thread and ``expecting`` went behind it: its notice left
-    after the announcement, and a sender that sent at once paid a credit round trip (measured,
+class _LendsAhead(FakeTwoSided):
+    """A two-sided driver that needs ``progress()`` while bytes arrive (as nixl-staged does) and
+    sends a notice from ``expecting`` (as the staged drivers lend slots there)."""
+
+    name = "fake-lends-ahead"
+    api_version = FakeTwoSided.api_version
+    capabilities = FakeTwoSided.capabilities
+    progress_while_receiving = True
+
+    def expecting(self, peer: str, nbytes: int) -> None:
+        self.context.send_notice(peer, msgpack.packb({"ahead": nbytes}))
+
+
+def test_a_driver_driven_while_receiving_still_hears_of_a_transfer_before_its_announcement(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A two-sided driver that needs ``progress()`` while bytes arrive gets ``expecting``
+    before the announcement goes out, so what it sends then (the staged drivers lend ring
+    slots) reaches the sender ahead of the announcement. Starting the progress watch first
+    queued work on the driver's thread and ``expecting`` went behind it: its notice left after
+    the announcement, and a sender that sent at once paid a credit round trip (measured,
     nixl-staged 64 KiB: 18 of 300 requests at 1.8 ms against 0.6)."""
-    from kvtransport.testing.fake import FakeTwoSided
+    transfers: list[Transfer] = []
+    states: list[State] = []
+    take_notice = Session.take_notice
 
-    class LendsAhead(FakeTwoSided):
-        name = "fake-lends-ahead"
-        api_version = FakeTwoSided.api_version
-        capabilities = FakeTwoSided.capabilities
-        progress_while_receiving = True
-        #: Sender side: the state of the transfer each notice was meant for, when it came.
-        states: ClassVar[list[State]] = []
-        transfers: ClassVar[list[Transfer]] = []
+    def noting(self: Session, lane: str, payload: bytes) -> None:
+        # On the sender's I/O thread, in the order the frames came (whatever thread the
+        # driver then handles the notice on): where the transfer stood when its notice came.
+        if "ahead" in msgpack.unpackb(payload):
+            states.append(transfers[len(states)].state)
+        take_notice(self, lane, payload)
 
-        def expecting(self, peer: str, nbytes: int) -> None:
-            self.context.send_notice(peer, msgpack.packb({"ahead": nbytes}))
-
-        def on_notice(self, peer: str, payload: bytes) -> None:
-            if "ahead" in msgpack.unpackb(payload):
-                self.states.append(self.transfers[len(self.states)].state)
-            super().on_notice(peer, payload)
-
+    monkeypatch.setattr(Session, "take_notice", noting)
     # Every other transfer is announced while the receiving driver is still busy with the last
     # one's inbound work (20 ms of it): that driver hears of it on its own thread, and the
     # announcement waits for it; the others it hears of on the I/O thread.
     busy = {"fake.inbound_delay": "0.02"}
-    with endpoints(drivers={"fake-lends-ahead": LendsAhead}, pages=16, receiver_options=busy) as (
+    with endpoints(drivers={"fake-lends-ahead": _LendsAhead}, pages=16, receiver_options=busy) as (
         _,
         _,
         send_conn,
@@ -351,15 +360,31 @@ def test_a_driver_driven_while_receiving_still_hears_of_a_transfer_before_its_an
     ):
         for i in range(20):
             t = send_conn.sender(f"t{i}")
-            LendsAhead.transfers.append(t)
+            transfers.append(t)
             r = recv_conn.expect(f"t{i}", [i % 16])
             ready(t)
             t.send([i % 16])
             assert t.wait(5) is State.SUCCESS
             if i % 2:
                 assert r.wait(5) is State.SUCCESS
-    late = [i for i, state in enumerate(LendsAhead.states) if state is not State.BOOTSTRAPPING]
-    assert len(LendsAhead.states) == 20 and not late, f"announcements overtook the notices sent before them: {late}"
+    late = [i for i, state in enumerate(states) if state is not State.BOOTSTRAPPING]
+    assert len(states) == 20 and not late, f"announcements overtook the notices sent before them: {late}"
+
+
+def test_an_announcement_does_not_wait_long_for_a_busy_driver() -> None:
+    """A driver's thread may be busy for long (a slow ``connect`` to another peer): the
+    announcement waits for its ``expecting`` only briefly, then goes out without it, and the
+    notice it sends when it gets there comes after."""
+    with endpoints(drivers={"fake-lends-ahead": _LendsAhead}, pages=16) as (_, b, send_conn, recv_conn, _, _):
+        b.runners["fake-lends-ahead"].call(lambda: time.sleep(1.0))
+        t = send_conn.sender("t")
+        started = time.monotonic()
+        recv_conn.expect("t", [3])
+        ready(t)
+        waited = time.monotonic() - started
+        assert waited < 0.5, f"the announcement waited {waited:.2f} s for a busy driver"
+        t.send([3])
+        assert t.wait(5) is State.SUCCESS
 
 
 def test_finished_transfers_are_forgotten_and_tags_can_be_reused() -> None:
