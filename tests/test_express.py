@@ -17,6 +17,7 @@ import socket
 import struct
 import time
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -654,6 +655,7 @@ def test_released_messages_reach_the_peer_in_the_order_they_were_held(
 
     session = Session.__new__(Session)  # only the holding and its writes are exercised
     session._held = __import__("threading").local()
+    session.endpoint = SimpleNamespace(max_message_bytes=max_message_bytes())  # type: ignore[assignment]
     frames: list[bytes] = []
     session._write_ordered = lambda fs: frames.extend(fs) or True  # type: ignore[method-assign]
     filler = bytes(max_message_bytes() // 2) if big else b""
