@@ -475,8 +475,8 @@ def test_a_done_naming_a_one_sided_lane_still_waits_for_the_two_sided_lanes_copi
     # The sender lies: its "done" names the chosen (one-sided) driver whatever lane it took.
     honest = session_module.encode
 
-    def lying(kind: str, **fields: object) -> bytes:
-        return honest(kind, **{**fields, "lane": ""}) if kind == "done" else honest(kind, **fields)
+    def lying(kind: str, *limit: int | None, **fields: object) -> bytes:
+        return honest(kind, *limit, **{**fields, "lane": ""}) if kind == "done" else honest(kind, *limit, **fields)
 
     monkeypatch.setattr(session_module, "encode", lying)
     # Its chunk's notice goes as a message of its own (not inside the "done", whose lane it would
