@@ -367,16 +367,18 @@ class Session:
                 self.guard = InboundGuard(ep.regions)
             self.guard.add(claim)
             # The drivers hear first: starting to receive may queue work on a driver's thread
-            # (progress), which would keep ``expecting`` off this thread.
-            self.expecting(transfer, send_expect)
-            self.start_arriving(transfer)
+            # (progress), which would keep ``expecting`` off this thread. That work is still
+            # queued before the announcement goes out, so a receiver that must drive its
+            # engine is driving it by the time the sender's bytes come.
+            self.expecting(transfer, send_expect, lambda: self.start_arriving(transfer))
 
         ep.call(announce)
         return transfer
 
-    def expecting(self, transfer: Transfer, then: Callable[[], None]) -> None:
-        """I/O thread: tell each two-sided driver that ``transfer`` is coming, then ``then()``
-        (the announcement). The staged drivers lend ring slots ahead; what a driver sends then
+    def expecting(self, transfer: Transfer, then: Callable[[], None], heard: Callable[[], None]) -> None:
+        """I/O thread: tell each two-sided driver that ``transfer`` is coming, then ``heard()``
+        (on this thread, once the idle drivers heard), then ``then()`` (the announcement). The
+        staged drivers lend ring slots ahead; what a driver sends then
         should reach the peer before the announcement, or the sender, answered at once, finds
         no credit and pays a round trip for one. So a driver whose thread is busy hears of it
         there, and the announcement waits for it, but at most ``EXPECTING_WAIT_S``: that
@@ -392,6 +394,7 @@ class Session:
                 busy.append(lane)
             elif error is not None:
                 log.warning("%s: expecting() failed (a hint; the transfer goes on): %s", lane.name, error)
+        heard()
         if not busy:
             then()
             return
@@ -405,7 +408,7 @@ class Session:
                 timers.cancel(timer[0])
                 then()
 
-        def heard(lane: Lane, error: KVTransportError | None) -> None:
+        def one_heard(lane: Lane, error: KVTransportError | None) -> None:
             if error is not None:
                 log.warning("%s: expecting() failed (a hint; the transfer goes on): %s", lane.name, error)
             if left[0] > 0:
@@ -418,10 +421,10 @@ class Session:
             try:
                 lane.runner.call(
                     functools.partial(lane.driver.expecting, self.id, nbytes),
-                    functools.partial(lambda lane, _, error: heard(lane, error), lane),
+                    functools.partial(lambda lane, _, error: one_heard(lane, error), lane),
                 )
             except KVTransportError:
-                heard(lane, None)  # the driver is closed; nothing to get ready
+                one_heard(lane, None)  # the driver is closed; nothing to get ready
 
     def sender(self, tag: str) -> Transfer:
         _check_tag(tag)
