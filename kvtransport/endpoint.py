@@ -75,6 +75,7 @@ from .lane import Lane
 from .memory import KVLayout, RegionSet
 from .metrics import Metrics
 from .negotiate import Decision
+from .plan import only_ints
 from .probe import probe_host
 from .registry import Policy, warn_unknown_env_vars
 from .runner import DriverRunner
@@ -1123,12 +1124,8 @@ def _pieces(p: Any) -> Pieces:
     """A driver's piece addresses or lengths as the guard takes them: a list of ints as it is
     (each must be a uint64 value: a negative length would pass a check that adds it), anything
     else as a uint64 array."""
-    # Builtins over the list, not generator expressions: a call each, not one per item.
-    if isinstance(p, list) and p and set(map(type, p)) == _INTS_ONLY:
+    if isinstance(p, list) and p and only_ints(p):
         if min(p) < 0 or max(p) >= 1 << 64:
             raise InvalidPages("inbound piece addresses and lengths must be uint64 values")
         return p
     return np.asarray(p, dtype=np.uint64)
-
-
-_INTS_ONLY = frozenset({int})

@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 from .auth import RateLimitedLog, Seal
 from .control import WILDCARDS, address_host
 from .errors import ProtocolError
-from .wire import decode, encode, max_message_bytes
+from .wire import decode, encode
 
 if TYPE_CHECKING:
     from .endpoint import Endpoint
@@ -96,10 +96,9 @@ _MAX_CONN_ID = 64
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
 
 
-def bound_frame_bytes(limit: int | None = None) -> int:
-    """Largest frame a bound stream takes: a sealed message of the control channel's limit
-    (``limit``; ``None``: ``max_message_bytes()``)."""
-    return (max_message_bytes() if limit is None else limit) + _SEAL_BYTES
+def bound_frame_bytes(limit: int) -> int:
+    """Largest frame a bound stream takes: a sealed message of the control channel's limit."""
+    return limit + _SEAL_BYTES
 
 
 def frame(data: bytes) -> bytes:

@@ -11,7 +11,7 @@ registered memory.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -140,14 +140,19 @@ def few_pages(values: Any) -> list[int] | None:
     as a list (or tuple) of ints and one when they come as an integer array; ``None`` when
     they are more than ``SMALL`` or anything else, for :func:`as_pages` (and its errors)."""
     if isinstance(values, list | tuple):
-        # (``set(map(type, ...))``: builtins only; a generator expression is a call per item.)
-        if len(values) <= SMALL and set(map(type, values)) <= _INT_TYPE:
+        if len(values) <= SMALL and only_ints(values):
             return list(values)
         return None
     if isinstance(values, np.ndarray) and values.ndim == 1 and values.size <= SMALL and values.dtype.kind in "iu":
         listed: list[int] = values.tolist()
         return listed
     return None
+
+
+def only_ints(values: Iterable[Any]) -> bool:
+    """Whether every value is an ``int`` itself (not a bool, not a numpy integer): builtins
+    only, where a generator expression would be an interpreter call per item."""
+    return set(map(type, values)) <= _INT_TYPE
 
 
 _INT_TYPE = frozenset({int})

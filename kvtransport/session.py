@@ -385,46 +385,47 @@ class Session:
         thread may be busy for long (another peer's ``connect``), and a lend that comes later
         only costs the round trip it was meant to save."""
         nbytes = self.expected_bytes(transfer)
+
+        def warn_if_failed(lane: Lane, error: KVTransportError | None) -> None:
+            if error is not None:
+                log.warning("%s: expecting() failed (a hint; the transfer goes on): %s", lane.name, error)
+
         busy: list[Lane] = []
         for lane in self.lanes.values():
             if not lane.two_sided or type(lane.driver).expecting is KVTransport.expecting:
                 continue  # nothing to hear (the SPI's default does nothing): no need to wait
             ran, _, error = lane.runner.try_here(functools.partial(lane.driver.expecting, self.id, nbytes))
-            if not ran:
+            if ran:
+                warn_if_failed(lane, error)
+            else:
                 busy.append(lane)
-            elif error is not None:
-                log.warning("%s: expecting() failed (a hint; the transfer goes on): %s", lane.name, error)
         heard()
         if not busy:
             then()
             return
         timers = self.endpoint.channel.timers
-        left = [len(busy)]  # drivers still to hear of it; -1 once announced
-        timer: list[Timer | None] = [None]
+        sent = [False]
 
-        def announce_once() -> None:
-            if left[0] >= 0:
-                left[0] = -1  # neither the timer nor a late driver announces it again
-                timers.cancel(timer[0])
+        def announce_once(_: KVTransportError | None = None) -> None:
+            if not sent[0]:  # the timer or the last driver, whichever comes first
+                sent[0] = True
+                timers.cancel(timer)
                 then()
 
-        def one_heard(lane: Lane, error: KVTransportError | None) -> None:
-            if error is not None:
-                log.warning("%s: expecting() failed (a hint; the transfer goes on): %s", lane.name, error)
-            if left[0] > 0:
-                left[0] -= 1
-                if left[0] == 0:
-                    announce_once()
+        timer = timers.call_later(EXPECTING_WAIT_S, announce_once)
+        countdown = _Countdown(len(busy), announce_once)
 
-        timer[0] = timers.call_later(EXPECTING_WAIT_S, announce_once)
+        def one_heard(lane: Lane, _: Any, error: KVTransportError | None) -> None:
+            warn_if_failed(lane, error)
+            countdown.one(None)
+
         for lane in busy:
             try:
                 lane.runner.call(
-                    functools.partial(lane.driver.expecting, self.id, nbytes),
-                    functools.partial(lambda lane, _, error: one_heard(lane, error), lane),
+                    functools.partial(lane.driver.expecting, self.id, nbytes), functools.partial(one_heard, lane)
                 )
             except KVTransportError:
-                one_heard(lane, None)  # the driver is closed; nothing to get ready
+                countdown.one(None)  # the driver is closed; nothing to get ready
 
     def sender(self, tag: str) -> Transfer:
         _check_tag(tag)
