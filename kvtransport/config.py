@@ -92,6 +92,10 @@ class Limits:
     max_connections: int = 1024
     #: Handshakes being processed at once (driver connects in flight); more are refused.
     max_pending_handshakes: int = 64
+    #: Control connections open that carry no session (yet, or any more): beyond it the oldest
+    #: is closed (``unclaimed.py``). Above ``max_pending_handshakes``: many peers that connect
+    #: at once (a decode pool starting) must not push each other's handshakes out.
+    max_unclaimed_connections: int = 256
     #: Announcements (``expect``) a peer may have outstanding for transfers this side has not
     #: created yet, per connection and over all connections.
     max_early_expects: int = 4096
@@ -122,6 +126,7 @@ class Limits:
     ENV: ClassVar[dict[str, str]] = {
         "max_connections": "KVTRANSPORT_MAX_CONNECTIONS",
         "max_pending_handshakes": "KVTRANSPORT_MAX_PENDING_HANDSHAKES",
+        "max_unclaimed_connections": "KVTRANSPORT_MAX_UNCLAIMED_CONNECTIONS",
         "max_early_expects": "KVTRANSPORT_MAX_EARLY_EXPECTS",
         "max_early_expects_total": "KVTRANSPORT_MAX_EARLY_EXPECTS_TOTAL",
         "max_early_expect_bytes": "KVTRANSPORT_MAX_EARLY_EXPECT_BYTES",

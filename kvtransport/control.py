@@ -23,6 +23,7 @@ import zmq
 
 from .errors import ChannelDown, ConfigError
 from .timers import TimerHeap
+from .unclaimed import UnclaimedConnections
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,8 @@ class ControlChannel:
         frames_per_pass: int = 256,
         max_queued_calls: int = 65536,
         on_crash: Callable[[BaseException], None] | None = None,
+        unclaimed_timeout: float = 10.0,
+        max_unclaimed: int = 64,
     ) -> None:
         self._ctx = zmq.Context()
         self._max_message_bytes = max_message_bytes
@@ -102,12 +105,24 @@ class ControlChannel:
         self._calls_space = threading.Condition(self._wake_lock)
         self._max_queued_calls = max_queued_calls
         self._dealers: dict[str, zmq.Socket[bytes]] = {}
-        #: Plain file descriptors the loop waits on beside its sockets (the express streams).
+        #: Plain file descriptors the loop waits on beside its sockets (the express streams),
+        #: with the events each waits for; and those also watched for room to write.
         self._fds: dict[int, Callable[[int], None]] = {}
+        self._masks: dict[int, int] = {}
+        self._writers: dict[int, Callable[[int], None]] = {}
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
         self._poller.register(self._wake_rx, zmq.POLLIN)
         self.timers = TimerHeap()
+        #: Accepted connections that carry no session yet: bounded in number and time.
+        self.unclaimed = UnclaimedConnections(
+            self._router, port, self.timers, timeout=unclaimed_timeout, most=max_unclaimed
+        )
+        #: The descriptor of the ROUTER message being handled (``claim`` reads it), and the
+        #: descriptor of each claimed route's connection.
+        self._current_fd = -1
+        self._route_fd: dict[bytes, tuple[int, Any]] = {}
+        self._poller.register(self.unclaimed.monitor, zmq.POLLIN)
         self._on_frame = on_frame
         self._on_crash = on_crash
         self._frames_per_pass = frames_per_pass
@@ -132,15 +147,17 @@ class ControlChannel:
     def running(self) -> bool:
         return self._running
 
-    def call_soon(self, fn: Callable[[], None], timeout: float = 10.0) -> None:
+    def call_soon(self, fn: Callable[[], None], timeout: float = 10.0, *, wait: bool = True) -> None:
         """Queue ``fn`` for the I/O thread. When ``max_queued_calls`` are waiting, the caller
         blocks until there is room (backpressure) and gets :class:`ChannelDown` after
-        ``timeout`` or once the loop has stopped. The I/O thread itself never blocks here."""
+        ``timeout`` or once the loop has stopped. The I/O thread itself never blocks here, nor
+        does a caller with ``wait=False`` (for calls bounded in number by other means, made
+        where blocking could deadlock with the I/O thread)."""
         in_loop = self.in_io_thread()
         with self._wake_lock:
             if not self._running:
                 raise ChannelDown("the endpoint's I/O thread is not running")
-            if not in_loop and len(self._calls) >= self._max_queued_calls:
+            if wait and not in_loop and len(self._calls) >= self._max_queued_calls:
                 if not self._calls_space.wait_for(
                     lambda: len(self._calls) < self._max_queued_calls or not self._running, timeout
                 ):
@@ -199,7 +216,19 @@ class ControlChannel:
             self._poller.register(sock, zmq.POLLIN)
         return ("out", key)
 
+    def claim(self, route: Route) -> None:
+        """While its message is handled: the connection that message of ``route`` (one a peer
+        opened) came in on carries a session now."""
+        if route[0] == "in" and self._current_fd >= 0:
+            key = self.unclaimed.claim(self._current_fd)
+            if key is not None:
+                self._route_fd[route[1]] = (self._current_fd, key)
+
     def disconnect(self, route: Route) -> None:
+        if route[0] == "in":
+            claimed = self._route_fd.pop(route[1], None)
+            if claimed is not None:
+                self.unclaimed.release(*claimed)  # carries no session any more
         if route[0] == "out":
             sock = self._dealers.pop(route[1], None)
             if sock is not None:
@@ -209,14 +238,32 @@ class ControlChannel:
     def watch_fd(self, fd: int, on_ready: Callable[[int], None], *, writable: bool = False) -> None:
         """Call ``on_ready(fd)`` on this thread each time ``fd`` is readable (or ``writable``);
         a raising handler is logged, never stops the loop. Watching again replaces the events."""
-        if fd in self._fds:
-            self._poller.unregister(fd)
         self._fds[fd] = on_ready
-        self._poller.register(fd, zmq.POLLOUT if writable else zmq.POLLIN)
+        self._masks[fd] = zmq.POLLOUT if writable else zmq.POLLIN
+        self._register(fd)
 
     def unwatch_fd(self, fd: int) -> None:
-        if self._fds.pop(fd, None) is not None:
+        """Stop watching ``fd`` (for reading, and for room to write)."""
+        watched = fd in self._fds or fd in self._writers
+        self._fds.pop(fd, None)
+        self._masks.pop(fd, None)
+        self._writers.pop(fd, None)
+        if watched:
             self._poller.unregister(fd)
+
+    def watch_writable(self, fd: int, on_room: Callable[[int], None]) -> None:
+        """Also call ``on_room(fd)`` on this thread each time ``fd`` has room to write, until
+        :meth:`unwatch_writable`; a raising handler is logged, never stops the loop."""
+        self._writers[fd] = on_room
+        self._register(fd)
+
+    def unwatch_writable(self, fd: int) -> None:
+        if self._writers.pop(fd, None) is not None:
+            self._register(fd)
+
+    def _register(self, fd: int) -> None:
+        # Registering again replaces the events; no events at all unregisters.
+        self._poller.register(fd, self._masks.get(fd, 0) | (zmq.POLLOUT if fd in self._writers else 0))
 
     @property
     def dealer_count(self) -> int:
@@ -249,19 +296,30 @@ class ControlChannel:
                 # Handlers as they were when the poll began: a descriptor closed during this pass
                 # and reused by a stream registered meanwhile must not get the old one's event.
                 fds = dict(self._fds)
+                writers = dict(self._writers)
                 events = dict(self._poller.poll(timeout_ms))
                 self.passes += 1
                 if self._wake_rx in events:
                     self._clear_wake()
                 self._drain_calls()
+                if self.unclaimed.monitor in events:
+                    self.unclaimed.on_events()
                 if self._router in events:
                     self._receive(self._router, "in")
                 for key, sock in list(self._dealers.items()):
                     # A handler may have closed a later dealer during this pass.
                     if sock in events and self._dealers.get(key) is sock:
                         self._receive(sock, key)
+                for fd, handler in writers.items():
+                    if events.get(fd, 0) & (zmq.POLLOUT | zmq.POLLERR) and self._writers.get(fd) is handler:
+                        try:
+                            handler(fd)
+                        except Exception:
+                            log.exception("kvtransport: writing to a stream failed")
                 for fd, handler in fds.items():
-                    if fd in events and self._fds.get(fd) is handler:
+                    # Its own events (room alone is for the writer above), or an error.
+                    wanted = self._masks.get(fd, 0) | zmq.POLLERR
+                    if events.get(fd, 0) & wanted and self._fds.get(fd) is handler:
                         try:
                             handler(fd)
                         except Exception:
@@ -287,6 +345,7 @@ class ControlChannel:
             for sock in self._dealers.values():
                 sock.close(0)
             self._dealers.clear()
+            self.unclaimed.close()
             self._router.close(0)
             self._wake_rx.close(0)
             with self._send_lock:
@@ -320,15 +379,21 @@ class ControlChannel:
             if sock.closed:
                 return
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                # The ROUTER's frames as zmq's own (no copy yet): each one says which connection
+                # it came from, which ``unclaimed`` needs.
+                frames: list[Any] = sock.recv_multipart(zmq.NOBLOCK, copy=source != "in")
             except zmq.Again:
                 return
             if source == "in":
                 if len(frames) != 2:
                     log.debug("dropping a control message with %d frames (expected 2)", len(frames))
                     continue
-                route: Route = ("in", frames[0])
-                frame = frames[1]
+                route: Route = ("in", frames[0].bytes)
+                try:
+                    self._current_fd = frames[1].get(zmq.SRCFD)
+                except zmq.ZMQError:  # zmq knows no descriptor for it: it cannot be claimed
+                    self._current_fd = -1
+                frame = frames[1].bytes
             else:
                 if len(frames) != 1:
                     log.debug("dropping a control message from %s with %d frames", source, len(frames))
@@ -338,3 +403,5 @@ class ControlChannel:
                 self._on_frame(route, frame)
             except Exception:
                 log.exception("kvtransport: handling a control message failed")
+            finally:
+                self._current_fd = -1

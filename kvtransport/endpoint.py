@@ -22,6 +22,7 @@ the loop keeps serving every other peer.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import itertools
 import logging
@@ -256,8 +257,8 @@ class Endpoint:
         self._closed = False
         self._down: KVTransportError | None = None
         self._hellos: dict[str, DriverHello] = {}
-        self._open_drivers(hellos, driver_options or {})
         try:
+            self._open_drivers(hellos, driver_options or {})
             host = probe_host()
             self._hellos = with_cached_models(self._hellos, host.host_id)
             self.hello: Hello = build_hello(
@@ -271,24 +272,38 @@ class Endpoint:
                 frames_per_pass=self.limits.frames_per_pass,
                 max_queued_calls=self.limits.max_queued_calls,
                 on_crash=self._on_crash,
+                # A connection must carry a session as soon as a connect() would have given up.
+                unclaimed_timeout=self.timeouts.connect,
+                max_unclaimed=self.limits.max_unclaimed_connections,
             )
         except BaseException:
             self._close_drivers()
             raise
         #: The express streams (express.py), unless KVTRANSPORT_EXPRESS=0 or its port cannot open.
         self.express: ExpressPort | None = None
-        if use_express:
-            try:
-                self.express = ExpressPort(self, address_host(listen))
-                self.channel.call_soon(self.express.start)
-            except (OSError, UnicodeError, KVTransportError) as exc:
-                if self.express is not None:
-                    self.express.close()
-                    self.express = None
-                log.warning("endpoint %s: no express streams (%s); 'done' takes the control channel", self.name, exc)
-        self.address = self.channel.address
-        for name, driver in self.drivers.items():
-            self.runners[name] = DriverRunner(name, driver, self.post)
+        try:
+            if use_express:
+                try:
+                    self.express = ExpressPort(self, address_host(listen))
+                    self.channel.call_soon(self.express.start)
+                except (OSError, UnicodeError, KVTransportError) as exc:
+                    if self.express is not None:
+                        self.express.close()
+                        self.express = None
+                    log.warning(
+                        "endpoint %s: no express streams (%s); 'done' takes the control channel", self.name, exc
+                    )
+            self.address = self.channel.address
+            for name, driver in self.drivers.items():
+                self.runners[name] = DriverRunner(name, driver, self.post)
+        except BaseException:
+            # Whatever was acquired goes: the loop and its streams, then runners and drivers.
+            port = self.express
+            self.channel.close(port.close if port is not None else None)
+            if port is not None and not self.channel.running:
+                port.close()
+            self._close_drivers()
+            raise
         log.debug(
             "endpoint %s listening on %s (express port %s)",
             self.name,
@@ -323,6 +338,10 @@ class Endpoint:
                 if driver is not None:
                     _close_quietly(name, driver)
                 continue
+            except BaseException:  # interrupted: the caller's cleanup knows only the opened ones
+                if driver is not None:
+                    _close_quietly(name, driver)
+                raise
             self.drivers[name] = driver
             self._hellos[name] = DriverHello(
                 name, entry.distribution, entry.api_version, entry.capabilities, entry.status, "", conn
@@ -344,36 +363,70 @@ class Endpoint:
         conn_id = uuid.uuid4().hex
         started = threading.Event()
         holder: list[Session | KVTransportError] = []
+        # Whether the caller stopped waiting for ``start``: checked by ``start`` under
+        # ``start_lock``, so a start that runs after the caller gave up creates nothing (it
+        # once left a session and a socket nobody held, connected on both sides).
+        start_lock = threading.Lock()
+        gave_up: list[bool] = []
 
         def start() -> None:
-            try:
-                if len(self.sessions) >= self.limits.max_connections:
-                    raise ConnectError(
-                        f"{self.name} already has {len(self.sessions)} connections (KVTRANSPORT_MAX_CONNECTIONS)"
-                    )
+            with start_lock:
+                if gave_up:
+                    return
                 try:
-                    route = self.channel.connect(address, conn_id)
-                except Exception as exc:
-                    raise ConnectError(f"cannot connect to {address!r}: {exc}") from exc
-                session = Session(self, conn_id, route, address, address, initiator=True)
-                self._file(session)
-                holder.append(session)
-                # Nothing about this endpoint goes out before the peer proved the secret.
-                session.nonce_i = new_nonce()
-                session.auth_step = "auth"
-                session.send("auth", conn=conn_id, nonce=session.nonce_i)
-            except KVTransportError as exc:
-                holder.append(exc)
-            finally:
-                started.set()
+                    if len(self.sessions) >= self.limits.max_connections:
+                        raise ConnectError(
+                            f"{self.name} already has {len(self.sessions)} connections (KVTRANSPORT_MAX_CONNECTIONS)"
+                        )
+                    try:
+                        route = self.channel.connect(address, conn_id)
+                    except Exception as exc:
+                        raise ConnectError(f"cannot connect to {address!r}: {exc}") from exc
+                    session = Session(self, conn_id, route, address, address, initiator=True)
+                    self._file(session)
+                    holder.append(session)
+                    # Nothing about this endpoint goes out before the peer proved the secret.
+                    session.nonce_i = new_nonce()
+                    session.auth_step = "auth"
+                    session.send("auth", conn=conn_id, nonce=session.nonce_i)
+                except KVTransportError as exc:
+                    holder.append(exc)
+                finally:
+                    started.set()
 
-        self.call(start)
-        if not started.wait(timeout) or not holder:
-            raise ConnectError(f"could not start connecting to {address}: the endpoint's I/O thread is busy")
+        def give_up() -> None:
+            """Nobody will hold what ``start`` creates: it creates nothing, or it is ended."""
+            with start_lock:
+                gave_up.append(True)
+                made = holder[0] if holder else None
+            if isinstance(made, Session):
+                with contextlib.suppress(KVTransportError):
+                    self.call(
+                        lambda: self.end_session(made, ConnectError(f"gave up connecting to {address}"), notify=True)
+                    )
+
+        try:
+            self.call(start)
+            started_in_time = started.wait(timeout)
+        except BaseException:  # interrupted (or the endpoint went)
+            give_up()
+            raise
+        if not started_in_time:
+            with start_lock:
+                if not holder:
+                    gave_up.append(True)
+                    raise ConnectError(f"could not start connecting to {address}: the endpoint's I/O thread is busy")
+        if not holder:  # ``start`` failed with something other than a kvtransport error (logged)
+            raise ConnectError(f"could not start connecting to {address}")
         if isinstance(holder[0], KVTransportError):
             raise holder[0]
         session = holder[0]
-        if not session.ready.wait(max(0.0, timeout)):
+        try:
+            answered = session.ready.wait(max(0.0, timeout))
+        except BaseException:  # interrupted: nobody will hold this session
+            give_up()
+            raise
+        if not answered:
             self.call(lambda: self.end_session(session, ConnectError(f"gave up connecting to {address}"), notify=False))
             raise ConnectError(f"no handshake answer from {address} within {timeout} s (is an endpoint listening?)")
         if session.phase is not Phase.READY:
@@ -383,8 +436,14 @@ class Endpoint:
     def accept(self, timeout: float | None = None) -> Connection:
         """The next connection a peer opened to this endpoint."""
         with self._incoming_cv:
-            if not self._incoming_cv.wait_for(lambda: bool(self._incoming), timeout):
+            # Also woken when the endpoint closes or its I/O thread stops: no connection can
+            # come then, and a wait without a timeout would last for ever.
+            if not self._incoming_cv.wait_for(
+                lambda: bool(self._incoming) or self._closed or self._down is not None, timeout
+            ):
                 raise ConnectError(f"no peer connected within {timeout} s")
+            if not self._incoming:
+                self.check_running()
             return self._incoming.popleft().handle
 
     def announced(self, tag: str) -> Connection | None:
@@ -437,6 +496,7 @@ class Endpoint:
             "tag_owners": len(self.tag_owners),
             "timers": len(self.channel.timers),
             "dealers": self.channel.dealer_count,
+            "unclaimed": len(self.channel.unclaimed),
             "express_links": self.express.links if self.express is not None else 0,
             "express_unbound": self.express.unbound if self.express is not None else 0,
             "warned": len(self._warned),
@@ -464,6 +524,7 @@ class Endpoint:
         if self._closed:
             return
         self._closed = True
+        self._wake_acceptors()
 
         def final() -> None:
             for session in list(self.sessions.values()):
@@ -480,6 +541,11 @@ class Endpoint:
         if self.express is not None and not self.channel.running:
             self.express.close()  # the loop stopped before it ran ``final`` (or died)
         self._close_drivers()
+
+    def _wake_acceptors(self) -> None:
+        """Callers waiting in :meth:`accept` look again (the endpoint closed or went down)."""
+        with self._incoming_cv:
+            self._incoming_cv.notify_all()
 
     def __enter__(self) -> Endpoint:
         return self
@@ -587,7 +653,9 @@ class Endpoint:
 
     def notices_queued_for(self, peer: str) -> bool:
         """Whether a driver notice to ``peer`` waits for the I/O thread to send it."""
-        return any(p == peer for p, _ in self._notices)
+        # A snapshot: driver threads append to the queue meanwhile, and iterating the deque
+        # itself would raise "deque mutated during iteration".
+        return any(p == peer for p, _ in list(self._notices))
 
     def _file(self, session: Session) -> None:
         self.sessions[session.id] = session
@@ -626,6 +694,7 @@ class Endpoint:
     def _on_crash(self, exc: BaseException) -> None:
         """The I/O thread is dying: fail everything so no caller waits for a timeout."""
         self._down = EndpointDown(f"endpoint {self.name}: its I/O thread stopped ({type(exc).__name__}: {exc})")
+        self._wake_acceptors()
         for session in list(self.sessions.values()):
             try:
                 self.end_session(session, self._down, notify=False)
@@ -926,6 +995,7 @@ class Endpoint:
         self.channel.timers.cancel(auth.timer)
         session.decision, session.peer_regions, session.lanes = decision, peer_regions, lanes
         self._file(session)
+        self.channel.claim(route)
         self.pending_handshakes += 1
 
         def connected(_: Any, error: KVTransportError | None) -> None:

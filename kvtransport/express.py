@@ -23,9 +23,14 @@ of those messages on the control channel: from then on every announcement, notic
 abort and "drained" of that session goes on the stream, and none on the control channel, so
 the peer reads them in the order they were written, by whichever thread wrote them (the staged
 wire thread writes a chunk's notice and its transfer's "done" the moment the write finishes).
-A full buffer is waited on (up to the heartbeat timeout: the peer reads nothing meanwhile). A
-stream of an ordered session that breaks, or a message that cannot be written to it whole,
-ends the session with ``PeerLost``: a message may have been lost, and none may overtake it.
+No thread waits for room in the socket: what does not fit joins the stream's backlog, which
+the I/O thread writes out as the peer reads (it watches the socket for room). A writer that
+waited instead held whichever thread it was on (the I/O thread, a runner or a staging stage,
+each shared by every peer) for as long as one peer read nothing: a member that stopped reading
+its stream cost every other peer its heartbeats. A backlog larger than the stream's limit, or
+one the peer took nothing of for the heartbeat timeout, fails the stream. A stream of an
+ordered session that breaks, or fails so, ends the session with ``PeerLost``: a message may
+have been lost, and none may overtake it.
 
 Security: frames are sealed like the control channel's (:class:`~kvtransport.auth.Seal`) with
 keys of their own, derived from the same handshake. The first frame binds the stream to its
@@ -35,8 +40,8 @@ frame or after the connect timeout, and unbound streams are capped (the oldest g
 frame that fails authentication closes the stream; the session goes on over the control channel
 (in ordered mode it ends).
 
-Threads: the I/O thread accepts, dials, binds, reads and closes; any thread may write a sealed
-frame to a bound stream (one at a time, under the stream's lock).
+Threads: the I/O thread accepts, dials, binds, reads, writes backlogs out and closes; any
+thread may write a sealed frame to a bound stream (one at a time, under the stream's lock).
 """
 
 from __future__ import annotations
@@ -46,17 +51,16 @@ import contextlib
 import errno
 import functools
 import logging
-import select
 import socket
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .auth import RateLimitedLog, Seal
 from .control import WILDCARDS, address_host
-from .errors import ProtocolError
+from .errors import ChannelDown, ProtocolError
 from .wire import decode, encode
 
 if TYPE_CHECKING:
@@ -91,6 +95,9 @@ ACCEPTS_PER_PASS = 16
 #: How long the listener rests after accept() failed for want of descriptors.
 ACCEPT_BACKOFF_S = 0.5
 _MAX_CONN_ID = 64
+#: A bound stream's backlog (bytes its peer has not read yet, see ``ExpressLink.send_many``) may
+#: hold this many of its largest frames; more, and the peer is not reading: the stream fails.
+BACKLOG_FRAMES = 8
 #: A write to a stream the peer reset must raise, never deliver SIGPIPE (an embedding
 #: application may not ignore it, as CPython does).
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
@@ -156,53 +163,122 @@ class ExpressLink:
         self.received = 0
         #: Bytes the last :meth:`read` took from the socket.
         self.last_read = 0
+        #: Queued writes (``send_many(queue=True)``) the socket had no room for, oldest first:
+        #: the I/O thread writes them out (:meth:`flush`) as the peer reads.
+        self._backlog = bytearray()
+        self._backlog_frames = 0
+        #: Most bytes the backlog may hold (set when the stream binds); more fails the stream.
+        self.backlog_limit = 1 << 62
+        #: When the peer last took some of the backlog (or it began): ``stalled_for`` reads it.
+        self._backlog_moved = 0.0
+        #: Called, on the writing thread and outside the stream's lock, when the backlog stops
+        #: being empty: the I/O thread must watch the socket for room (``ExpressPort`` sets it).
+        self.on_backlog: Callable[[ExpressLink], None] | None = None
+        #: I/O thread: the timer that fails the stream if its backlog stalls (``ExpressPort``).
+        self.stall_timer: Any = None
 
-    def send(self, body: bytes, wait_s: float = 0.0) -> bool:
-        """Any thread: ``body`` sealed, as one frame. ``False`` when it could not go out whole
-        now: nothing of it left (the kernel's buffer is full; the stream stays usable), or part
-        of it did or the stream failed (it is then shut down, and the I/O thread closes it).
-        ``wait_s`` (ordered mode, where a frame has no other way to go): a full buffer is waited
-        on for up to that long, the rest of a frame written as room frees; past it the stream
-        is shut down."""
-        return self.send_many((body,), wait_s)
+    def send(self, body: bytes) -> bool:
+        """Any thread: ``body`` sealed, as one frame, if it can go out whole now. ``False`` when
+        it could not: nothing of it left (the kernel's buffer is full, or a backlog waits; the
+        stream stays usable), or part of it did or the stream failed (it is then shut down, and
+        the I/O thread closes it)."""
+        return self.send_many((body,))
 
-    def send_many(self, bodies: Sequence[bytes], wait_s: float = 0.0) -> bool:
+    def send_many(self, bodies: Sequence[bytes], *, queue: bool = False) -> bool:
         """Any thread: each of ``bodies`` sealed as a frame of its own, in order, all in one
         write, so the peer reads them in one wake-up (a chunk's notice and the "done" behind
-        it). All or nothing, as :meth:`send` for one."""
+        it). All or nothing, as :meth:`send` for one. ``queue`` (ordered mode, where a frame
+        has no other way to go): what the socket has no room for waits in the stream's backlog,
+        after what waits there already, and nobody waits for it; ``False`` only when the stream
+        failed (or the backlog grew past its limit, which fails it)."""
         with self._lock:
             if self._closed:
                 return False
             seal = self.seal.seal
             data = frame(seal(bodies[0])) if len(bodies) == 1 else b"".join([frame(seal(body)) for body in bodies])
-            if wait_s <= 0:
-                return self._write(data, len(bodies))
-            return self._write_within(data, time.monotonic() + wait_s, len(bodies))
-
-    def _write_within(self, data: bytes, deadline: float, frames: int = 1) -> bool:
-        view = memoryview(data)
-        while view:
+            if not queue:
+                return not self._backlog and self._write(data, len(bodies))
+            if self._backlog:
+                return self._queue(data, len(bodies), started=False)
             try:
-                n = self.sock.send(view, _NOSIGNAL)
+                n = self.sock.send(data, _NOSIGNAL)
             except BlockingIOError:
                 n = 0
             except OSError as exc:
                 log.debug("express stream write failed: %s", exc)
-                break
-            view = view[n:]
-            if view:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    log.debug("express stream: its peer read nothing for too long")
-                    break
-                select.select([], [self.sock], [], min(left, 0.05))
-        else:
-            self.sent += frames
+                self._fail()
+                return False
+            if n == len(data):
+                self.sent += len(bodies)
+                return True
+            if not self._queue(data[n:], len(bodies), started=True):
+                return False
+        # Outside the lock: the I/O thread's flush takes it.
+        if self.on_backlog is not None:
+            self.on_backlog(self)
+        return True
+
+    def _queue(self, data: bytes, frames: int, *, started: bool) -> bool:
+        """Lock held: ``data`` behind the backlog (``started``: the backlog was empty)."""
+        if len(self._backlog) + len(data) > self.backlog_limit:
+            log.debug("express stream: its peer left more than %d bytes unread", self.backlog_limit)
+            self._fail()
+            return False
+        if started:
+            self._backlog_moved = time.monotonic()
+        self._backlog += data
+        self._backlog_frames += frames
+        return True
+
+    @property
+    def backlog(self) -> int:
+        """Bytes waiting for the peer to read (ordered mode)."""
+        return len(self._backlog)
+
+    def stalled_for(self, now: float) -> float:
+        """Seconds since the peer last took part of a backlog that is still there (0 without one)."""
+        with self._lock:
+            return now - self._backlog_moved if self._backlog else 0.0
+
+    def flush(self) -> bool | None:
+        """I/O thread, when the socket has room: write out what the backlog holds, without
+        waiting. ``True`` once it is empty, ``False`` while some is left, ``None`` when the
+        stream failed."""
+        with self._lock:
+            if self._closed:
+                return None
+            if not self._backlog:
+                return True
+            try:
+                n = self.sock.send(self._backlog, _NOSIGNAL)
+            except BlockingIOError:
+                return False
+            except OSError as exc:
+                log.debug("express stream write failed: %s", exc)
+                self._fail()
+                return None
+            if n > 0:
+                del self._backlog[:n]
+                self._backlog_moved = time.monotonic()
+            if self._backlog:
+                return False
+            self.sent += self._backlog_frames
+            self._backlog_frames = 0
             return True
+
+    def _fail(self) -> None:
+        """Lock held: part of a frame cannot be taken back, so the stream is unusable from
+        here: shut down (the I/O thread sees it end and closes it)."""
         self._closed = True
+        self._backlog.clear()
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
-        return False
+
+    def abort(self) -> None:
+        """Any thread: fail the stream (its backlog can no longer be written out)."""
+        with self._lock:
+            if not self._closed:
+                self._fail()
 
     def send_bind(self, conn: str) -> bool:
         """Initiator, I/O thread: the binding frame (the connection id, then a sealed
@@ -223,10 +299,7 @@ class ExpressLink:
         if n == len(data):
             self.sent += frames
             return True
-        # Part of a frame cannot be taken back: the stream is unusable from here.
-        self._closed = True
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
+        self._fail()
         return False
 
     def read(self) -> list[bytes] | None:
@@ -247,6 +320,12 @@ class ExpressLink:
 
     def close(self) -> None:
         with self._lock:
+            if not self._closed and self._backlog:
+                # What the socket takes now of what waits (a "done" the sender counted as sent,
+                # say) still reaches the peer: written before the close, as a wait once did.
+                with contextlib.suppress(OSError):
+                    self.sock.send(self._backlog, _NOSIGNAL)
+                self._backlog.clear()
             self._closed = True
         with contextlib.suppress(OSError):
             self.sock.close()
@@ -481,6 +560,8 @@ class ExpressPort:
         # Bound, so authenticated: it may carry any session message (ordered mode), up to the
         # control channel's size limit.
         link.reader.limit = bound_frame_bytes(self._ep.max_message_bytes)
+        link.backlog_limit = BACKLOG_FRAMES * link.reader.limit
+        link.on_backlog = self._backlog_started
         session.express = link
         self._links[link.fd] = (link, session)
         self._ep.channel.watch_fd(link.fd, self._on_link)
@@ -504,6 +585,61 @@ class ExpressPort:
             self._deliver(session, link, frames)
             if not frames or link.last_read >= READ_BYTES or self._links.get(fd) is not entry:
                 return
+
+    # -- backlogs (ordered mode: what the socket had no room for) ------------------------------
+
+    def _backlog_started(self, link: ExpressLink) -> None:
+        """Any thread: ``link`` holds bytes its socket had no room for; the I/O thread writes
+        them out as the peer reads."""
+        channel = self._ep.channel
+        if channel.in_io_thread():
+            self._watch_room(link)
+            return
+        try:
+            # Never waits for room in the call queue: the writer may hold a transfer's lock
+            # that the I/O thread needs. One call per backlog that starts, so few.
+            channel.call_soon(functools.partial(self._watch_room, link), wait=False)
+        except ChannelDown:
+            link.abort()  # no thread left to write it out: the stream fails, not stalls
+
+    def _watch_room(self, link: ExpressLink) -> None:
+        """I/O thread: write ``link``'s backlog out each time its socket has room, and fail the
+        stream if the peer takes none of it for the heartbeat timeout."""
+        entry = self._links.get(link.fd)
+        if entry is None or entry[0] is not link or not link.backlog:
+            return
+        channel = self._ep.channel
+        channel.watch_writable(link.fd, self._on_room)
+        if link.stall_timer is None:
+            link.stall_timer = channel.timers.call_later(
+                self._ep.timeouts.heartbeat_timeout, functools.partial(self._check_stall, link)
+            )
+
+    def _on_room(self, fd: int) -> None:
+        entry = self._links.get(fd)
+        if entry is None:
+            self._ep.channel.unwatch_writable(fd)
+            return
+        link, session = entry
+        written = link.flush()
+        if written is None:
+            self.detach(session, "a write to it failed")
+        elif written:
+            self._ep.channel.unwatch_writable(fd)
+
+    def _check_stall(self, link: ExpressLink) -> None:
+        link.stall_timer = None
+        entry = self._links.get(link.fd)
+        if entry is None or entry[0] is not link:
+            return
+        limit = self._ep.timeouts.heartbeat_timeout
+        stalled = link.stalled_for(time.monotonic())
+        if stalled >= limit:
+            self.detach(entry[1], f"its peer read none of the {link.backlog} bytes waiting for it for {stalled:.1f} s")
+        elif link.backlog:
+            link.stall_timer = self._ep.channel.timers.call_later(
+                limit - stalled, functools.partial(self._check_stall, link)
+            )
 
     def _close_bad(self, session: Session, exc: ProtocolError) -> None:
         self._log.warning("%s: closing its express stream: %s", session.peer_label, exc)

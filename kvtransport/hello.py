@@ -29,7 +29,7 @@ from .registry import DriverEntry, Policy, duplicates, list_drivers, load_driver
 log = logging.getLogger(__name__)
 
 #: Version of the hello document and of the control protocol carrying it.
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 PROTOCOL_NAME = "kvtransport"
 
 

@@ -181,7 +181,10 @@ class DriverRunner:
         and the driver's thread is not woken)."""
         n = len(prefix)
         with self._lock:
-            if self._watches and any(isinstance(k, tuple) and k[:n] == prefix for k in self._watches):
+            # A snapshot (one C-level copy under the interpreter lock): the runner's thread ends
+            # watches without ``_lock``, and iterating the dict itself while it does raised
+            # "dictionary changed size during iteration" in the signalling (staging) thread.
+            if self._watches and any(isinstance(k, tuple) and k[:n] == prefix for k in list(self._watches)):
                 self._prefixes.add(prefix)
                 self._cv.notify()
 
@@ -343,7 +346,7 @@ class DriverRunner:
             self._run_call(fn, then)
         for prefix in prefixes:
             n = len(prefix)
-            signals.update(k for k in self._watches if isinstance(k, tuple) and k[:n] == prefix)
+            signals.update(k for k in list(self._watches) if isinstance(k, tuple) and k[:n] == prefix)
         for key in signals:
             self._check_key(key)
         if spin:

@@ -687,7 +687,8 @@ class Session:
     def _write_ordered(self, frames: Sequence[bytes]) -> bool:
         link = self.ordered
         assert link is not None
-        if link.send_many(frames, wait_s=self.timeouts.heartbeat_timeout):
+        # Never waits for room: what does not fit waits in the stream's backlog (express.py).
+        if link.send_many(frames, queue=True):
             return True
         if not self.closing:
             self.endpoint.post(functools.partial(self.express_lost, link, "a message could not be written to it"))

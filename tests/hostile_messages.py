@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 
 # --- the wire schema, as read from kvtransport/wire.py (deliberately not imported) -----------
 
-VERSION = 9
+VERSION = 10
 LIMIT = 4 << 20  # DEFAULT_MAX_MESSAGE_BYTES
 #: Frames larger than this make zmq drop the connection (MAXMSGSIZE: the limit plus framing room):
 #: the attacker's DEALER reconnects with a new route, so a session on the old one is orphaned.
@@ -71,7 +71,7 @@ TEXT_MAX = {"conn": 64, "tag": 256, "reason": 4096, "lane": 64}
 #: Most notices one "done" may carry.
 DONE_NOTICES_MAX = 8
 KINDS = tuple(SCHEMA)
-STAGED_OPS = ("want", "grant", "lend", "release", "chunk")
+STAGED_OPS = ("want", "grant", "lend", "release", "revoke", "chunk")
 
 EXTREME_INTS = (
     -(2**63),

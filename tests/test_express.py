@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
@@ -694,3 +695,50 @@ def test_released_messages_reach_the_peer_in_the_order_they_were_held(
         assert riding == 0
     # Released: nothing is held any more, a later message goes out at once.
     assert not session.hold_notice("", b"x")
+
+
+def test_a_peer_that_reads_nothing_costs_only_its_own_session() -> None:
+    """An ordered session whose peer stops reading (a long pause, SIGSTOP, a member that
+    never reads its stream) while this side has messages for it: what does not fit waits in
+    the stream's backlog, and no thread waits for room. A writer that waited held the I/O
+    thread (shared by every peer) for the heartbeat timeout, and a third, healthy peer then
+    declared this endpoint lost. Now the healthy peer stays, and the silent one's session ends
+    with ``PeerLost`` once it has read nothing for the heartbeat timeout."""
+    two_sided = {"fake-two-sided": FakeTwoSided}
+    timeouts = Timeouts(connect=5, bootstrap=30, waiting=30, transfer=30, heartbeat_interval=0.1, heartbeat_timeout=1.0)
+    pages = 1 << 18
+    pools = [KVPool(pages, 1, 16, 4) for _ in range(3)]
+    decode, silent, healthy = (
+        Endpoint(p.regions, p.layout, drivers=two_sided, name=n, timeouts=timeouts)
+        for p, n in zip(pools, ("decode", "silent", "healthy"), strict=True)
+    )
+    try:
+        to_silent = decode.connect(silent.address)
+        silent.accept(5)
+        decode.connect(healthy.address)
+        from_decode = healthy.accept(5)
+        deadline = time.monotonic() + 5
+        while to_silent._session.ordered is None:
+            assert time.monotonic() < deadline, "the session to the silent peer never took ordered mode"
+            time.sleep(0.01)
+        silent.call(lambda: time.sleep(4))  # its I/O thread, the stream's only reader, stops
+        everything = list(range(pages))
+        for i in range(6):  # 2 MiB announcements each: far more than the socket buffers hold
+            to_silent.expect(f"r{i}", everything)
+        # The I/O thread, which sends them, still answers at once (it waited for room before).
+        time.sleep(0.2)
+        for _ in range(5):
+            answered = threading.Event()
+            started = time.monotonic()
+            decode.call(answered.set)
+            assert answered.wait(5)
+            took = time.monotonic() - started
+            assert took < 0.3, f"the I/O thread took {took:.2f} s to run a queued call"
+        time.sleep(3.0)
+        assert from_decode.alive, f"the healthy peer lost this endpoint: {from_decode.error}"
+        assert not to_silent.alive and isinstance(to_silent.error, PeerLost), to_silent.error
+    finally:
+        for ep in (decode, silent, healthy):
+            ep.close()
+        for p in pools:
+            p.close()

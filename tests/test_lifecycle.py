@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,6 +16,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
+from kvtransport.config import Limits
 from kvtransport.endpoint import Endpoint, State, Timeouts
 from kvtransport.errors import KVTransportError, PeerLost, TransferAborted
 from kvtransport.kv_pool import KVPool
@@ -242,3 +244,149 @@ def test_an_idle_endpoint_does_not_wake_up() -> None:
             assert ep.channel.passes - passes <= 8 * elapsed + 4, (ep.channel.passes - passes, elapsed)
         other_pool.close()
     pool.close()
+
+
+def test_a_connect_that_gave_up_on_a_busy_io_thread_leaves_no_session() -> None:
+    """``connect`` stops waiting when the I/O thread does not start it in time; the start it
+    queued must then create nothing when it runs at last. It once left a session and a socket
+    nobody held, which completed its handshake and stayed on both sides."""
+    pools = [KVPool(8, 1, 512, 0) for _ in range(2)]
+    timeouts = Timeouts(**FAST)
+    a, b = (
+        Endpoint(p.regions, p.layout, drivers={"fake": FakeDriver}, name=n, timeouts=timeouts)
+        for p, n in zip(pools, "ab", strict=True)
+    )
+    try:
+        b.call(lambda: time.sleep(0.6))  # one slow pass of b's I/O thread
+        with pytest.raises(KVTransportError, match="I/O thread is busy"):
+            b.connect(a.address, timeout=0.2)
+        time.sleep(1.0)  # the queued start has run by now, and a handshake would have finished
+        assert b.stats()["sessions"] == 0 and b.stats()["dealers"] == 0
+        assert a.stats()["sessions"] == 0 and a.stats()["incoming"] == 0
+        # The endpoints still connect afterwards.
+        conn = b.connect(a.address)
+        assert conn.decision.driver == "fake"
+    finally:
+        a.close()
+        b.close()
+        for p in pools:
+            p.close()
+
+
+@pytest.mark.parametrize("how", ["close", "crash"])
+def test_accept_without_a_timeout_returns_when_the_endpoint_goes(how: str) -> None:
+    """A thread waiting in ``accept()`` with no timeout gets a typed error once the endpoint
+    closes or its I/O thread stops; it once waited for ever."""
+    pool = KVPool(8, 1, 512, 0)
+    ep = Endpoint(pool.regions, pool.layout, drivers={"fake": FakeDriver}, name="lonely", timeouts=Timeouts(**FAST))
+    outcome: list[BaseException | None] = []
+
+    def wait() -> None:
+        try:
+            ep.accept()
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - recorded for the assertion
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    try:
+        waiter.start()
+        time.sleep(0.2)
+        if how == "close":
+            ep.close()
+        else:
+            ep._on_crash(RuntimeError("simulated death of the I/O thread"))
+        waiter.join(5)
+        assert not waiter.is_alive(), "accept() still waits after the endpoint went"
+        assert len(outcome) == 1 and isinstance(outcome[0], KVTransportError), outcome
+    finally:
+        ep.close()
+        pool.close()
+
+
+def test_an_endpoint_that_fails_to_start_releases_what_it_opened(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure after the drivers opened and the I/O loop started (here: creating the driver
+    runners) closes the loop, its sockets and every opened driver before the error reaches
+    the caller; nothing of the endpoint is left running."""
+    closed: list[str] = []
+
+    class Recorded(FakeDriver):
+        capabilities = FakeDriver.capabilities
+
+        def close(self) -> None:
+            closed.append(self.name)
+            super().close()
+
+    def broken_runner(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("no thread for the runner")
+
+    monkeypatch.setattr("kvtransport.endpoint.DriverRunner", broken_runner)
+    pool = KVPool(8, 1, 512, 0)
+    before = {t.name for t in threading.enumerate()}
+    try:
+        with pytest.raises(RuntimeError, match="no thread for the runner"):
+            Endpoint(pool.regions, pool.layout, drivers={"fake": Recorded}, name="doomed", timeouts=Timeouts(**FAST))
+        assert closed == ["fake"]
+        _until(
+            lambda: not {t.name for t in threading.enumerate()} - before,
+            5,
+            "the failed endpoint's threads to end",
+        )
+    finally:
+        pool.close()
+
+
+#: What a zmq DEALER sends on connecting (ZMTP 3.0, NULL mechanism): enough for zmq to accept
+#: the connection as a peer, with no kvtransport message ever.
+_ZMTP_GREETING = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" * 32
+_ZMTP_READY_BODY = b"\x05READY" + b"\x0bSocket-Type" + (6).to_bytes(4, "big") + b"DEALER"
+_ZMTP_READY = b"\x04" + bytes([len(_ZMTP_READY_BODY)]) + _ZMTP_READY_BODY
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(4096, socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def test_connections_that_carry_no_session_are_bounded_in_number_and_time() -> None:
+    """A stranger (no secret needed) opens connections to the control port that complete zmq's
+    greeting and then say nothing. zmq alone kept every one of them, a descriptor and ~23 KiB
+    each, for as long as the stranger liked (5,000 held 5,000 descriptors; at 1,024 no peer
+    could connect). Now at most ``max_unclaimed_connections`` are kept, the oldest closed first;
+    the rest go within the connect timeout; a legitimate peer connects during the flood."""
+    timeouts = Timeouts(connect=1.5, **FAST)
+    limits = Limits(max_unclaimed_connections=16)
+    pools = [KVPool(8, 1, 512, 0) for _ in range(2)]
+    victim = Endpoint(
+        pools[0].regions, pools[0].layout, drivers={"fake": FakeDriver}, name="v", timeouts=timeouts, limits=limits
+    )
+    legit = Endpoint(pools[1].regions, pools[1].layout, drivers={"fake": FakeDriver}, name="l", timeouts=timeouts)
+    host, port = victim.address[len("tcp://") :].rsplit(":", 1)
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(120):
+            s = socket.create_connection((host, int(port)), timeout=2)
+            s.sendall(_ZMTP_GREETING + _ZMTP_READY)
+            socks.append(s)
+        _until(lambda: sum(map(_closed_by_peer, socks)) >= len(socks) - 16, 5, "the oldest to be closed")
+        assert len(victim.channel.unclaimed) <= 16
+        conn = legit.connect(victim.address)  # during the flood
+        assert conn.alive and victim.accept(5).alive
+        _until(lambda: all(map(_closed_by_peer, socks)), 5, "every silent connection to be closed")
+        time.sleep(timeouts.connect + 0.5)  # the legitimate connection is older than the limit now
+        assert victim.stats()["unclaimed"] == 0
+        assert conn.alive, "the legitimate peer's connection was closed with the strangers'"
+        # ... and it still works: an announcement goes through and is seen.
+        conn.expect("after-the-flood", [1])
+        _until(lambda: victim.announced("after-the-flood") is not None, 5, "the announcement")
+    finally:
+        for s in socks:
+            s.close()
+        legit.close()
+        victim.close()
+        for p in pools:
+            p.close()

@@ -217,6 +217,35 @@ def test_a_prefix_signal_wakes_the_runner_only_for_a_matching_watch() -> None:
         assert runner.stop()
 
 
+def test_a_prefix_signal_from_another_thread_survives_watches_ending_meanwhile() -> None:
+    """The staging threads signal a peer's prefix while the runner's thread ends watches of its
+    own (batches that finished on a timed poll), without the runner's lock. The signal's scan
+    once iterated the watch table itself and raised "dictionary changed size during iteration"
+    in the signalling thread, which killed the scatter stage for good. Here a watch ends in the
+    middle of the scan, deterministically: a key whose slicing (the scan's prefix test) removes
+    another watch, as the runner's thread would at that moment."""
+    runner = DriverRunner("polled", object(), lambda fn: None)  # type: ignore[arg-type]
+    removed: list[Any] = []
+
+    class EndsAnotherWatch(tuple[Any, ...]):
+        def __getitem__(self, index: Any) -> Any:
+            if isinstance(index, slice) and not removed:
+                victim = next(k for k in runner._watches if k is not self)
+                removed.append(runner._watches.pop(victim))
+            return super().__getitem__(index)
+
+    try:
+        runner._watches[EndsAnotherWatch(("inbound", "other", 1))] = None  # type: ignore[assignment]
+        for i in range(2, 10):
+            runner._watches[("inbound", "other", i)] = None  # type: ignore[assignment]
+        runner.signal_prefix(("inbound", "peer"))  # no watch matches: the whole table is scanned
+        assert removed, "the scan never tested the key's prefix"
+        assert not runner._prefixes
+    finally:
+        runner._watches.clear()
+        assert runner.stop()
+
+
 def test_a_watch_done_at_once_posts_first_and_result_in_one_call() -> None:
     runner, posted = _runner(True)
     events: list[str] = []

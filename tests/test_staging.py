@@ -33,18 +33,22 @@ from kvtransport.plan import Runs, plan
 from kvtransport.registry import load_driver
 from kvtransport.staging import MemcpyCopyEngine, RingConfig, StagingPipeline, chunk_runs
 from kvtransport.staging import pipeline as pipeline_module
+from kvtransport.staging.config import MAX_SLOTS
+from kvtransport.staging.copy import as_list
 from kvtransport.staging.notices import (
     MAX_HOLD_MS,
     ChunkNotice,
     Grant,
     Lend,
     Release,
+    Revoke,
     Want,
     decode_notice,
     encode_chunk,
     encode_grant,
     encode_lend,
     encode_release,
+    encode_revoke,
     encode_want,
 )
 from kvtransport.staging.pipeline import LEND_MAX_SLOTS
@@ -128,6 +132,7 @@ def test_credit_notices_decode_to_what_was_encoded(slots: list[int], hold: int, 
     assert decode_notice(encode_want(n), SLOTS) == Want(n)
     assert decode_notice(encode_grant(slots), SLOTS) == Grant(tuple(slots))
     assert decode_notice(encode_release(slots), SLOTS) == Release(tuple(slots))
+    assert decode_notice(encode_revoke(slots), SLOTS) == Revoke(tuple(slots))
     assert decode_notice(encode_lend(slots, hold), SLOTS) == Lend(tuple(slots), hold)
 
 
@@ -624,6 +629,23 @@ def test_a_one_chunk_request_up_to_the_inline_limit_is_copied_on_the_threads_at_
     assert _copied_on_the_threads_at_hand(a, b, courier, True, regions * item) is not over
 
 
+@pytest.mark.parametrize(
+    "doc",
+    [
+        {"op": "revoke", "slots": [SLOTS]},
+        {"op": "revoke", "slots": [-1]},
+        {"op": "revoke", "slots": [True]},
+        {"op": "revoke", "slots": 3},
+        {"op": "revoke", "slots": list(range(SLOTS)) * ((MAX_SLOTS // SLOTS) + 1)},
+        {"op": "revoke", "slots": [], "n": 1},
+        {"op": "revoke"},
+    ],
+)
+def test_a_revoke_is_decoded_only_with_a_bounded_list_of_slots_of_the_ring(doc: dict[str, Any]) -> None:
+    with pytest.raises(ProtocolError, match="revoke"):
+        decode_notice(msgpack.packb(doc), SLOTS)
+
+
 def test_undecodable_notice_is_a_protocol_error(pair_factory: Any) -> None:
     _, b, _, _ = pair_factory()
     with pytest.raises(ProtocolError):
@@ -803,23 +825,312 @@ def test_real_engine_receiver_killed_mid_stream(driver: str) -> None:
         pool.close()
 
 
-def test_a_peer_sitting_on_its_credits_cannot_starve_another(pair_factory: Any) -> None:
-    """A peer that asks for every inbound slot and never uses them: once its grants are older
-    than the grant timeout and another peer waits, they are taken back."""
-    a, b, courier, _ = pair_factory(pages=32, item=4096, ring=32 << 10, chunk=4 << 10)  # 4 slots each way
-    b.pipe.grant_timeout = 0.3
+def _ops(sent: list[bytes], op: str) -> list[Any]:
+    """The notices of kind ``op`` among ``sent``, decoded."""
+    return [decode_notice(d, MAX_SLOTS) for d in sent if msgpack.unpackb(d)["op"] == op]
+
+
+def _hog(b: Side, a: Side) -> list[bytes]:
+    """Connect a peer "hog" to ``b`` that asks for every inbound slot; what ``b`` sends it."""
     to_hog: list[bytes] = []
     forward = b.notify
     b.notify = lambda peer, data: to_hog.append(data) if peer == "hog" else forward(peer, data)
     b.pipe.connect("hog", a.pipe.describe(), MemcpyLink())
-    started = time.monotonic()  # before the hog's grants: they are at most this old
-    b.pipe.on_notice("hog", msgpack.packb({"op": "want", "n": 1000}))
+    b.pipe.on_notice("hog", encode_want(b.pipe.config.slots))
     _wait(lambda: b.pipe.usage().granted == b.pipe.config.slots)
+    return to_hog
+
+
+def test_a_peer_sitting_on_revoked_credits_is_failed_and_its_slots_go_to_the_waiting_peer(pair_factory: Any) -> None:
+    """A peer that asks for every inbound slot and never uses them: once its grants are older
+    than the grant timeout and another peer waits, they are revoked (it is told); one that
+    neither gives them back nor uses them within another grant timeout is failed (its idle
+    check and its next notice raise, so the core ends its connection), and its slots go to the
+    waiting peer then, not before: until then it may still be writing them. Not only once
+    its connection is gone: a hoarder with no transfer is never asked whether it is idle."""
+    a, b, courier, _ = pair_factory(pages=32, item=4096, ring=32 << 10, chunk=4 << 10)  # 4 slots each way
+    b.pipe.grant_timeout = 0.3
+    started = time.monotonic()  # before the hog's grants: they are at most this old
+    to_hog = _hog(b, a)
     h = a.pipe.submit("b", plan(a.regions.kv, b.regions.kv, list(range(16)), list(range(16))))
+    with pytest.raises(ProtocolError, match="revoked staging slots"):
+        _wait(lambda: not b.pipe.inbound_idle("hog"), timeout=10)
+    assert time.monotonic() - started >= 0.55, "revoked, or failed, before the grant timeout passed twice"
+    (revoke,) = _ops(to_hog, "revoke")
+    assert sorted(revoke.slots) == sorted(s for g in _ops(to_hog, "grant") for s in g.slots)
+    with pytest.raises(ProtocolError, match="revoked staging slots"):
+        b.pipe.on_notice("hog", encode_release([]))
     _finish(a, b, [h], courier)
-    assert time.monotonic() - started >= 0.25, "the hog's fresh grants were taken back early"
+    b.pipe.disconnect("hog")  # what the core does once the hog's idle check raised
     assert b.pool.page_digests(list(range(16))) == a.pool.page_digests(list(range(16)))
-    assert to_hog, "the hog was granted nothing to begin with"
+    _quiet(a, b)
+
+
+def test_a_late_write_into_a_revoked_slot_cannot_land_in_another_peers_chunk(pair_factory: Any) -> None:
+    """The hog took its granted slots for writes just before the receiver revoked them, and its
+    writes land late (its outbound was stuck behind another peer): they must land in slots
+    nobody else was given. The other peer's transfer is intact, and the hog's chunks in its
+    revoked slots are accepted (they were granted) and copied in."""
+    a, b, courier, _ = pair_factory(pages=32, item=4096, ring=32 << 10, chunk=4 << 10)  # 4 slots each way
+    b.pipe.grant_timeout = 0.3
+    to_hog = _hog(b, a)
+    hog_slots = sorted(s for g in _ops(to_hog, "grant") for s in g.slots)
+    # The chunk notices of the other peer are held back until the hog's writes landed.
+    held: list[bytes] = []
+    gate = threading.Lock()
+    opened = False
+    forward = a.notify
+
+    def notify(peer: str, data: bytes) -> None:
+        with gate:
+            if not opened and msgpack.unpackb(data)["op"] == "chunk":
+                held.append(data)
+                return
+        forward(peer, data)
+
+    a.notify = notify
+    h = a.pipe.submit("b", plan(a.regions.kv, b.regions.kv, list(range(16)), list(range(16))))
+    _wait(lambda: bool(held or _ops(to_hog, "revoke")), timeout=10)
+    time.sleep(0.05)
+    hog_chunks = chunk_runs(plan(a.regions.kv, b.regions.kv, [28, 29, 30, 31], [28, 29, 30, 31]), 4 << 10)
+    for slot, c in zip(hog_slots, hog_chunks, strict=False):
+        ctypes.memset(b.pipe._in_ptr(slot), 0xEE, 4 << 10)  # the hog's late write
+        b.pipe.on_notice("hog", encode_chunk(slot, c.dst, c.length, c.offset))
+    with gate:
+        opened = True
+        for data in held:
+            forward("b", data)
+    _finish(a, b, [h], courier)
+    assert b.pool.page_digests(list(range(16))) == a.pool.page_digests(list(range(16))), "the hog's bytes landed"
+    for c in hog_chunks[: len(hog_slots)]:
+        for dst, n in zip(as_list(c.dst), as_list(c.length), strict=True):
+            assert ctypes.string_at(dst, n) == b"\xee" * n
+    assert b.pipe.inbound_idle("hog")
+    _quiet(a, b)
+
+
+class HungLink(MemcpyLink):
+    """Writes to a peer that answers nothing until ``release`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def post(self, local: int, remote: int, length: int) -> int:
+        self.posted += 1
+        return self.posted
+
+    def check(self, token: int) -> bool:
+        return self.release.is_set()
+
+
+def test_a_sender_stuck_behind_a_hung_peer_gives_revoked_credits_back(pair_factory: Any) -> None:
+    """``a`` holds ``b``'s every slot but cannot use them (its outbound ring is full of writes
+    to a hung peer "c") while "d" waits at ``b``: ``b`` revokes them, ``a`` gives them back
+    (none was taken for a write) and asks again, "d" is served, and ``a``'s transfer completes
+    with every byte in place once the hung peer answers."""
+    a, b, courier, _ = pair_factory(pages=32, item=4096, ring=32 << 10, chunk=4 << 10)  # 4 slots each way
+    b.pipe.grant_timeout = 0.3
+    forward_a, forward_b = a.notify, b.notify
+    a.notify = lambda peer, data: None if peer == "c" else forward_a(peer, data)
+    to_d: list[bytes] = []
+    b.notify = lambda peer, data: to_d.append(data) if peer == "d" else forward_b(peer, data)
+    c_ring = np.zeros(32 << 10, dtype=np.uint8)
+    hung = HungLink()
+    a.pipe.connect("c", {"ring": int(c_ring.ctypes.data), "slot_bytes": 4 << 10, "inbound_first": 4}, hung)
+    hc = a.pipe.submit("c", plan(a.regions.kv, b.regions.kv, list(range(8)), list(range(8))))
+    a.pipe.on_notice("c", encode_grant([0, 1, 2, 3]))
+    _wait(lambda: a.pipe.usage().outbound == a.pipe.config.slots)  # every outbound slot on the hung wire
+    h = a.pipe.submit("b", plan(a.regions.kv, b.regions.kv, list(range(16)), list(range(16))))
+    _wait(lambda: len(a.pipe._out["b"].credits) == b.pipe.config.slots)
+    b.pipe.connect("d", a.pipe.describe(), MemcpyLink())
+    b.pipe.on_notice("d", encode_want(1))
+    _wait(lambda: bool(_ops(to_d, "grant")), timeout=10)
+    assert b.pipe.inbound_idle("a"), "a gave its revoked slots back: it is not failed"
+    b.pipe.on_notice("d", encode_release([s for g in _ops(to_d, "grant") for s in g.slots]))
+    hung.release.set()
+    _finish(a, b, [h], courier)
+    assert b.pool.page_digests(list(range(16))) == a.pool.page_digests(list(range(16)))
+    a.pipe.abort(hc)
+    _quiet(a, b)
+    assert not courier.errors
+
+
+def test_a_raising_callback_does_not_stop_the_stages(pair_factory: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """The core's ``completed`` raises once on the sender's wire stage, its ``inbound_progress``
+    once on the receiver's scatter stage: each is logged, and the stages move the next
+    transfer as before."""
+    a, b, courier, _ = pair_factory(pages=32, item=4096, ring=32 << 10, chunk=4 << 10, delay=0.001)
+
+    def once(what: str) -> Callable[[Any], None]:
+        raised: list[bool] = []
+
+        def callback(_: Any) -> None:
+            if not raised:
+                raised.append(True)
+                raise RuntimeError(f"injected {what} failure")
+
+        return callback
+
+    a.pipe._completed = once("completed")
+    b.pipe._progress = once("progress")
+    for pages in (list(range(8)), list(range(8, 16))):
+        h = a.pipe.submit("b", plan(a.regions.kv, b.regions.kv, pages, pages))
+        _finish_within(a, b, [h], courier, 5.0)
+        assert b.pool.page_digests(pages) == a.pool.page_digests(pages)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("the wire stage failed" in m and "injected completed" in m for m in messages)
+    assert any("the scatter stage failed" in m and "injected progress" in m for m in messages)
+    assert a.pipe.threads == 3 and b.pipe.threads == 3
+    _quiet(a, b)
+
+
+def _finish_within(a: Side, b: Side, handles: list[int], courier: Courier, timeout: float) -> None:
+    for h in handles:
+        _wait(lambda h=h: a.pipe.poll(h), timeout)  # type: ignore[misc]
+    courier.q.join()
+    _wait(lambda: b.pipe.inbound_idle("a"), timeout)
+
+
+class RaisingCopy(MemcpyCopyEngine):
+    """Copies as memcpy, except that the ``fail``-th copy raises something no engine should."""
+
+    def __init__(self, fail: int) -> None:
+        super().__init__()
+        self.calls = 0
+        self.fail = fail
+
+    def copy(self, dst: Any, src: Any, length: Any) -> None:
+        self.calls += 1
+        if self.calls == self.fail:
+            raise KeyError("an engine bug")  # caught as any exception, as before
+        super().copy(dst, src, length)
+
+
+def test_a_bug_in_a_stage_fails_its_batch_returns_its_slots_and_the_stage_goes_on(
+    pair_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception where none is expected (here: the wire stage's handling of written chunks,
+    before their notices went out) fails their batch with EngineError, gives their outbound
+    slots back and the receiver's slots too (released unread); a later transfer moves."""
+    a, b, courier, _ = pair_factory(pages=32, item=4096, ring=32 << 10, chunk=4 << 10)
+    real = a.pipe._written
+    calls: list[int] = []
+
+    def written(done: Any, *args: Any, **kw: Any) -> list[int]:
+        if threading.current_thread().name.endswith("-wire"):
+            calls.append(len(done))
+            if len(calls) == 1:
+                raise RuntimeError("injected bug")
+        return real(done, *args, **kw)
+
+    monkeypatch.setattr(a.pipe, "_written", written)
+    h = a.pipe.submit("b", plan(a.regions.kv, b.regions.kv, list(range(8)), list(range(8))))
+    with pytest.raises(EngineError, match="wire stage failed: RuntimeError: injected bug"):
+        _wait(lambda: a.pipe.poll(h), 5)
+    h2 = a.pipe.submit("b", plan(a.regions.kv, b.regions.kv, list(range(8, 16)), list(range(8, 16))))
+    _finish_within(a, b, [h2], courier, 5.0)
+    assert b.pool.page_digests(list(range(8, 16))) == a.pool.page_digests(list(range(8, 16)))
+    _quiet(a, b)  # the receiver's slots the failed chunks were written to came back unread
+
+
+def test_close_abandons_writes_that_never_complete_and_says_the_ring_must_stay(pair_factory: Any) -> None:
+    """Writes in flight to a peer that never answers do not keep the wire stage alive: close
+    stops every stage once its deadline nears, fails their batch, and answers ``False``: the
+    engine may still read the ring for those writes, so the driver must not free it."""
+    a, b, _, _ = pair_factory(pages=32, item=4096, ring=32 << 10, chunk=4 << 10)
+    hung = HungLink()
+    a.pipe.disconnect("b")
+    a.pipe.connect("b", b.pipe.describe(), hung)
+    h = a.pipe.submit("b", plan(a.regions.kv, b.regions.kv, list(range(8)), list(range(8))))
+    a.pipe.on_notice("b", encode_grant([0, 1, 2, 3]))
+    _wait(lambda: hung.posted == 4)
+    started = time.monotonic()
+    assert a.pipe.close(timeout=2) is False
+    assert 1.0 <= time.monotonic() - started < 2.5 and a.pipe.threads == 0
+    assert a.pipe.writes_abandoned
+    with pytest.raises(PeerLost):
+        a.pipe.poll(h)
+    assert a.pipe.usage().outbound == 0
+
+
+def test_close_waits_for_writes_in_flight_before_it_lets_the_ring_go(pair_factory: Any) -> None:
+    """The ring may be freed once ``close`` answers ``True``: a write the engine is still doing
+    at close is waited for, not abandoned (it read freed memory otherwise)."""
+    a, b, _, _ = pair_factory(pages=32, item=4096, ring=32 << 10, chunk=4 << 10)
+    slow = HungLink()
+    a.pipe.disconnect("b")
+    a.pipe.connect("b", b.pipe.describe(), slow)
+    a.pipe.submit("b", plan(a.regions.kv, b.regions.kv, list(range(8)), list(range(8))))
+    a.pipe.on_notice("b", encode_grant([0, 1, 2, 3]))
+    _wait(lambda: slow.posted == 4)
+    threading.Timer(0.3, slow.release.set).start()
+    started = time.monotonic()
+    assert a.pipe.close(timeout=5) is True
+    assert time.monotonic() - started >= 0.25, "close returned while writes were still in flight"
+    assert a.pipe.threads == 0 and not a.pipe.writes_abandoned
+
+
+class StuckCopy(MemcpyCopyEngine):
+    """A copy that blocks until ``release`` is set (a hung device, say)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        self.closed = False
+
+    def copy(self, dst: Any, src: Any, length: Any) -> None:
+        self.entered.set()
+        self.release.wait(10)
+        super().copy(dst, src, length)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_close_says_when_a_stage_did_not_stop_and_leaves_the_copy_engine_open(pair_factory: Any) -> None:
+    a, b, _, _ = pair_factory(pages=32, item=4096, ring=32 << 10, chunk=4 << 10)
+    stuck = StuckCopy()
+    a.pipe.copy_engine = stuck
+    a.pipe.submit("b", plan(a.regions.kv, b.regions.kv, list(range(8)), list(range(8))))
+    assert stuck.entered.wait(5)
+    assert a.pipe.close(timeout=0.3) is False
+    assert not stuck.closed, "the copy engine was closed under a stage still copying"
+    stuck.release.set()
+    _wait(lambda: a.pipe.threads == 0, 5)
+    assert a.pipe.close(timeout=5) is True and stuck.closed
+
+
+def test_staged_drivers_leak_the_ring_and_engine_when_a_stage_did_not_stop(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Freeing the ring or closing the engine under a stage thread that may still touch them
+    would be a use-after-free: both staged drivers keep them (referenced) and warn."""
+    from kvtransport.staging import transport as transport_module
+    from kvtransport_mooncake.staged import MooncakeStaged
+    from kvtransport_nixl.staged import NixlStaged
+
+    mooncake = MooncakeStaged(mock.Mock())
+    engine = mock.Mock()
+    mooncake._engine, mooncake._ring = engine, (4096, 1 << 20)
+    monkeypatch.setattr(mooncake, "stop_pipeline", lambda: False)
+    mooncake.close()
+    engine.engine.free_managed_buffer.assert_not_called()
+    engine.close.assert_not_called()
+    assert any(engine in kept for kept in transport_module._ABANDONED)
+
+    nixl = NixlStaged(mock.Mock())
+    agent, ring_map = mock.Mock(), mock.Mock()
+    nixl._agent, nixl._ring_map, nixl._ring_reg = agent, ring_map, object()
+    nixl._remote["p"] = "remote-agent"
+    monkeypatch.setattr(nixl, "stop_pipeline", lambda: False)
+    nixl.close()
+    agent.deregister_memory.assert_not_called()
+    agent.remove_remote_agent.assert_not_called()
+    ring_map.close.assert_not_called()
+    assert nixl._agent is None and any(agent in kept for kept in transport_module._ABANDONED)
+    assert sum("leaking" in r.getMessage() for r in caplog.records) == 2
 
 
 @settings(max_examples=400)

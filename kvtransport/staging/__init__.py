@@ -9,7 +9,7 @@ does the rest. The pieces:
 - :mod:`.copy`: the copy-engine seam (memcpy here, CUDA streams in ``kvtransport.cuda_copy``)
   and the wire seam;
 - :mod:`.chunks`: runs cut into slot-sized chunks;
-- :mod:`.notices`: the want / grant / lend / release / chunk notices and their typed schema;
+- :mod:`.notices`: the want / grant / lend / release / revoke / chunk notices and their typed schema;
 - :mod:`.pipeline`: credits and the gather, wire and scatter stages;
 - :mod:`.transport`: :class:`StagedTransport`, the SPI half every staged driver shares.
 """

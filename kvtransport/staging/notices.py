@@ -3,7 +3,8 @@
 Sender -> receiver: ``want`` (n more slots), ``release`` (slots it will not use), ``chunk``
 (slot s holds these pieces for these destinations). Receiver -> sender: ``grant`` (slots it
 asked for), ``lend`` (slots it did not ask for yet, lent ahead of a transfer just announced, to
-be used or released within ``hold_ms``).
+be used or released within ``hold_ms``), ``revoke`` (granted slots it held unused too long while
+another peer waits: give back those not yet taken for a write).
 :func:`decode_notice` checks every field's type and range before anything uses it, and raises
 only :class:`~kvtransport.errors.ProtocolError`; integers arrive bounded, so no arithmetic on
 them can overflow.
@@ -52,6 +53,11 @@ class Release:
 
 
 @dataclass(frozen=True)
+class Revoke:
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class ChunkNotice:
     """Lists for a chunk of at most ``FEW_PIECES`` pieces, arrays for more."""
 
@@ -61,7 +67,7 @@ class ChunkNotice:
     offset: Pieces
 
 
-Notice = Want | Grant | Lend | Release | ChunkNotice
+Notice = Want | Grant | Lend | Release | Revoke | ChunkNotice
 
 
 def encode_want(n: int) -> bytes:
@@ -78,6 +84,10 @@ def encode_lend(slots: list[int], hold_ms: int) -> bytes:
 
 def encode_release(slots: list[int]) -> bytes:
     return _pack({"op": "release", "slots": [int(s) for s in slots]})
+
+
+def encode_revoke(slots: list[int]) -> bytes:
+    return _pack({"op": "revoke", "slots": [int(s) for s in slots]})
 
 
 def encode_chunk(slot: int, dst: Pieces, length: Pieces, offset: Pieces) -> bytes:
@@ -113,10 +123,10 @@ def decode_notice(payload: Any, slots: int) -> Notice:
     if op == "want":
         _fields(msg, "n")
         return Want(_int(msg["n"], "want.n", 1, MAX_SLOTS))
-    if op in ("grant", "release"):
+    if op in ("grant", "release", "revoke"):
         _fields(msg, "slots")
         numbers = _slots(msg, op, slots)
-        return Grant(numbers) if op == "grant" else Release(numbers)
+        return Grant(numbers) if op == "grant" else Release(numbers) if op == "release" else Revoke(numbers)
     if op == "lend":
         _fields(msg, "slots", "hold_ms")
         return Lend(_slots(msg, op, slots), _int(msg["hold_ms"], "lend.hold_ms", 0, MAX_HOLD_MS))

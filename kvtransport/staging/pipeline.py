@@ -21,14 +21,18 @@ out credits, never more than its inbound slots and never more than a peer asked 
 most ``LEND_MAX_SLOTS`` lent ahead of an announced transfer: a slow receiver throttles the
 sender and is never overrun, and a transfer larger than the ring streams through it. The
 ring is split in two halves, outbound and inbound, so an endpoint that both sends and receives
-cannot deadlock on its own slots.
-Aborts, disconnects and close return every slot; :meth:`StagingPipeline.usage` shows it.
+cannot deadlock on its own slots. Slots a peer sits on while another waits are revoked
+explicitly (``revoke``), and stay that peer's until it gives them back or uses them: its
+write into one may be under way (see ``_reclaim_stale``).
+Aborts, disconnects and close return every slot; :meth:`StagingPipeline.usage` shows it. A
+stage that raises where nothing expected it fails the chunk it held and goes on.
 """
 
 from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import logging
 import operator
 import os
@@ -53,12 +57,14 @@ from .notices import (
     Grant,
     Lend,
     Release,
+    Revoke,
     Want,
     decode_notice,
     encode_chunk,
     encode_grant,
     encode_lend,
     encode_release,
+    encode_revoke,
     encode_want,
 )
 
@@ -112,7 +118,8 @@ Guard = Callable[[str, Pieces, Pieces], bool]
 @dataclass
 class RingUsage:
     """Slots in use now: outbound (ours, being filled or written), granted to peers (credits
-    not yet used), busy (holding a peer's chunk until its scatter completes)."""
+    not yet used, revoked ones not yet given back included), busy (holding a peer's chunk until
+    its scatter completes)."""
 
     outbound: int
     granted: int
@@ -164,14 +171,44 @@ class _Outbound:
     closed: bool = False
 
 
+#: A chunk that holds an outbound slot and a credit: (peer, job, outbound slot, remote slot).
+_Work = tuple[_Outbound, _Job, int, int]
+#: A chunk whose write was posted: (the link's token, *_Work).
+_InFlight = tuple[Any, _Outbound, _Job, int, int]
+
+
+@dataclass
+class _WirePace:
+    """How the wire stage waits between checks of writes in flight (see ``WIRE_POLL_S``)."""
+
+    nap: float = WIRE_POLL_MIN_S
+    spin_until: float = 0.0
+
+
+@dataclass
+class _ScatterUnit:
+    """What one unit of the scatter stage holds: its peer, and the slot of the chunk it is
+    copying in until the slot is freed (``None`` once it is)."""
+
+    peer: str = ""
+    held: tuple[_Inbound, int] | None = None
+
+
 @dataclass
 class _Inbound:
     """Receiving from one peer: what it asked for, which slots it holds, what is being scattered."""
 
     wants: int = 0
     granted: dict[int, float] = field(default_factory=dict)  # slot -> when it was granted
+    #: Slots taken back from it (``_reclaim_stale``) that it has not given back or used yet:
+    #: slot -> when the revoke was sent. Still its own (it may be writing one now): neither
+    #: free nor grantable until its release, its chunk's scatter, or its connection's end.
+    revoked: dict[int, float] = field(default_factory=dict)
     busy: set[int] = field(default_factory=set)
     error: KVTransportError | None = None
+    #: Set once it kept revoked slots past their deadline: every later notice and idle check
+    #: of it raises this, so the core ends its connection (which frees those slots).
+    failure: KVTransportError | None = None
     gone: bool = False
 
 
@@ -198,6 +235,9 @@ class StagingPipeline:
         self.scatter_delay = scatter_delay
         self.grant_timeout = grant_timeout
         self._starving = False
+        #: Some peer holds revoked slots (not yet past their deadline): the scatter thread looks
+        #: again as they age, so that a peer sitting on them is failed within a bounded time.
+        self._revoking = False
         #: Most inbound slots ever held by peers at once (granted or busy); never above ``slots``.
         self.peak_inbound = 0
         self.ring_ptr = ring_ptr
@@ -221,6 +261,12 @@ class StagingPipeline:
         self._scatter_cv = threading.Condition(self._lock)
         self._free_out = list(range(slots))
         self._free_in = list(range(slots))
+        #: Set by the wire stage when the pipeline closed with writes still in flight past
+        #: ``close``'s deadline: the ring and the engine must then outlive the pipeline.
+        self.writes_abandoned = False
+        self._writes_until = 0.0
+        #: Submitting threads gathering or posting a chunk themselves (see ``submit``).
+        self._inline_posting = 0
         self._out: dict[str, _Outbound] = {}
         self._in: dict[str, _Inbound] = {}
         self._draining: list[_Inbound] = []  # peers gone with chunks still being scattered
@@ -229,9 +275,9 @@ class StagingPipeline:
         self._next = 0
         self._rr: collections.deque[str] = collections.deque()
         self._gather_rr: collections.deque[str] = collections.deque()
-        self._wire: collections.deque[tuple[_Outbound, _Job, int, int]] = collections.deque()
+        self._wire: collections.deque[_Work] = collections.deque()
         #: Chunks a submitting thread posted itself (see ``submit``): the wire stage watches them.
-        self._posted: collections.deque[tuple[Any, _Outbound, _Job, int, int]] = collections.deque()
+        self._posted: collections.deque[_InFlight] = collections.deque()
         self._scatter: collections.deque[tuple[_Inbound, str, int, Chunk]] = collections.deque()
         self._closed = False
         self._threads = [
@@ -262,7 +308,7 @@ class StagingPipeline:
             slots = self.config.slots
             return RingUsage(
                 outbound=slots - len(self._free_out),
-                granted=sum(len(i.granted) for i in self._in.values()),
+                granted=sum(len(i.granted) + len(i.revoked) for i in self._in.values()),
                 busy=sum(len(i.busy) for i in (*self._in.values(), *self._draining)),
             )
 
@@ -320,9 +366,12 @@ class StagingPipeline:
                     finished.append(batch.handle)
             if inbound is not None:
                 inbound.gone = True
-                # Slots it held come back now; slots still being scattered come back when done.
+                # Slots it held come back now (revoked ones too: see docs/staging.md for the
+                # window this leaves); slots still being scattered come back when done.
                 self._free_in.extend(inbound.granted)
+                self._free_in.extend(inbound.revoked)
                 inbound.granted.clear()
+                inbound.revoked.clear()
                 inbound.wants = 0
                 if inbound.busy:
                     self._draining.append(inbound)
@@ -331,23 +380,45 @@ class StagingPipeline:
             self._completed(handle)
         self._grant()
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Stop every stage; returns once none can touch the ring or the engine any more (or
-        after ``timeout``, logged)."""
+    def close(self, timeout: float = 10.0) -> bool:
+        """Stop every stage (the wire stage waits for writes in flight until shortly before
+        ``timeout``, then abandons them). ``True`` once no stage can touch the ring, the copy
+        engine or the host engine any more, and no write reads the ring; ``False`` when a stage
+        was still running after ``timeout`` (stuck inside an engine call, say; the copy engine
+        is then left open too) or writes were abandoned: the caller must then not free the ring
+        or close its engine, which may still use them (logged)."""
         with self._lock:
             peers = list(self._out)
         for peer in peers:
             self.disconnect(peer)
+        deadline = time.monotonic() + timeout
         with self._lock:
+            # Writes in flight may finish until shortly before the deadline (the ring must not
+            # be freed under them); past it they are abandoned, and the caller keeps the ring.
+            self._writes_until = deadline - min(1.0, timeout / 4)
             self._closed = True
             self._wake_all()
-        deadline = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
         alive = [t.name for t in self._threads if t.is_alive()]
         if alive:
-            log.warning("%s: stages still running after %.0f s: %s", self.name, timeout, ", ".join(alive))
+            log.warning(
+                "%s: stages still running after %.0f s: %s; leaving the copy engine open",
+                self.name,
+                timeout,
+                ", ".join(alive),
+            )
+            return False
+        with self._lock:
+            # A submitting thread still posting (stuck in the engine past the driver's stop,
+            # say), or a write it posted after the wire stage ended: the ring may still be read.
+            if self._inline_posting or self._posted:
+                self.writes_abandoned = True
         self.copy_engine.close()
+        if self.writes_abandoned:
+            log.warning("%s: closed with chunk writes still in flight; the ring must stay allocated", self.name)
+            return False
+        return True
 
     # -- sender ------------------------------------------------------------------------------
 
@@ -367,6 +438,7 @@ class StagingPipeline:
                 # A small request with a credit in hand (lent ahead, say) is gathered and posted
                 # right here: two stage threads' wake-ups cost more than its copy and post.
                 here = self._take(out, _Job(batch, chunks[0]))
+                self._inline_posting += 1  # ``close`` must know a write may start outside the stages
             else:
                 out.queue.extend(_Job(batch, c) for c in chunks)
                 need = len(out.queue) - len(out.credits) - out.asked
@@ -400,7 +472,19 @@ class StagingPipeline:
         """On the submitting thread: gather one chunk, post its write and check it for up to
         ``INLINE_FINISH_S``; the wire stage watches it from there if it is still moving (and
         posts it itself if posting here failed)."""
+        try:
+            self._gather_and_post_here(out, job, local, remote)
+        finally:
+            with self._lock:
+                self._inline_posting -= 1
+
+    def _gather_and_post_here(self, out: _Outbound, job: _Job, local: int, remote: int) -> None:
         if not self._gather(out, job, local, remote):
+            return
+        with self._lock:
+            closed = self._closed
+        if closed:  # no write starts once the ring may be freed
+            self._abandon([(out, job, local, remote)])
             return
         try:
             token = self._post(out, job, local, remote)
@@ -420,7 +504,7 @@ class StagingPipeline:
             if finished:
                 # Inside ``submit``: the core checks the batch as soon as it returns, so no
                 # completion signal (it would only wake the driver's thread for nothing).
-                self._written([(out, job, local, remote)], signal=False, notice=notice)
+                self._written([(out, job, local, remote)], notice=notice)
                 return
             if time.monotonic() >= until:
                 break
@@ -433,9 +517,10 @@ class StagingPipeline:
         """Start writing outbound slot ``local`` into the peer's slot ``remote``; its token."""
         return out.link.post(self._out_ptr(local), out.remote_ring + remote * out.remote_slot_bytes, job.chunk.nbytes)
 
-    def _gather(self, out: _Outbound, job: _Job, local: int, remote: int) -> bool:
+    def _gather(self, out: _Outbound, job: _Job, local: int, remote: int, owned: list[_Work] | None = None) -> bool:
         """Copy a chunk's pieces into outbound slot ``local``; on failure fail its batch,
-        return both slots and say ``False``."""
+        return both slots (taking the chunk out of ``owned``, the stage's list of what it is
+        responsible for) and say ``False``."""
         try:
             c = job.chunk
             self.copy_engine.copy(shifted(self._out_ptr(local), c.offset), c.src, c.length)
@@ -445,6 +530,8 @@ class StagingPipeline:
                 failed = self._fail(job.batch, EngineError(f"{self.name}: gathering a chunk failed: {exc}"))
                 self._free_out.append(local)
                 out.credits.append(remote)
+                if owned is not None:
+                    owned.clear()
                 self._gather_cv.notify()
             if failed:
                 self._completed(job.batch.handle)
@@ -518,27 +605,92 @@ class StagingPipeline:
 
     def _gather_loop(self) -> None:
         while True:
-            releases: list[tuple[str, list[int]]] = []
-            with self._lock:
-                while True:
-                    if self._closed:
-                        return
-                    work = self._next_gather(releases)
-                    if work is not None or releases:
-                        break
-                    until = self._lent_until()
-                    # Lent credits unused when their hold ends go back to the receiver: wake then.
-                    self._gather_cv.wait(None if until is None else max(0.0, until - time.monotonic()) + 0.001)
-            for peer, slots in releases:
-                self._send(peer, encode_release(slots))
-            if work is None:
-                continue
-            out, job, local, remote = work
-            if not self._gather(out, job, local, remote):
-                continue
-            with self._lock:
-                self._wire.append((out, job, local, remote))
-                self._wire_cv.notify()
+            owned: list[_Work] = []  # the chunk this pass took, until the wire stage has it
+            try:
+                if not self._gather_step(owned):
+                    return
+            except Exception as exc:  # noqa: BLE001 - a bug or a raising callback: the stage goes on
+                self._stage_failed("gather", exc, owned)
+
+    def _gather_step(self, owned: list[_Work]) -> bool:
+        """One unit of the gather stage: wait for a chunk that has a credit and an outbound slot
+        (or for credits to give back), gather it and hand it to the wire stage. ``False`` once
+        the pipeline is closed."""
+        releases: list[tuple[str, list[int]]] = []
+        with self._lock:
+            while True:
+                if self._closed:
+                    return False
+                work = self._next_gather(releases)
+                if work is not None or releases:
+                    break
+                until = self._lent_until()
+                # Lent credits unused when their hold ends go back to the receiver: wake then.
+                self._gather_cv.wait(None if until is None else max(0.0, until - time.monotonic()) + 0.001)
+            if work is not None:
+                owned.append(work)
+        for peer, slots in releases:
+            self._send(peer, encode_release(slots))
+        if work is None:
+            return True
+        if not self._gather(*work, owned):
+            return True
+        with self._lock:
+            owned.clear()
+            self._wire.append(work)
+            self._wire_cv.notify()
+        return True
+
+    def _stage_failed(
+        self,
+        stage: str,
+        exc: Exception,
+        unsent: list[_Work],
+        unnoticed: list[_Work] | None = None,
+        noticed: list[_Work] | None = None,
+    ) -> None:
+        """A unit of a stage raised where nothing expected it to (a bug, or a callback of the
+        core such as ``completed``): log it once, fail the batches of the chunks the unit held
+        with :class:`EngineError` and give their outbound slots back, so that the stage, and
+        every later transfer, goes on. Their credits: one never posted to (``unsent``) is kept
+        for reuse; one written whose notice was not sent (``unnoticed``) goes back to the
+        receiver unread (our write into it has completed: nothing lands there later); one whose
+        notice was sent (``noticed``) comes back to the receiver after its scatter, as usual."""
+        log.error("%s: the %s stage failed: %s: %s", self.name, stage, type(exc).__name__, exc, exc_info=exc)
+        error = EngineError(f"{self.name}: the {stage} stage failed: {type(exc).__name__}: {exc}")
+        failed: list[int] = []
+        releases: list[tuple[str, list[int]]] = []
+        with self._lock:
+            for works, credit in ((unsent, "reuse"), (unnoticed or [], "release"), (noticed or [], "")):
+                for out, job, local, remote in works:
+                    job.batch.moving -= 1
+                    if self._fail(job.batch, error):
+                        failed.append(job.batch.handle)
+                    self._free_out.append(local)
+                    if credit == "reuse" and not out.closed:
+                        out.credits.append(remote)
+                    elif credit == "release":
+                        releases.append((out.peer, [remote]))
+                works.clear()
+            self._gather_cv.notify()
+        for peer, slots in releases:
+            self._send(peer, encode_release(slots))
+        try:
+            self._signal(failed)
+        except Exception as again:  # noqa: BLE001 - logged; the stage goes on
+            log.error("%s: telling the core of batches the %s stage failed raised: %s", self.name, stage, again)
+
+    def _signal(self, handles: list[int]) -> None:
+        """Tell the core these batches finished: each one, even when telling another raised
+        (the first such error is raised once all were told)."""
+        error: Exception | None = None
+        for handle in handles:
+            try:
+                self._completed(handle)
+            except Exception as exc:  # noqa: BLE001 - raised below, after the others
+                error = error or exc
+        if error is not None:
+            raise error
 
     def _wake_all(self) -> None:
         """Lock held: every stage looks again (a peer left, or the pipeline closes)."""
@@ -554,99 +706,162 @@ class StagingPipeline:
         return True
 
     def _wire_loop(self) -> None:
-        inflight: list[tuple[Any, _Outbound, _Job, int, int]] = []
-        nap = WIRE_POLL_MIN_S
-        spin_until = 0.0
+        inflight: list[_InFlight] = []  # posted writes being watched, across passes
+        pace = _WirePace()
         while True:
-            with self._lock:
-                while not self._wire and not inflight and not self._posted:
-                    if self._closed:
-                        return
-                    self._wire_cv.wait()
-                ready = list(self._wire)
-                self._wire.clear()
-                fresh = bool(ready or self._posted)
-                inflight.extend(self._posted)
-                self._posted.clear()
-            if fresh:
-                spin_until = time.monotonic() + WIRE_SPIN_S
-            failed: list[tuple[_Outbound, _Job, int, int, KVTransportError]] = []
-            for out, job, local, remote in ready:
-                try:
-                    token = self._post(out, job, local, remote)
-                except Exception as exc:  # noqa: BLE001
-                    failed.append((out, job, local, remote, _as_error(self.name, exc)))
-                else:
-                    inflight.append((token, out, job, local, remote))
-            done: list[tuple[_Outbound, _Job, int, int]] = []
-            still: list[tuple[Any, _Outbound, _Job, int, int]] = []
-            for token, out, job, local, remote in inflight:
-                try:
-                    finished = out.link.check(token)
-                except Exception as exc:  # noqa: BLE001
-                    failed.append((out, job, local, remote, _as_error(self.name, exc)))
-                    continue
-                if finished:
-                    done.append((out, job, local, remote))
-                else:
-                    still.append((token, out, job, local, remote))
-            inflight = still
-            if done:
-                self._written(done)
-            if failed:
-                completed: list[int] = []
-                with self._lock:
-                    for out, job, local, remote, error in failed:
-                        job.batch.moving -= 1
-                        if self._fail(job.batch, error):
-                            completed.append(job.batch.handle)
-                        self._free_out.append(local)
-                        if not out.closed:
-                            out.credits.append(remote)  # nothing usable landed there: reuse it
-                    self._gather_cv.notify()
-                for handle in completed:
-                    self._completed(handle)
-            if done or failed:
-                nap = WIRE_POLL_MIN_S
-                spin_until = time.monotonic() + WIRE_SPIN_S
-            elif not ready:
-                small = all(job.chunk.nbytes <= WIRE_SPIN_MAX_BYTES for _, _, job, _, _ in inflight)
-                if small and time.monotonic() < spin_until:
-                    os.sched_yield()
-                else:
-                    time.sleep(nap)
-                    nap = min(nap * 2, WIRE_POLL_S)
+            ready: list[_Work] = []  # gathered chunks taken from the queue, not posted yet
+            done: list[_Work] = []  # written chunks whose notice is not sent yet
+            noticed: list[_Work] = []  # written chunks whose notice was sent, not yet counted
+            try:
+                if not self._wire_step(inflight, ready, done, noticed, pace):
+                    return
+            except Exception as exc:  # noqa: BLE001 - a bug or a raising callback: the stage goes on
+                self._stage_failed("wire", exc, ready, done, noticed)
+
+    def _wire_step(
+        self,
+        inflight: list[_InFlight],
+        ready: list[_Work],
+        done: list[_Work],
+        noticed: list[_Work],
+        pace: _WirePace,
+    ) -> bool:
+        """One pass of the wire stage: post the chunks gathered since the last pass, check every
+        write in flight, send the notices of those written, tell the core of batches that
+        finished, then sleep (or yield) a little if none did. ``False`` once the pipeline is
+        closed: writes still in flight are abandoned then (their batches fail), so that a write
+        that never completes cannot keep this thread, and so the ring and the engine, alive."""
+        with self._lock:
+            while not self._wire and not inflight and not self._posted:
+                if self._closed:
+                    return False
+                self._wire_cv.wait()
+            ready.extend(self._wire)
+            self._wire.clear()
+            fresh = bool(ready or self._posted)
+            inflight.extend(self._posted)
+            self._posted.clear()
+            closed = self._closed
+        if closed:
+            never_posted = list(ready)
+            ready.clear()  # before the batches are signalled (a raising signal must not count them twice)
+            self._abandon(never_posted)  # gathered, never posted: nothing of them moves
+            if inflight and time.monotonic() >= self._writes_until:
+                self.writes_abandoned = True
+                stuck = [(out, job, local, remote) for _, out, job, local, remote in inflight]
+                inflight.clear()
+                self._abandon(stuck)
+            if not inflight:
+                return False
+            # Else the writes in flight are checked until they end: the engine still reads the
+            # ring for them, so it must not be freed before.
+            fresh = False
+        if fresh:
+            pace.spin_until = time.monotonic() + WIRE_SPIN_S
+        posted = bool(ready)
+        handles: list[int] = []
+        while ready:
+            out, job, local, remote = ready[0]
+            try:
+                token = self._post(out, job, local, remote)
+            except Exception as exc:  # noqa: BLE001
+                handles += self._wire_failed(out, job, local, remote, _as_error(self.name, exc))
+            else:
+                inflight.append((token, out, job, local, remote))
+            ready.pop(0)
+        still: list[_InFlight] = []
+        failures = 0
+        for token, out, job, local, remote in inflight:
+            try:
+                finished = out.link.check(token)
+            except Exception as exc:  # noqa: BLE001
+                handles += self._wire_failed(out, job, local, remote, _as_error(self.name, exc))
+                failures += 1
+                continue
+            if finished:
+                done.append((out, job, local, remote))
+            else:
+                still.append((token, out, job, local, remote))
+        inflight[:] = still
+        progressed = bool(done or failures)
+        if done:
+            handles += self._written(done, noticed)
+        self._signal(handles)
+        if progressed:
+            pace.nap = WIRE_POLL_MIN_S
+            pace.spin_until = time.monotonic() + WIRE_SPIN_S
+        elif not posted and inflight:
+            small = all(job.chunk.nbytes <= WIRE_SPIN_MAX_BYTES for _, _, job, _, _ in inflight)
+            if small and time.monotonic() < pace.spin_until:
+                os.sched_yield()
+            else:
+                time.sleep(pace.nap)
+                pace.nap = min(pace.nap * 2, WIRE_POLL_S)
+        return True
+
+    def _wire_failed(self, out: _Outbound, job: _Job, local: int, remote: int, error: KVTransportError) -> list[int]:
+        """A write could not be posted or failed: its batch fails, its outbound slot comes back
+        and so does its credit (nothing usable landed there: reused). The batch, if this just
+        failed it, for the caller to signal."""
+        with self._lock:
+            job.batch.moving -= 1
+            failed = self._fail(job.batch, error)
+            self._free_out.append(local)
+            if not out.closed:
+                out.credits.append(remote)
+            self._gather_cv.notify()
+        return [job.batch.handle] if failed else []
+
+    def _abandon(self, works: list[_Work]) -> None:
+        """The pipeline closed with these chunks gathered, or on the wire past its deadline:
+        their batches fail and their outbound slots come back; nobody waits for their writes any
+        more (``close`` then says so, and the driver keeps the ring and its engine)."""
+        if not works:
+            return
+        error = DriverError(f"{self.name}: closed with {len(works)} chunk writes in flight")
+        failed: list[int] = []
+        with self._lock:
+            for _, job, local, _ in works:
+                job.batch.moving -= 1
+                if self._fail(job.batch, error):
+                    failed.append(job.batch.handle)
+                self._free_out.append(local)
+        log.debug("%s: abandoned %d chunk writes at close", self.name, len(works))
+        self._signal(failed)
 
     def _written(
-        self, done: list[tuple[_Outbound, _Job, int, int]], *, signal: bool = True, notice: bytes | None = None
-    ) -> None:
+        self, done: list[_Work], noticed: list[_Work] | None = None, *, notice: bytes | None = None
+    ) -> list[int]:
         """Chunks whose writes completed (wire stage, or the thread that posted one): each
-        one's notice to the receiver (or, for an aborted batch, its slot back unread), then
-        its outbound slot back and its batch's count; batches this completes are signalled.
-        ``notice``: the one chunk's notice, encoded already."""
-        for out, job, _, remote in done:
+        one's notice to the receiver (or, for an aborted batch, its slot back unread), moving it
+        from ``done`` to ``noticed`` once sent, then its outbound slot back and its batch's
+        count. The batches this completes, for the caller to signal (or not: see
+        ``_gather_and_post``). ``notice``: the one chunk's notice, encoded already."""
+        noticed = [] if noticed is None else noticed
+        while done:
+            out, job, _, remote = done[0]
             c = job.chunk
             if job.batch.aborted:
                 # Nobody wants it: the receiver's slot comes back unread.
                 self._send(out.peer, encode_release([remote]))
-                continue
-            # Sent before the batch counts the chunk written (and before an aborted batch
-            # counts as settled), so the endpoint sends it before "done" (or "drained").
-            self._send(out.peer, notice or encode_chunk(remote, c.dst, c.length, c.offset))
+            else:
+                # Sent before the batch counts the chunk written (and before an aborted batch
+                # counts as settled), so the endpoint sends it before "done" (or "drained").
+                self._send(out.peer, notice or encode_chunk(remote, c.dst, c.length, c.offset))
+            noticed.append(done.pop(0))
         completed: list[int] = []
         with self._lock:
             starved = not self._free_out
-            for _, job, local, _ in done:
+            for _, job, local, _ in noticed:
                 self._free_out.append(local)
                 job.batch.moving -= 1
                 job.batch.written += 1
                 if job.batch.written == job.batch.chunks and not job.batch.aborted:
                     completed.append(job.batch.handle)
+            noticed.clear()
             if starved:
                 self._gather_cv.notify()  # it may wait for an outbound slot; none was free
-        if signal:
-            for handle in completed:
-                self._completed(handle)
+        return completed
 
     # -- receiver ------------------------------------------------------------------------------
 
@@ -665,9 +880,14 @@ class StagingPipeline:
         if isinstance(notice, Lend):
             self._take_lent(peer, notice)
             return
+        if isinstance(notice, Revoke):
+            self._give_back(peer, notice)
+            return
         inbound = self._in.get(peer)
         if inbound is None:
             raise ProtocolError(f"{self.name}: staging notice from unknown peer {peer}")
+        if inbound.failure is not None:
+            raise inbound.failure  # it kept revoked slots: its connection ends, which frees them
         if isinstance(notice, Want):
             with self._lock:
                 inbound.wants += notice.n  # a count only: slots are granted one by one as they free up
@@ -678,9 +898,37 @@ class StagingPipeline:
                     if s in inbound.granted:
                         inbound.granted.pop(s, None)
                         self._free_in.append(s)
+                    elif s in inbound.revoked:  # given back as asked: now it may go to another peer
+                        del inbound.revoked[s]
+                        self._free_in.append(s)
             self._grant()
         else:
             self._accept_chunk(peer, inbound, notice)
+
+    def _give_back(self, peer: str, notice: Revoke) -> None:
+        """Sender: the receiver took back slots it granted us (we held them unused past its
+        grant timeout while another peer waited). Each one still among our credits goes back
+        with a ``release`` at once, and the chunks still queued ask again; one already taken
+        for a write is not ours to give back any more: its notice (or, for an aborted batch,
+        its release) follows as usual, and the receiver keeps that slot for it meanwhile."""
+        with self._lock:
+            out = self._out.get(peer)
+            if out is None:
+                return
+            revoked = set(notice.slots)
+            back = [s for s in out.credits if s in revoked]
+            if not back:
+                return
+            out.credits = [s for s in out.credits if s not in revoked]
+            for s in back:
+                out.lent.pop(s, None)
+            need = sum(not job.batch.finished for job in out.queue) - len(out.credits) - out.asked
+            if need > 0:
+                out.asked += need
+        log.info("%s: %s revoked %d unused credits; given back", self.name, peer, len(back))
+        self._send(peer, encode_release(back))
+        if need > 0:
+            self._send(peer, encode_want(need))
 
     def _take_lent(self, peer: str, notice: Lend) -> None:
         """Sender: credits the receiver lent unasked, each held until used or ``hold_ms`` ends.
@@ -714,7 +962,12 @@ class StagingPipeline:
             return
         with self._lock:
             inbound = self._in.get(peer)
-            if inbound is None or self._closed or any(i.wants > 0 for i in self._in.values()):
+            if (
+                inbound is None
+                or inbound.failure is not None
+                or self._closed
+                or any(i.wants > 0 for i in self._in.values())
+            ):
                 return
             spare = len(self._free_in) - (self.config.slots + 1) // 2
             n = min(-(-nbytes // self.config.chunk_bytes), LEND_MAX_SLOTS - len(inbound.granted), spare)
@@ -730,7 +983,9 @@ class StagingPipeline:
     def _accept_chunk(self, peer: str, inbound: _Inbound, notice: ChunkNotice) -> None:
         slot, dst, length, offset = notice.slot, notice.dst, notice.length, notice.offset
         try:
-            if slot not in inbound.granted:
+            # A revoked slot was granted, and the peer may have taken it for this chunk before
+            # the revoke reached it: its chunk is accepted as any other.
+            if slot not in inbound.granted and slot not in inbound.revoked:
                 raise ProtocolError(f"chunk in slot {slot}, which was not granted to this peer")
             if not _within_slot(offset, length, self.config.chunk_bytes):
                 raise ProtocolError("a piece reaches past its ring slot")
@@ -743,8 +998,7 @@ class StagingPipeline:
             error = ProtocolError(f"{self.name}: bad chunk from {peer}: {exc}; nothing of it was written")
             with self._lock:
                 inbound.error = error
-                if slot in inbound.granted:
-                    inbound.granted.pop(slot, None)
+                if self._unhold(inbound, slot):
                     self._free_in.append(slot)
             self._progress(peer)
             self._grant()
@@ -752,12 +1006,12 @@ class StagingPipeline:
         if not live:
             log.debug("%s: dropped a late chunk from %s (its transfer had failed)", self.name, peer)
             with self._lock:
-                inbound.granted.pop(slot, None)
-                self._free_in.append(slot)
+                if self._unhold(inbound, slot):
+                    self._free_in.append(slot)
             self._grant()
             return
         with self._lock:
-            inbound.granted.pop(slot, None)
+            self._unhold(inbound, slot)
             inbound.busy.add(slot)
             chunk = Chunk(shifted(self._in_ptr(slot), offset), dst, length, offset)
             # A small chunk with nothing queued before it is copied in right here: handing it to
@@ -771,11 +1025,18 @@ class StagingPipeline:
         if here:
             self._scatter_one(inbound, peer, slot, chunk)
 
+    @staticmethod
+    def _unhold(inbound: _Inbound, slot: int) -> bool:
+        """Lock held: ``slot`` is no longer granted (or revoked) to ``inbound``'s peer; whether it was."""
+        return inbound.granted.pop(slot, None) is not None or inbound.revoked.pop(slot, None) is not None
+
     def inbound_idle(self, peer: str) -> bool:
         with self._lock:
             inbound = self._in.get(peer)
             if inbound is None:
                 return True
+            if inbound.failure is not None:
+                raise inbound.failure
             if inbound.error is not None:
                 error, inbound.error = inbound.error, None
                 raise error
@@ -783,29 +1044,67 @@ class StagingPipeline:
 
     def _scatter_loop(self) -> None:
         while True:
-            regrant = False
-            with self._lock:
-                while not self._scatter:
-                    if self._closed:
-                        return
-                    if not self._starving:
-                        self._scatter_cv.wait()
-                        continue
-                    # A peer waits for slots others hold unused: look again once grants age.
-                    self._scatter_cv.wait(self.grant_timeout / 4)
-                    if not self._scatter:
-                        regrant = True
-                        break
-                if not regrant:
-                    inbound, peer, slot, chunk = self._scatter.popleft()
-            if regrant:
-                self._grant()
-                continue
-            if self.scatter_delay:
-                time.sleep(self.scatter_delay)
-            self._scatter_one(inbound, peer, slot, chunk)
+            unit = _ScatterUnit()
+            try:
+                if not self._scatter_step(unit):
+                    return
+            except Exception as exc:  # noqa: BLE001 - a bug or a raising callback: the stage goes on
+                self._scatter_failed(exc, unit)
 
-    def _scatter_one(self, inbound: _Inbound, peer: str, slot: int, chunk: Chunk) -> None:
+    def _scatter_step(self, unit: _ScatterUnit) -> bool:
+        """One unit of the scatter stage: copy the next accepted chunk into its pages, or, while
+        a peer starves for slots or holds revoked ones, look at the grants again as they age.
+        ``False`` once the pipeline is closed."""
+        with self._lock:
+            while not self._scatter:
+                if self._closed:
+                    return False
+                if not (self._starving or self._revoking):
+                    self._scatter_cv.wait()
+                    continue
+                # A peer waits for slots others hold unused, or holds revoked ones: look again
+                # once they age.
+                self._scatter_cv.wait(self.grant_timeout / 4)
+                if not self._scatter:
+                    break
+            else:  # the loop ended with a chunk to copy (not by ``break``)
+                inbound, peer, slot, chunk = self._scatter.popleft()
+                unit.peer, unit.held = peer, (inbound, slot)
+        if unit.held is None:
+            self._grant()
+            return True
+        if self.scatter_delay:
+            time.sleep(self.scatter_delay)
+        self._scatter_one(inbound, peer, slot, chunk, unit)
+        return True
+
+    def _scatter_failed(self, exc: Exception, unit: _ScatterUnit) -> None:
+        """A unit of the scatter stage raised where nothing expected it to (a bug, or the
+        core's ``inbound_progress``): log it once; a chunk it still held was not copied in
+        whole, so its peer's inbound work fails with :class:`EngineError` and its slot comes
+        back; the core is told again and the slots are granted again, so the stage, and every
+        later transfer, goes on."""
+        log.error("%s: the scatter stage failed: %s: %s", self.name, type(exc).__name__, exc, exc_info=exc)
+        if unit.held is not None:
+            inbound, slot = unit.held
+            with self._lock:
+                self._scattered(inbound, slot, EngineError(f"{self.name}: the scatter stage failed: {exc}"))
+            unit.held = None
+        # Told again: a progress signal that raised may have been this chunk's only one.
+        steps: list[Callable[[], None]] = [self._grant]
+        if unit.peer:
+            steps.insert(0, functools.partial(self._progress, unit.peer))
+        for step in steps:
+            try:
+                step()
+            except Exception as again:  # noqa: BLE001 - logged; the stage goes on
+                log.error(
+                    "%s: recovering from a scatter failure raised: %s: %s", self.name, type(again).__name__, again
+                )
+
+    def _scatter_one(
+        self, inbound: _Inbound, peer: str, slot: int, chunk: Chunk, unit: _ScatterUnit | None = None
+    ) -> None:
         """Copy one accepted chunk from its inbound slot into the pages, free the slot."""
         error: KVTransportError | None = None
         try:
@@ -813,42 +1112,73 @@ class StagingPipeline:
         except Exception as exc:  # noqa: BLE001
             error = EngineError(f"{self.name}: scattering a chunk into KV failed: {exc}")
         with self._lock:
-            inbound.busy.discard(slot)
-            if error is not None:
-                inbound.error = error
-            if inbound.gone and not inbound.busy and inbound in self._draining:
-                self._draining.remove(inbound)
-            self._free_in.append(slot)  # handed out by ``_grant`` below; no stage waits for it
+            self._scattered(inbound, slot, error)
+            if unit is not None:
+                unit.held = None
         self._progress(peer)
         self._grant()
 
-    def _reclaim_stale(self, now: float) -> None:
-        """Lock held. A peer waits and no slot is free: take back slots granted longer than
-        ``grant_timeout`` ago and still unused, from every other peer. A sender uses a credit
-        within milliseconds of receiving it; one that sits on them starves the others (a
-        chunk it later sends into a reclaimed slot is refused, closing its connection)."""
-        waiting = [p for p, i in self._in.items() if i.wants > 0 and not i.granted and not i.busy]
-        if not waiting or self._free_in:
-            self._starving = bool(waiting) and not self._free_in
-            return
+    def _scattered(self, inbound: _Inbound, slot: int, error: KVTransportError | None) -> None:
+        """Lock held: the chunk in ``slot`` is done with (copied in, or failed with ``error``)."""
+        inbound.busy.discard(slot)
+        if error is not None and inbound.error is None:
+            inbound.error = error
+        if inbound.gone and not inbound.busy and inbound in self._draining:
+            self._draining.remove(inbound)
+        self._free_in.append(slot)  # handed out by ``_grant``; no stage waits for it
+
+    def _reclaim_stale(self, now: float, revokes: dict[str, list[int]], failed: list[str]) -> None:
+        """Lock held. A peer waits and no slot is free: revoke the slots granted longer than
+        ``grant_timeout`` ago and still unused, from every other peer (into ``revokes``, for
+        the caller to send). A sender uses a credit within milliseconds of receiving it; one
+        that sits on them starves the others. A revoked slot stays the holder's until it gives
+        it back (a ``release``) or its chunk in it has been scattered, since its write into it
+        may be under way (its outbound stuck behind a hung peer, say): granting it to anyone
+        else then could scatter its bytes into their pages. A holder that does neither within
+        another ``grant_timeout`` is failed (into ``failed``): its connection then ends, which
+        frees them."""
         for peer, inbound in self._in.items():
-            if peer in waiting:
-                continue
-            stale = [s for s, at in inbound.granted.items() if now - at > self.grant_timeout]
-            for s in stale:
-                del inbound.granted[s]
-                self._free_in.append(s)
-            if stale:
-                log.warning(
-                    "%s: took back %d slots %s held unused for %.1f s", self.name, len(stale), peer, self.grant_timeout
-                )
-        self._starving = not self._free_in
+            if inbound.revoked and inbound.failure is None:
+                if any(now - at > self.grant_timeout for at in inbound.revoked.values()):
+                    inbound.failure = ProtocolError(
+                        f"{self.name}: peer {peer} neither gave back nor used {len(inbound.revoked)} revoked "
+                        f"staging slots within {self.grant_timeout:g} s"
+                    )
+                    failed.append(peer)
+                    # Free now, not when its connection ends: a peer with no transfer under way
+                    # is never asked whether it is idle, so that end could be far off, and every
+                    # other peer would wait for it. (The late write of a failed holder is the
+                    # window docs/staging.md describes for departed peers.)
+                    self._free_in.extend(inbound.revoked)
+                    inbound.revoked.clear()
+        waiting = [p for p, i in self._in.items() if i.wants > 0 and not i.granted and not i.busy and not i.revoked]
+        if waiting and not self._free_in:
+            for peer, inbound in self._in.items():
+                if peer in waiting:
+                    continue
+                stale = [s for s, at in inbound.granted.items() if now - at > self.grant_timeout]
+                for s in stale:
+                    del inbound.granted[s]
+                    inbound.revoked[s] = now
+                if stale:
+                    revokes[peer] = stale
+                    log.warning(
+                        "%s: revoking %d slots %s held unused for %.1f s",
+                        self.name,
+                        len(stale),
+                        peer,
+                        self.grant_timeout,
+                    )
+        self._revoking = any(i.revoked and i.failure is None for i in self._in.values())
 
     def _grant(self) -> None:
-        """Hand free inbound slots to waiting peers, one at a time round robin."""
+        """Hand free inbound slots to waiting peers, one at a time round robin; revoke slots
+        held unused too long while a peer waits, and fail peers sitting on revoked ones."""
         grants: dict[str, list[int]] = {}
+        revokes: dict[str, list[int]] = {}
+        failed: list[str] = []
         with self._lock:
-            self._reclaim_stale(time.monotonic())
+            self._reclaim_stale(time.monotonic(), revokes, failed)
             for peer in self._in:
                 if peer not in self._rr:
                     self._rr.append(peer)
@@ -860,7 +1190,7 @@ class StagingPipeline:
                 if inbound is None:
                     self._rr.remove(peer)
                     continue
-                if inbound.wants <= 0:
+                if inbound.wants <= 0 or inbound.failure is not None:
                     spins += 1
                     continue
                 spins = 0
@@ -870,12 +1200,20 @@ class StagingPipeline:
                 self.peak_inbound = max(self.peak_inbound, self.config.slots - len(self._free_in))
                 grants.setdefault(peer, []).append(slot)
             self._starving = not self._free_in and any(
-                i.wants > 0 and not i.granted and not i.busy for i in self._in.values()
+                i.wants > 0 and not i.granted and not i.busy and not i.revoked for i in self._in.values()
             )
-            if self._starving:
+            if self._starving or self._revoking:
                 self._scatter_cv.notify()  # the scatter thread looks again as grants age
+        for peer, slots in revokes.items():
+            self._send(peer, encode_revoke(slots))
         for peer, slots in grants.items():
             self._send(peer, encode_grant(slots))
+        for peer in failed:
+            log.warning("%s: failing peer %s: it kept revoked staging slots", self.name, peer)
+            try:
+                self._progress(peer)  # its idle check raises the failure: the core ends its connection
+            except Exception as exc:  # noqa: BLE001 - logged; the failure stays set for its next check
+                log.error("%s: signalling the failure of %s raised: %s: %s", self.name, peer, type(exc).__name__, exc)
 
     def _send(self, peer: str, data: bytes) -> None:
         try:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from ..driver import KVTransport
 from ..errors import DriverError
@@ -12,6 +13,19 @@ from ..plan import Runs
 from .config import OPT_SCATTER_DELAY, RingConfig
 from .copy import CopyEngine, MemcpyCopyEngine
 from .pipeline import StagingPipeline
+
+log = logging.getLogger(__name__)
+
+#: What stage threads that did not stop at close may still use (see :func:`abandon`).
+_ABANDONED: list[Any] = []
+
+
+def abandon(*things: Any) -> None:
+    """Keep ``things`` (a ring, an engine, the pipeline) referenced for the rest of the
+    process: a stage thread that did not stop when its pipeline closed (stuck inside an engine
+    or a copy) may still touch them when it wakes, so they are deliberately leaked instead of
+    freed under it. Rare, and logged by the caller."""
+    _ABANDONED.append(things)
 
 
 class StagedTransport(KVTransport):
@@ -83,10 +97,18 @@ class StagedTransport(KVTransport):
             raise
         return self._pipeline
 
-    def stop_pipeline(self) -> None:
-        if self._pipeline is not None:
-            self._pipeline.close()
-            self._pipeline = None
+    def stop_pipeline(self) -> bool:
+        """Close the pipeline. ``True`` once none of its stage threads can touch the ring, the
+        copy engine or the host engine any more: the caller may free them. ``False`` when one
+        is still running: the pipeline is kept referenced (:func:`abandon`), and the caller
+        must leak its ring and engine too, with a warning, never free them."""
+        pipeline, self._pipeline = self._pipeline, None
+        if pipeline is None:
+            return True
+        if pipeline.close():
+            return True
+        abandon(pipeline)
+        return False
 
     def disconnect(self, peer: str) -> None:
         if self._pipeline is not None:

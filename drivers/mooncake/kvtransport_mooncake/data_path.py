@@ -135,9 +135,10 @@ class MooncakeDataPath(KVTransport):
             try:
                 for s, d, n in zip(src, dst, lengths, strict=True):
                     posted.append(engine.post(session, s, d, n))
-            except KVTransportError:
+            except BaseException:
                 # The core gets no handle to ask ``settled`` about: wait here for what was
-                # posted (a handful of writes), so nothing of it lands after the failure.
+                # posted (a handful of writes), so nothing of it lands after the failure. Any
+                # failure, not only a refusal: the binding can raise its own errors too.
                 engine.drain(posted)
                 raise
             self._jobs[handle] = _Inline(peer, posted)

@@ -29,6 +29,7 @@ from kvtransport.errors import DriverError, EngineError, KVTransportError
 from kvtransport.memory import RegionSet
 from kvtransport.probe import probe_host
 from kvtransport.staging import ENV_CHUNK_BYTES, ENV_RING_BYTES, RingConfig, StagedTransport
+from kvtransport.staging.transport import abandon
 
 from .base import protocol_mismatch
 from .engine import Engine
@@ -161,7 +162,19 @@ class MooncakeStaged(StagedTransport):
     def close(self) -> None:
         if self._engine is None:
             return
-        self.stop_pipeline()  # joins the stages: nothing touches the ring after this
+        if not self.stop_pipeline():
+            # A stage thread is still running (stuck inside Mooncake, say) and may touch the
+            # ring or the engine when it wakes: freeing them under it would be a use-after-free.
+            log.warning(
+                "%s: a staging stage did not stop; leaking the %d-byte ring and the Mooncake engine instead of "
+                "freeing them",
+                self.name,
+                self._ring[1],
+            )
+            abandon(self._engine, self._ring)
+            self._engine = None
+            return
+        # Every stage stopped: nothing touches the ring or the engine after this.
         try:
             self._engine.engine.free_managed_buffer(*self._ring)
         except Exception as exc:  # noqa: BLE001 - best effort at shutdown

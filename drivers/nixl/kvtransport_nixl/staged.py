@@ -9,6 +9,7 @@ For host KV the offer ranks below ``nixl-ucx`` (staging only adds two copies the
 
 from __future__ import annotations
 
+import logging
 import mmap
 import threading
 from dataclasses import replace
@@ -31,10 +32,13 @@ from kvtransport.errors import DriverError, EngineError
 from kvtransport.memory import RegionSet
 from kvtransport.probe import probe_host
 from kvtransport.staging import ENV_CHUNK_BYTES, ENV_RING_BYTES, RingConfig, StagedTransport
+from kvtransport.staging.transport import abandon
 
 from .data_path import NixlDataPath
 from .engine_probe import ENV_VARS, probe_nixl
 from .ucx import NO_TRANSPORT, host_wire
+
+log = logging.getLogger(__name__)
 
 PCIE_GBPS = 20.0
 PIPELINE_EFFICIENCY = 0.8
@@ -146,7 +150,21 @@ class NixlStaged(StagedTransport, NixlDataPath):
     def close(self) -> None:
         if self._agent is None:
             return
-        self.stop_pipeline()  # joins the stages: nothing touches the ring after this
+        if not self.stop_pipeline():
+            # A stage thread is still running (stuck inside NIXL, say) and may touch the ring or
+            # the agent when it wakes: deregistering or unmapping under it would be a
+            # use-after-free. Leaked instead; its link's next call finds the driver closed.
+            # (Not under agent_lock: that thread may hold it.)
+            log.warning(
+                "%s: a staging stage did not stop; leaking the staging ring and the NIXL agent instead of freeing them",
+                self.name,
+            )
+            abandon(self._agent, self._ring_reg, self._ring_map, self._ring_view)
+            self._agent = None
+            self._remote.clear()
+            self._ring_reg = self._ring_map = self._ring_view = None
+            return
+        # Every stage stopped: nothing touches the ring after this.
         for peer in list(self._remote):
             self.disconnect(peer)
         with self.agent_lock:
