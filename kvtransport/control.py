@@ -71,7 +71,7 @@ class ControlChannel:
         max_queued_calls: int = 65536,
         on_crash: Callable[[BaseException], None] | None = None,
         unclaimed_timeout: float = 10.0,
-        max_unclaimed: int = 64,
+        max_unclaimed: int = 256,
     ) -> None:
         self._ctx = zmq.Context()
         self._max_message_bytes = max_message_bytes

@@ -67,7 +67,7 @@ class UnclaimedConnections:
         self._unclaimed: collections.OrderedDict[Any, _Conn] = collections.OrderedDict()
         self._claimed: dict[Any, int] = {}
         self._sweep_at = 64
-        #: Connections closed for carrying no session (``stats``).
+        #: Connections closed for carrying no session (for the log's running count).
         self.closed_total = 0
 
     def __len__(self) -> int:
@@ -90,32 +90,32 @@ class UnclaimedConnections:
                 self._disconnected(int(event["value"]))
 
     def _accepted(self, fd: int) -> None:
-        peer = self._key_on(fd)
-        if peer is None:
+        key = self._key_on(fd)
+        if key is None:
             return  # closed already, or the number belongs to something else now
-        if peer in self._claimed or peer in self._unclaimed:
+        if key in self._claimed or key in self._unclaimed:
             return  # a late event of a connection known already
-        self._track(peer, fd)
+        self._track(key, fd)
 
     def _disconnected(self, fd: int) -> None:
         """A connection on ``fd`` ended: forget what was known of it, unless the number already
-        belongs to the same peer's connection again (then the event is an older one's)."""
+        belongs to that same connection (then the event is an older one's)."""
         now_there = self._key_on(fd)
-        for peer, conn in list(self._unclaimed.items()):
-            if conn.fd == fd and peer != now_there:
-                del self._unclaimed[peer]
+        for key, conn in list(self._unclaimed.items()):
+            if conn.fd == fd and key != now_there:
+                del self._unclaimed[key]
                 self._timers.cancel(conn.timer)
-        for peer, claimed_fd in list(self._claimed.items()):
-            if claimed_fd == fd and peer != now_there:
-                del self._claimed[peer]
+        for key, claimed_fd in list(self._claimed.items()):
+            if claimed_fd == fd and key != now_there:
+                del self._claimed[key]
 
-    def _track(self, peer: Any, fd: int) -> None:
+    def _track(self, key: Any, fd: int) -> None:
         conn = _Conn(fd)
-        conn.timer = self._timers.call_later(self._timeout, functools.partial(self._expire, peer, conn))
-        self._unclaimed[peer] = conn
+        conn.timer = self._timers.call_later(self._timeout, functools.partial(self._expire, key, conn))
+        self._unclaimed[key] = conn
         while len(self._unclaimed) > self._most:
-            old_peer, old = next(iter(self._unclaimed.items()))
-            self._close(old_peer, old, f"more than {self._most} control connections carry no session")
+            old_key, old = next(iter(self._unclaimed.items()))
+            self._close(old_key, old, f"more than {self._most} control connections carry no session")
 
     def claim(self, fd: int) -> Any:
         """The connection on descriptor ``fd`` (the one a session's hello came in on) carries
@@ -146,9 +146,9 @@ class UnclaimedConnections:
         if self._key_on(fd) == key and key not in self._unclaimed:
             self._track(key, fd)
 
-    def _expire(self, peer: Any, conn: _Conn) -> None:
-        if self._unclaimed.get(peer) is conn:
-            self._close(peer, conn, f"a control connection carried no session for {self._timeout:g} s")
+    def _expire(self, key: Any, conn: _Conn) -> None:
+        if self._unclaimed.get(key) is conn:
+            self._close(key, conn, f"a control connection carried no session for {self._timeout:g} s")
 
     def _close(self, key: Any, conn: _Conn, why: str) -> None:
         del self._unclaimed[key]

@@ -22,8 +22,8 @@ most ``LEND_MAX_SLOTS`` lent ahead of an announced transfer: a slow receiver thr
 sender and is never overrun, and a transfer larger than the ring streams through it. The
 ring is split in two halves, outbound and inbound, so an endpoint that both sends and receives
 cannot deadlock on its own slots. Slots a peer sits on while another waits are revoked
-explicitly (``revoke``), and stay that peer's until it gives them back or uses them: its
-write into one may be under way (see ``_reclaim_stale``).
+explicitly (``revoke``), and stay that peer's until it gives them back, uses them, or is failed
+for keeping them: its write into one may be under way (see ``_reclaim_stale``).
 Aborts, disconnects and close return every slot; :meth:`StagingPipeline.usage` shows it. A
 stage that raises where nothing expected it fails the chunk it held and goes on.
 """
@@ -202,12 +202,13 @@ class _Inbound:
     granted: dict[int, float] = field(default_factory=dict)  # slot -> when it was granted
     #: Slots taken back from it (``_reclaim_stale``) that it has not given back or used yet:
     #: slot -> when the revoke was sent. Still its own (it may be writing one now): neither
-    #: free nor grantable until its release, its chunk's scatter, or its connection's end.
+    #: free nor grantable until its release, its chunk's scatter, its failure for keeping them,
+    #: or its connection's end.
     revoked: dict[int, float] = field(default_factory=dict)
     busy: set[int] = field(default_factory=set)
     error: KVTransportError | None = None
-    #: Set once it kept revoked slots past their deadline: every later notice and idle check
-    #: of it raises this, so the core ends its connection (which frees those slots).
+    #: Set once it kept revoked slots past their deadline (they are freed then): every later
+    #: notice and idle check of it raises this, so the core ends its connection.
     failure: KVTransportError | None = None
     gone: bool = False
 
@@ -728,9 +729,11 @@ class StagingPipeline:
     ) -> bool:
         """One pass of the wire stage: post the chunks gathered since the last pass, check every
         write in flight, send the notices of those written, tell the core of batches that
-        finished, then sleep (or yield) a little if none did. ``False`` once the pipeline is
-        closed: writes still in flight are abandoned then (their batches fail), so that a write
-        that never completes cannot keep this thread, and so the ring and the engine, alive."""
+        finished, then sleep (or yield) a little if none did. Once the pipeline is closed,
+        nothing more is posted and the writes in flight are checked until they end or
+        ``close``'s deadline nears; then they are abandoned (their batches fail, and ``close``
+        says the ring must stay), so that a write that never completes cannot keep this thread
+        alive. ``False`` once none is left to watch."""
         with self._lock:
             while not self._wire and not inflight and not self._posted:
                 if self._closed:
@@ -887,7 +890,7 @@ class StagingPipeline:
         if inbound is None:
             raise ProtocolError(f"{self.name}: staging notice from unknown peer {peer}")
         if inbound.failure is not None:
-            raise inbound.failure  # it kept revoked slots: its connection ends, which frees them
+            raise inbound.failure  # it kept revoked slots: the core ends its connection
         if isinstance(notice, Want):
             with self._lock:
                 inbound.wants += notice.n  # a count only: slots are granted one by one as they free up
@@ -1135,8 +1138,7 @@ class StagingPipeline:
         it back (a ``release``) or its chunk in it has been scattered, since its write into it
         may be under way (its outbound stuck behind a hung peer, say): granting it to anyone
         else then could scatter its bytes into their pages. A holder that does neither within
-        another ``grant_timeout`` is failed (into ``failed``): its connection then ends, which
-        frees them."""
+        another ``grant_timeout`` is failed (into ``failed``) and its revoked slots are freed."""
         for peer, inbound in self._in.items():
             if inbound.revoked and inbound.failure is None:
                 if any(now - at > self.grant_timeout for at in inbound.revoked.values()):
@@ -1151,7 +1153,7 @@ class StagingPipeline:
                     # window docs/staging.md describes for departed peers.)
                     self._free_in.extend(inbound.revoked)
                     inbound.revoked.clear()
-        waiting = [p for p, i in self._in.items() if i.wants > 0 and not i.granted and not i.busy and not i.revoked]
+        waiting = [p for p, i in self._in.items() if _starved(i)]
         if waiting and not self._free_in:
             for peer, inbound in self._in.items():
                 if peer in waiting:
@@ -1199,9 +1201,7 @@ class StagingPipeline:
                 inbound.granted[slot] = time.monotonic()
                 self.peak_inbound = max(self.peak_inbound, self.config.slots - len(self._free_in))
                 grants.setdefault(peer, []).append(slot)
-            self._starving = not self._free_in and any(
-                i.wants > 0 and not i.granted and not i.busy and not i.revoked for i in self._in.values()
-            )
+            self._starving = not self._free_in and any(map(_starved, self._in.values()))
             if self._starving or self._revoking:
                 self._scatter_cv.notify()  # the scatter thread looks again as grants age
         for peer, slots in revokes.items():
@@ -1220,6 +1220,11 @@ class StagingPipeline:
             self._notify(peer, data)
         except Exception as exc:  # noqa: BLE001 - the peer is going; disconnect cleans up
             log.debug("%s: notice to %s not sent: %s", self.name, peer, exc)
+
+
+def _starved(inbound: _Inbound) -> bool:
+    """Lock held: whether ``inbound``'s peer waits for slots and holds none at all."""
+    return inbound.wants > 0 and not inbound.granted and not inbound.busy and not inbound.revoked
 
 
 def _within_slot(offset: Pieces, length: Pieces, room: int) -> bool:
