@@ -1,17 +1,28 @@
 """kvtransport: move LLM KV cache between prefill and decode instances over the best transfer
 engine each pair of peers can use.
 
-Importing this package imports no transfer engine and scans no entry points; drivers are
-discovered when asked for (:func:`kvtransport.registry.list_drivers`).
+This module is the public API: what a serving engine needs (:class:`Endpoint`, the
+:class:`Connection` and :class:`Transfer` handles and their :class:`State`, the KV description
+:class:`KVLayout` / :class:`RegionSet`, expect-from-many :func:`expect_from`), the error
+hierarchy rooted at :class:`KVTransportError`, and the driver SPI (:class:`KVTransport` and the
+types its methods take). Everything else lives in sub-packages named for what they own
+(``spi``, ``negotiation``, ``runtime``, ``staging``, ``tools``, ``testing``, ``integrations``;
+docs/architecture.md has the map).
+
+Importing this package imports no transfer engine, scans no entry points and starts no thread;
+the runtime (zmq and the endpoint's modules) loads on the first use of one of its names.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
+from typing import TYPE_CHECKING, Any
 
-from .driver import (
+from kvtransport.spi.driver import (
     DRIVER_API_VERSION,
     Capabilities,
+    DriverContext,
     DriverStatus,
     KVTransport,
     Offer,
@@ -19,26 +30,134 @@ from .driver import (
     Rejection,
     TransferPath,
 )
-from .errors import KVTransportError
-from .memory import HOST, KVLayout, MemoryKind, Region, RegionSet
+from kvtransport.spi.errors import (
+    AuthenticationFailed,
+    ChannelDown,
+    ConfigError,
+    ConnectError,
+    DecisionMismatch,
+    DriverAPIMismatch,
+    DriverError,
+    DriverLoadError,
+    DriverUnavailable,
+    DuplicateDriver,
+    EndpointDown,
+    EngineError,
+    InvalidPages,
+    KVTransportError,
+    LayoutMismatch,
+    MemoryLayoutError,
+    MessageTooLarge,
+    NegotiationError,
+    NoSuchDriver,
+    NoUsableDriver,
+    PeerLost,
+    ProtocolError,
+    TransferAborted,
+    TransferError,
+    TransferTimeout,
+    VersionMismatch,
+)
+from kvtransport.spi.memory import HOST, KVLayout, MemoryKind, Region, RegionSet, cuda
+from kvtransport.spi.plan import Runs
 
-__version__ = "0.1.0"
+if TYPE_CHECKING:
+    from kvtransport.negotiation.negotiate import Decision
+    from kvtransport.negotiation.registry import DriverEntry, list_drivers
+    from kvtransport.runtime.config import Limits, Timeouts
+    from kvtransport.runtime.endpoint import Endpoint
+    from kvtransport.runtime.fanin import FanIn, expect_from
+    from kvtransport.runtime.handles import Connection, State, Transfer
+
+__version__ = "0.2.0"
+
+#: Names loaded on first use, and the module each comes from.
+_LAZY = {
+    "Endpoint": "kvtransport.runtime.endpoint",
+    "Connection": "kvtransport.runtime.handles",
+    "Transfer": "kvtransport.runtime.handles",
+    "State": "kvtransport.runtime.handles",
+    "Timeouts": "kvtransport.runtime.config",
+    "Limits": "kvtransport.runtime.config",
+    "FanIn": "kvtransport.runtime.fanin",
+    "expect_from": "kvtransport.runtime.fanin",
+    "Decision": "kvtransport.negotiation.negotiate",
+    "DriverEntry": "kvtransport.negotiation.registry",
+    "list_drivers": "kvtransport.negotiation.registry",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvtransport' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once: later reads are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
-    "DRIVER_API_VERSION",
+    # the user API
+    "Connection",
+    "Decision",
+    "Endpoint",
+    "FanIn",
+    "Limits",
+    "State",
+    "Timeouts",
+    "Transfer",
+    "expect_from",
+    # the KV description
     "HOST",
-    "Capabilities",
-    "DriverStatus",
     "KVLayout",
-    "KVTransport",
-    "KVTransportError",
     "MemoryKind",
-    "Offer",
-    "PeerView",
     "Region",
     "RegionSet",
+    "cuda",
+    # the driver SPI
+    "DRIVER_API_VERSION",
+    "Capabilities",
+    "DriverContext",
+    "DriverEntry",
+    "DriverStatus",
+    "KVTransport",
+    "Offer",
+    "PeerView",
     "Rejection",
+    "Runs",
     "TransferPath",
+    "list_drivers",
+    # errors
+    "AuthenticationFailed",
+    "ChannelDown",
+    "ConfigError",
+    "ConnectError",
+    "DecisionMismatch",
+    "DriverAPIMismatch",
+    "DriverError",
+    "DriverLoadError",
+    "DriverUnavailable",
+    "DuplicateDriver",
+    "EndpointDown",
+    "EngineError",
+    "InvalidPages",
+    "KVTransportError",
+    "LayoutMismatch",
+    "MemoryLayoutError",
+    "MessageTooLarge",
+    "NegotiationError",
+    "NoSuchDriver",
+    "NoUsableDriver",
+    "PeerLost",
+    "ProtocolError",
+    "TransferAborted",
+    "TransferError",
+    "TransferTimeout",
+    "VersionMismatch",
     "__version__",
 ]
 

@@ -81,13 +81,13 @@ def use_plugins(monkeypatch: pytest.MonkeyPatch, plugin_dirs: dict[str, Path]) -
 def run_cli(
     *args: str, env: dict[str, str] | None = None, pythonpath: list[Path] | None = None, timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m kvtransport.cli`` in a fresh process with a controlled environment."""
+    """Run ``python -m kvtransport.tools.cli`` in a fresh process with a controlled environment."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVTRANSPORT_")}
     if pythonpath:
         full_env["PYTHONPATH"] = os.pathsep.join(str(p) for p in pythonpath)
     full_env.update(env or {})
     return subprocess.run(
-        [sys.executable, "-m", "kvtransport.cli", *args],
+        [sys.executable, "-m", "kvtransport.tools.cli", *args],
         capture_output=True,
         text=True,
         env=full_env,
@@ -143,3 +143,12 @@ def _clean_kvtransport_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in list(os.environ):
         if key.startswith("KVTRANSPORT_") and key != "KVTRANSPORT_TESTS_WITHOUT_ENGINES":
             monkeypatch.delenv(key)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the full tier's tests (tests/tiers.py) ``full``; ``-m "not full"`` is the fast tier."""
+    from tests.tiers import in_full_tier
+
+    for item in items:
+        if in_full_tier(Path(str(item.fspath)).stem, item.name):
+            item.add_marker(pytest.mark.full)

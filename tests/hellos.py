@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvtransport.driver import DriverStatus
-from kvtransport.hello import DriverHello, Hello
-from kvtransport.memory import KVLayout, MemoryKind
-from kvtransport.probe import CudaDevice, HostInfo
-from kvtransport.registry import Policy
-from kvtransport.tp_map import held_heads
+from kvtransport.negotiation.hello import DriverHello, Hello
+from kvtransport.negotiation.registry import Policy
+from kvtransport.spi.driver import DriverStatus
+from kvtransport.spi.memory import KVLayout, MemoryKind
+from kvtransport.spi.probe import CudaDevice, HostInfo
+from kvtransport.spi.tp_map import held_heads
 from kvtransport_cuda.local import CudaLocal
 from kvtransport_mooncake.gdr import MooncakeGDR
 from kvtransport_mooncake.staged import MooncakeStaged

@@ -1,10 +1,10 @@
 """The attacker's side of the hostile-input suite (``tests/test_hostile.py``).
 
 Nothing here imports kvtransport: hostile bytes are built with msgpack and raw zmq sockets from
-a copy of the wire schema written down by reading ``kvtransport/wire.py``, so a bug shared by
+a copy of the wire schema written down by reading ``kvtransport/runtime/wire.py``, so a bug shared by
 the encoder and the decoder cannot hide itself. What lives here:
 
-- :class:`Victim`: a ``kvtransport.peer`` child process (its stdout protocol, stderr,
+- :class:`Victim`: a ``kvtransport.tools.peer`` child process (its stdout protocol, stderr,
   ``/proc`` figures, how it died);
 - :class:`RecordingProxy`: a ROUTER/DEALER relay that records every frame a legitimate pair
   exchanges through it (the captured hellos, welcomes, expects, dones, notices, pings);
@@ -38,7 +38,7 @@ import msgpack
 import zmq
 from hypothesis import strategies as st
 
-# --- the wire schema, as read from kvtransport/wire.py (deliberately not imported) -----------
+# --- the wire schema, as read from kvtransport/runtime/wire.py (deliberately not imported) -----------
 
 VERSION = 10
 LIMIT = 4 << 20  # DEFAULT_MAX_MESSAGE_BYTES
@@ -168,7 +168,7 @@ class VictimDied(AssertionError):
 
 #: Private memory the victim may allocate (RLIMIT_DATA): a few times what it needs.
 VICTIM_DATA_LIMIT = 2 << 30
-#: ``python -m kvtransport.peer``, with the library's warnings on stderr (it logs through
+#: ``python -m kvtransport.tools.peer``, with the library's warnings on stderr (it logs through
 #: a silent logger otherwise) and faulthandler: tracebacks on SIGSEGV, every thread's stack on
 #: SIGUSR1 (what a deaf victim is doing).
 PEER_MAIN = """
@@ -178,13 +178,13 @@ resource.setrlimit(resource.RLIMIT_DATA, (VICTIM_DATA_LIMIT, VICTIM_DATA_LIMIT))
 faulthandler.enable()
 faulthandler.register(signal.SIGUSR1, all_threads=True)
 logging.basicConfig(level=logging.WARNING, format="victim %(levelname)s %(name)s: %(message)s")
-sys.argv[0] = "kvtransport.peer"
-runpy.run_module("kvtransport.peer", run_name="__main__", alter_sys=True)
+sys.argv[0] = "kvtransport.tools.peer"
+runpy.run_module("kvtransport.tools.peer", run_name="__main__", alter_sys=True)
 """.replace("VICTIM_DATA_LIMIT", str(VICTIM_DATA_LIMIT))
 
 
 class Victim:
-    """``python -m kvtransport.peer`` in a child process; every exchange has a timeout."""
+    """``python -m kvtransport.tools.peer`` in a child process; every exchange has a timeout."""
 
     def __init__(
         self,

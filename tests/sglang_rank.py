@@ -20,7 +20,7 @@ from kvtransport.integrations.sglang import (
     KVTransportKVManager,
     KVTransportKVSender,
 )
-from kvtransport.kv_pool import KVPool
+from kvtransport.tools.kv_pool import KVPool
 
 
 def kv_args(pool: KVPool, rank: int = 0, role: str = "prefill") -> KVArgs:

@@ -14,10 +14,10 @@ import json
 import sys
 from typing import Any
 
-from kvtransport.endpoint import Endpoint, Timeouts
-from kvtransport.errors import KVTransportError
-from kvtransport.kv_pool import KVPool
+from kvtransport.runtime.endpoint import Endpoint, Timeouts
+from kvtransport.spi.errors import KVTransportError
 from kvtransport.testing.fake import FakeDriver
+from kvtransport.tools.kv_pool import KVPool
 
 
 def main() -> int:

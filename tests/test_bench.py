@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from kvtransport import bench, cli, cpu_pin
-from kvtransport.bench import Report, Sample, Workload
-from kvtransport.errors import KVTransportError
-from kvtransport.kv_pool import KVPool
+from kvtransport.spi.errors import KVTransportError
+from kvtransport.tools import bench, cli, cpu_pin
+from kvtransport.tools.bench import Report, Sample, Workload
+from kvtransport.tools.kv_pool import KVPool
 
 from .conftest import require_engines, run_cli
 
@@ -224,14 +224,16 @@ def test_the_bench_and_its_peer_do_not_import_the_test_kit() -> None:
     """The bench is the product's main job: its pools and decode peer live in the library, and
     only the fakes (fault injection) load ``kvtransport.testing``."""
     code = (
-        "import sys, kvtransport.cli, kvtransport.bench, kvtransport.bench_tp, kvtransport.soak, kvtransport.peer; "
-        "assert kvtransport.peer.driver_classes('auto') is None; "
+        "import sys, kvtransport.tools.cli, kvtransport.tools.bench, kvtransport.tools.bench_tp, "
+        "kvtransport.tools.soak, kvtransport.tools.peer; "
+        "assert kvtransport.tools.peer.driver_classes('auto') is None; "
         "print(sorted(m for m in sys.modules if m.startswith('kvtransport.testing')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]", out.stdout
     code = (
-        "import sys, kvtransport.peer as p; p.driver_classes('fake'); print('kvtransport.testing.fake' in sys.modules)"
+        "import sys, kvtransport.tools.peer as p; p.driver_classes('fake'); "
+        "print('kvtransport.testing.fake' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "True"

@@ -20,9 +20,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtransport.auth import Secret, load_secret
-from kvtransport.errors import AuthenticationFailed, ConfigError, ConnectError, ProtocolError
 from kvtransport.integrations.bootstrap import BootstrapClient, BootstrapServer, sign_request
+from kvtransport.runtime.auth import Secret, load_secret
+from kvtransport.spi.errors import AuthenticationFailed, ConfigError, ConnectError, ProtocolError
 
 from .conftest import unused_port
 

@@ -17,13 +17,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtransport.calibration_cache import cache_path, read_cache, with_cached_models, write_cache
-from kvtransport.cost_model import MAX_MODELS_PER_DRIVER, CostModel, Point, fit, models_from_list
-from kvtransport.driver import TransferPath
-from kvtransport.errors import DriverUnavailable, ProtocolError
-from kvtransport.hello import Hello
-from kvtransport.negotiate import negotiate, pair_models, reference_transfer
-from kvtransport.registry import Policy
+from kvtransport.negotiation.calibration_cache import cache_path, read_cache, with_cached_models, write_cache
+from kvtransport.negotiation.cost_model import MAX_MODELS_PER_DRIVER, CostModel, Point, fit, models_from_list
+from kvtransport.negotiation.hello import Hello
+from kvtransport.negotiation.negotiate import negotiate, pair_models, reference_transfer
+from kvtransport.negotiation.registry import Policy
+from kvtransport.spi.driver import TransferPath
+from kvtransport.spi.errors import DriverUnavailable, ProtocolError
 
 from .conftest import require_engines
 from .hellos import FIRST_PARTY, hello, host
@@ -284,7 +284,7 @@ def test_calibrate_measures_real_engines_saves_and_endpoints_then_rank_by_it(
     cache = tmp_path / "calibration.json"
     env = {**os.environ, "KVTRANSPORT_CALIBRATION": str(cache)}
     out = subprocess.run(
-        [sys.executable, "-m", "kvtransport.cli", "calibrate", *CALIBRATE_ARGS],
+        [sys.executable, "-m", "kvtransport.tools.cli", "calibrate", *CALIBRATE_ARGS],
         env=env,
         capture_output=True,
         text=True,
@@ -307,10 +307,10 @@ def test_calibrate_measures_real_engines_saves_and_endpoints_then_rank_by_it(
     assert set(host_models) == {"nixl-ucx", "mooncake-gdr"}
 
     # Endpoints of this host now decide on the models (both sides read the same cache).
-    from kvtransport.endpoint import Endpoint
-    from kvtransport.kv_pool import KVPool
-    from kvtransport.peer_process import PeerProcess
-    from kvtransport.registry import load_driver
+    from kvtransport.negotiation.registry import load_driver
+    from kvtransport.runtime.endpoint import Endpoint
+    from kvtransport.tools.kv_pool import KVPool
+    from kvtransport.tools.peer_process import PeerProcess
 
     monkeypatch.setenv("KVTRANSPORT_CALIBRATION", str(cache))
     pool = KVPool(64, 4, 4096, 0, shared=False)
@@ -356,12 +356,12 @@ def test_each_transfer_takes_the_lane_its_shape_favours_on_real_engines(
     """With models that favour one driver for few descriptors and the other for many, one
     connection between two processes keeps both drivers as lanes and sends each transfer on
     the one its plan predicts faster; every byte arrives on both."""
-    from kvtransport.calibration_cache import write_cache
-    from kvtransport.endpoint import Endpoint, State
-    from kvtransport.hello import load_drivers
-    from kvtransport.kv_pool import KVPool
-    from kvtransport.peer_process import PeerProcess
-    from kvtransport.probe import machine_key
+    from kvtransport.negotiation.calibration_cache import write_cache
+    from kvtransport.negotiation.hello import load_drivers
+    from kvtransport.runtime.endpoint import Endpoint, State
+    from kvtransport.spi.probe import machine_key
+    from kvtransport.tools.kv_pool import KVPool
+    from kvtransport.tools.peer_process import PeerProcess
 
     names = ("nixl-ucx", "mooncake-staged")
     loaded = load_drivers(names)
@@ -421,16 +421,16 @@ def test_each_transfer_takes_the_lane_its_shape_favours_on_real_engines(
 
 
 class _Driver:
-    from kvtransport.driver import Capabilities
+    from kvtransport.spi.driver import Capabilities
 
     capabilities = Capabilities(reads=frozenset({"host"}), writes=frozenset({"host"}))
 
 
 def test_a_lane_whose_transfers_run_far_slower_than_predicted_is_demoted(caplog: pytest.LogCaptureFixture) -> None:
-    from kvtransport.lane import MIN_SAMPLES, Lane
+    from kvtransport.runtime.lane import MIN_SAMPLES, Lane
 
     lane = Lane("x", _Driver(), None, b"", (CostModel("shm", 1e-3, 0.0, 1.0),))  # type: ignore[arg-type]
-    with caplog.at_level(logging.DEBUG, logger="kvtransport.lane"):
+    with caplog.at_level(logging.DEBUG, logger="kvtransport.runtime.lane"):
         for _ in range(MIN_SAMPLES):
             lane.observe(0.01, 0.04, "peer")  # 4x slower than predicted
         assert lane.correction == pytest.approx(4.0)
@@ -457,12 +457,12 @@ def test_a_done_naming_a_one_sided_lane_still_waits_for_the_two_sided_lanes_copi
 ) -> None:
     """A peer's "done" may name any lane: the receiver does not take its word for which driver
     moved the bytes, and waits until its two-sided lane's copies into the pages are over."""
-    from kvtransport import session as session_module
-    from kvtransport.endpoint import Endpoint, State
-    from kvtransport.hello import describe_driver
-    from kvtransport.kv_pool import KVPool
-    from kvtransport.probe import machine_key
+    from kvtransport.negotiation.hello import describe_driver
+    from kvtransport.runtime import session as session_module
+    from kvtransport.runtime.endpoint import Endpoint, State
+    from kvtransport.spi.probe import machine_key
     from kvtransport.testing.fake import FakeDriver, FakeTwoSided
+    from kvtransport.tools.kv_pool import KVPool
 
     drivers = {"fake": FakeDriver, "fake-two-sided": FakeTwoSided}
     cache = tmp_path / "calibration.json"
@@ -521,9 +521,9 @@ def test_calibrate_towards_a_listener_files_the_models_under_the_far_host(
     another one), so they count only towards that host."""
     import threading
 
-    from kvtransport.bench_remote import Listener, RemotePeer
-    from kvtransport.calibration import calibrate
-    from kvtransport.session import Connection
+    from kvtransport.runtime.handles import Connection
+    from kvtransport.tools.bench_remote import Listener, RemotePeer
+    from kvtransport.tools.calibration import calibrate
 
     require_engines()
     cache = tmp_path / "calibration.json"
@@ -553,7 +553,7 @@ def test_calibrate_towards_a_listener_files_the_models_under_the_far_host(
     # An endpoint here carries it as a model towards that host (not rewritten to its own id as
     # a loopback model is), so a pair of this host's endpoints stays nominal, and a pair with
     # the far host is calibrated.
-    from kvtransport.hello import load_drivers
+    from kvtransport.negotiation.hello import load_drivers
 
     real = load_drivers(["nixl-ucx"]).hellos
     taken = with_cached_models(real, "this-boot", cache)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtransport.hello import PROTOCOL_VERSION
-from kvtransport.probe import probe_host
+from kvtransport.negotiation.hello import PROTOCOL_VERSION
+from kvtransport.spi.probe import probe_host
 
 from .conftest import require_engines, run_cli
 

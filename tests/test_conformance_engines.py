@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtransport.registry import load_driver
+from kvtransport.negotiation.registry import load_driver
 from kvtransport.testing.conformance import *  # noqa: F403
 from kvtransport.testing.conformance import DriverUnderTest
 

@@ -120,7 +120,7 @@ def test_the_cuda_2d_copy_descriptor_has_cudas_layout() -> None:
     go through it, and a field at the wrong offset would copy from the wrong place."""
     import ctypes
 
-    from kvtransport.cuda_copy import _Memcpy2D
+    from kvtransport.staging.cuda_copy import _Memcpy2D
 
     offsets = {name: getattr(_Memcpy2D, name).offset for name, _ in _Memcpy2D._fields_}
     assert ctypes.sizeof(_Memcpy2D) == 128

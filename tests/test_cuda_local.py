@@ -11,10 +11,10 @@ import msgpack
 import numpy as np
 import pytest
 
-from kvtransport.errors import ProtocolError
-from kvtransport.inbound import Claim, InboundGuard
-from kvtransport.memory import MemoryKind, RegionSet
-from kvtransport.registry import load_driver
+from kvtransport.negotiation.registry import load_driver
+from kvtransport.spi.errors import ProtocolError
+from kvtransport.spi.inbound import Claim, InboundGuard
+from kvtransport.spi.memory import MemoryKind, RegionSet
 from kvtransport_cuda.local import _Peer
 
 

@@ -11,9 +11,11 @@ import msgpack
 import pytest
 import zmq
 
-from kvtransport.driver import KVTransport
-from kvtransport.endpoint import Connection, Endpoint, State, Timeouts, Transfer
-from kvtransport.errors import (
+from kvtransport.negotiation.hello import PROTOCOL_VERSION
+from kvtransport.runtime.endpoint import Connection, Endpoint, State, Timeouts, Transfer
+from kvtransport.runtime.session import Session
+from kvtransport.spi.driver import KVTransport
+from kvtransport.spi.errors import (
     ConnectError,
     EngineError,
     InvalidPages,
@@ -22,11 +24,9 @@ from kvtransport.errors import (
     TransferError,
     TransferTimeout,
 )
-from kvtransport.hello import PROTOCOL_VERSION
-from kvtransport.kv_pool import KVPool
-from kvtransport.memory import KVLayout
-from kvtransport.session import Session
+from kvtransport.spi.memory import KVLayout
 from kvtransport.testing.fake import FakeDriver, FakeTwoSided
+from kvtransport.tools.kv_pool import KVPool
 from tests.hostile_messages import authenticate
 
 FAKE = {"fake": FakeDriver}
@@ -235,7 +235,7 @@ def test_a_malicious_announcement_fails_only_that_transfer(pair) -> None:  # typ
     # Forge an announcement from the decode side's route with a page outside its pool.
     import numpy as np
 
-    from kvtransport.wire import encode
+    from kvtransport.runtime.wire import encode
 
     data = encode(
         "expect", tag="evil", pages=np.array([1, 10_000], dtype=np.int64).tobytes(), aux=-1, prefix=0, state=[]
@@ -275,7 +275,7 @@ def test_connecting_to_nothing_fails_within_the_timeout() -> None:
 
 
 def test_closing_the_peer_fails_its_transfers_with_peer_lost(pair) -> None:  # type: ignore[no-untyped-def]
-    from kvtransport.errors import PeerLost
+    from kvtransport.spi.errors import PeerLost
 
     _, decode, send_conn, recv_conn, *_ = pair
     recv_conn.expect("bye", [1])
@@ -408,8 +408,8 @@ def test_finished_transfers_are_forgotten_and_tags_can_be_reused() -> None:
 
 def test_a_failed_bind_releases_the_drivers_already_opened() -> None:
 
-    from kvtransport.driver import DRIVER_API_VERSION, Capabilities
-    from kvtransport.errors import ConfigError
+    from kvtransport.spi.driver import DRIVER_API_VERSION, Capabilities
+    from kvtransport.spi.errors import ConfigError
 
     opened: list[FakeDriver] = []
 
@@ -435,8 +435,8 @@ def test_a_failed_bind_releases_the_drivers_already_opened() -> None:
 
 
 def test_limits_refuse_what_exceeds_them_and_name_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvtransport.config import Limits
-    from kvtransport.errors import ConfigError, NegotiationError
+    from kvtransport.runtime.config import Limits
+    from kvtransport.spi.errors import ConfigError, NegotiationError
 
     monkeypatch.setenv("KVTRANSPORT_MAX_CONNECTIONS", "0")
     with pytest.raises(ConfigError, match="KVTRANSPORT_MAX_CONNECTIONS"):
@@ -490,10 +490,10 @@ def test_refused_tags_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
         for i in range(50):
             sender_ep.refuse(f"t{i}", "nobody")
         deadline = time.monotonic() + 2
-        while list(sender_ep.refused)[:1] != ["t42"]:
-            assert time.monotonic() < deadline, list(sender_ep.refused)
+        while list(sender_ep.tags.refused)[:1] != ["t42"]:
+            assert time.monotonic() < deadline, list(sender_ep.tags.refused)
             time.sleep(0.01)
-        assert len(sender_ep.refused) == 8
+        assert len(sender_ep.tags.refused) == 8
 
 
 # -- "drained": after a failure, when no write of a transfer can land any more -----------------
@@ -595,7 +595,7 @@ def test_an_abort_racing_a_chunk_still_waits_for_that_chunk(monkeypatch: pytest.
     """The I/O thread may learn of a chunk after the driver thread submitted it (send_chunk
     queues both at once): an abort in between must still stop that batch and wait for it before
     the receiver hears its pages are free."""
-    from kvtransport.session import Session
+    from kvtransport.runtime.session import Session
 
     record = Session.submitted
 

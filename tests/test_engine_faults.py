@@ -14,11 +14,11 @@ from collections.abc import Iterator
 import msgpack
 import pytest
 
-from kvtransport.endpoint import Endpoint, State, Timeouts
-from kvtransport.errors import DriverError, EngineError, KVTransportError, NegotiationError, PeerLost
-from kvtransport.kv_pool import KVPool
-from kvtransport.peer_process import PeerProcess
-from kvtransport.registry import load_driver
+from kvtransport.negotiation.registry import load_driver
+from kvtransport.runtime.endpoint import Endpoint, State, Timeouts
+from kvtransport.spi.errors import DriverError, EngineError, KVTransportError, NegotiationError, PeerLost
+from kvtransport.tools.kv_pool import KVPool
+from kvtransport.tools.peer_process import PeerProcess
 
 from .conftest import require_engines, unused_port
 

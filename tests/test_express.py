@@ -1,4 +1,4 @@
-"""The express stream (kvtransport/express.py): "done" on a plain socket beside the control
+"""The express stream (kvtransport/runtime/express.py): "done" on a plain socket beside the control
 channel, bound to its session by a sealed first frame, and what a stranger on its port gets.
 
 The stranger here speaks raw TCP with bytes built by this file (the frame layout is read from
@@ -25,14 +25,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtransport.auth import Seal
-from kvtransport.config import Limits, express_from_env
-from kvtransport.endpoint import Connection, Endpoint, State, Timeouts
-from kvtransport.errors import ConfigError, KVTransportError, PeerLost, ProtocolError
-from kvtransport.express import MAX_FRAME_BYTES, FrameReader
-from kvtransport.kv_pool import KVPool
+from kvtransport.runtime.auth import Seal
+from kvtransport.runtime.config import Limits, express_from_env
+from kvtransport.runtime.endpoint import Connection, Endpoint, State, Timeouts
+from kvtransport.runtime.express import MAX_FRAME_BYTES, FrameReader
+from kvtransport.runtime.wire import Done, encode
+from kvtransport.spi.errors import ConfigError, KVTransportError, PeerLost, ProtocolError
 from kvtransport.testing.fake import FakeDriver, FakeTwoSided
-from kvtransport.wire import Done, encode
+from kvtransport.tools.kv_pool import KVPool
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -346,7 +346,7 @@ def test_the_second_copy_of_a_bye_is_dropped_quietly(caplog: pytest.LogCaptureFi
 
 
 def test_the_routes_remembered_after_their_sessions_ended_are_bounded_and_expire() -> None:
-    from kvtransport.endpoint import MAX_ENDED_ROUTES
+    from kvtransport.runtime.endpoint import MAX_ENDED_ROUTES
 
     with endpoint("ended") as (ep, _pool):
         ep.timeouts = dataclasses.replace(FAST, heartbeat_timeout=0.2)
@@ -363,7 +363,7 @@ def test_the_routes_remembered_after_their_sessions_ended_are_bounded_and_expire
 
 def decode_kind(data: bytes) -> str:
     """The message type of an encoded message the session handed its control channel."""
-    from kvtransport.wire import decode
+    from kvtransport.runtime.wire import decode
 
     return decode(data).type
 
@@ -651,8 +651,8 @@ def test_released_messages_reach_the_peer_in_the_order_they_were_held(
     releases decodes, in the order the receiver handles it (a "done"'s notices just before the
     "done"), to exactly what was held, then the "done"; the notices ride in the "done" only when
     they are all its lane's, at most MAX_DONE_NOTICES, and fit in one message."""
-    from kvtransport.session import MAX_DONE_NOTICES, Session
-    from kvtransport.wire import decode, max_message_bytes
+    from kvtransport.runtime.session import MAX_DONE_NOTICES, Session
+    from kvtransport.runtime.wire import decode, max_message_bytes
 
     session = Session.__new__(Session)  # only the holding and its writes are exercised
     session._held = __import__("threading").local()

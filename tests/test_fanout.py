@@ -11,12 +11,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvtransport.endpoint import Connection, Endpoint, State, Timeouts
-from kvtransport.errors import TransferAborted
-from kvtransport.fanin import FanOut
-from kvtransport.kv_pool import PAGE_TOKENS, KVPool
+from kvtransport.runtime.endpoint import Connection, Endpoint, State, Timeouts
+from kvtransport.runtime.fanin import FanOut
+from kvtransport.spi.errors import TransferAborted
+from kvtransport.spi.tp_map import sources, targets
 from kvtransport.testing.fake import FakeDriver
-from kvtransport.tp_map import sources, targets
+from kvtransport.tools.kv_pool import PAGE_TOKENS, KVPool
 
 FAKE = {"fake": FakeDriver}
 FAST = Timeouts(connect=5, bootstrap=5, waiting=5, transfer=5, heartbeat_interval=0.1, heartbeat_timeout=1.0)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvtransport.memory import MemoryKind
-from kvtransport.probe import probe_host
-from kvtransport.registry import load_driver
+from kvtransport.negotiation.registry import load_driver
+from kvtransport.spi.memory import MemoryKind
+from kvtransport.spi.probe import probe_host
 from kvtransport.testing.conformance import *  # noqa: F403
 from kvtransport.testing.conformance import DriverUnderTest
 
@@ -33,7 +33,7 @@ def test_the_cuda_copy_engine_copies_head_slices_as_one_memmove_per_piece_would(
     copies, byte for byte what one copy per piece writes; odd pieces beside them."""
     import numpy as np
 
-    from kvtransport.cuda_copy import CudaCopyEngine
+    from kvtransport.staging.cuda_copy import CudaCopyEngine
 
     engine = CudaCopyEngine(0)
     size, row = 1 << 20, 1024

@@ -1,4 +1,4 @@
-"""Hostile input against a LIVE endpoint: a ``kvtransport.peer`` child process (the
+"""Hostile input against a LIVE endpoint: a ``kvtransport.tools.peer`` child process (the
 victim) takes every frame an attacker can put on its control port over loopback, and after
 each batch must still be alive, still answer on its I/O loop (a legitimate endpoint in this
 process runs a transfer with it, every destination byte checked) and have no byte of its KV
@@ -48,11 +48,11 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
-from kvtransport.endpoint import Connection, Endpoint, State, Timeouts, regions_to_dict
-from kvtransport.errors import AuthenticationFailed, NegotiationError
-from kvtransport.kv_pool import KVPool
-from kvtransport.registry import load_driver
+from kvtransport.negotiation.registry import load_driver
+from kvtransport.runtime.endpoint import Connection, Endpoint, State, Timeouts, regions_to_dict
+from kvtransport.spi.errors import AuthenticationFailed, NegotiationError
 from kvtransport.testing.fake import FakeDriver
+from kvtransport.tools.kv_pool import KVPool
 
 from .conftest import require_engines
 from .hostile_messages import (

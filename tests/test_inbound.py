@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtransport import endpoint as endpoint_module
-from kvtransport import inbound
-from kvtransport.errors import InvalidPages
-from kvtransport.inbound import Claim, InboundGuard
-from kvtransport.memory import HOST, Region, RegionSet
+from kvtransport.runtime import endpoint as endpoint_module
+from kvtransport.spi import inbound
+from kvtransport.spi.errors import InvalidPages
+from kvtransport.spi.inbound import Claim, InboundGuard
+from kvtransport.spi.memory import HOST, Region, RegionSet
 
 ITEM, PAGES = 256, 32
 BASE_K, BASE_V, BASE_AUX = 1 << 20, 1 << 24, 1 << 28

@@ -16,12 +16,12 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from kvtransport.config import Limits
-from kvtransport.endpoint import Endpoint, State, Timeouts
-from kvtransport.errors import KVTransportError, PeerLost, TransferAborted
-from kvtransport.kv_pool import KVPool
-from kvtransport.peer_process import PeerProcess
+from kvtransport.runtime.config import Limits
+from kvtransport.runtime.endpoint import Endpoint, State, Timeouts
+from kvtransport.spi.errors import KVTransportError, PeerLost, TransferAborted
 from kvtransport.testing.fake import FakeDriver, FakeTwoSided
+from kvtransport.tools.kv_pool import KVPool
+from kvtransport.tools.peer_process import PeerProcess
 
 FAST = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0, "retain_finished": 0.2}
 #: Peers per child process, and child processes per test (half killed, half closed).
@@ -320,7 +320,7 @@ def test_an_endpoint_that_fails_to_start_releases_what_it_opened(monkeypatch: py
     def broken_runner(*args: object, **kwargs: object) -> None:
         raise RuntimeError("no thread for the runner")
 
-    monkeypatch.setattr("kvtransport.endpoint.DriverRunner", broken_runner)
+    monkeypatch.setattr("kvtransport.runtime.endpoint.DriverRunner", broken_runner)
     pool = KVPool(8, 1, 512, 0)
     before = {t.name for t in threading.enumerate()}
     try:

@@ -10,11 +10,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvtransport.endpoint import Connection, Endpoint, State, Timeouts, Transfer
-from kvtransport.errors import TransferAborted
-from kvtransport.kv_pool import KVPool
-from kvtransport.metrics import LATENCY_BUCKETS_S, SCHEMA_VERSION, Histogram, Metrics, error_type
+from kvtransport.runtime.endpoint import Connection, Endpoint, State, Timeouts, Transfer
+from kvtransport.runtime.metrics import LATENCY_BUCKETS_S, SCHEMA_VERSION, Histogram, Metrics, error_type
+from kvtransport.spi.errors import TransferAborted
 from kvtransport.testing.fake import FakeDriver
+from kvtransport.tools.kv_pool import KVPool
 
 FAKE = {"fake": FakeDriver}
 FAST = Timeouts(connect=5, bootstrap=5, waiting=5, transfer=5, heartbeat_interval=0.1, heartbeat_timeout=1.0)
@@ -113,15 +113,15 @@ def test_histogram_buckets_and_error_types() -> None:
     assert h.counts[0] == 2 and h.counts[1] == 1 and h.counts[-1] == 1 and h.count == 5
     assert error_type(TransferAborted("x")) == "TransferAborted"
     assert error_type(ValueError("x")) == "other" and error_type(None) == "other"
-    from kvtransport.fanin import PartialAnnouncement
+    from kvtransport.runtime.fanin import PartialAnnouncement
 
-    # An error class of another module counts as its nearest kvtransport.errors ancestor.
+    # An error class of another module counts as its nearest kvtransport.spi.errors ancestor.
     assert error_type(PartialAnnouncement("x", None)) == "TransferError"  # type: ignore[arg-type]
 
 
 def test_the_prometheus_collector_exposes_the_same_figures() -> None:
     prometheus_client = pytest.importorskip("prometheus_client")
-    from kvtransport.prometheus import register
+    from kvtransport.runtime.prometheus import register
 
     with pair() as (_, decode, send, recv):
         rx = recv.expect("p", [1, 2])
@@ -155,7 +155,7 @@ def test_the_prometheus_collector_exposes_the_same_figures() -> None:
 
 def test_a_staged_driver_reports_its_ring() -> None:
     """The staged drivers' ``gauges``: ring slots per direction and those in use (idle: none)."""
-    from kvtransport.registry import load_driver
+    from kvtransport.negotiation.registry import load_driver
 
     from .conftest import require_engines
 

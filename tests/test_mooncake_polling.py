@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 engine_mod = pytest.importorskip("kvtransport_mooncake.engine")
-EngineError = pytest.importorskip("kvtransport.errors").EngineError
+EngineError = pytest.importorskip("kvtransport.spi.errors").EngineError
 
 
 class Clock:
@@ -160,7 +160,7 @@ def inline_path() -> Iterator[Callable[[TickedEngine], Any]]:
 
 
 def small_batch(path: Any, n: int) -> int:
-    from kvtransport.plan import Runs
+    from kvtransport.spi.plan import Runs
 
     runs = Runs(*(np.arange(n, dtype=np.uint64) * 4096 for _ in range(2)), np.full(n, 4096, dtype=np.uint64))
     return int(path.submit("peer", runs))

@@ -8,18 +8,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtransport.driver import TransferPath
-from kvtransport.errors import (
+from kvtransport.negotiation.hello import Hello
+from kvtransport.negotiation.negotiate import negotiate, sliced_pages
+from kvtransport.negotiation.registry import Policy
+from kvtransport.spi.driver import TransferPath
+from kvtransport.spi.errors import (
     ConfigError,
     DriverUnavailable,
     LayoutMismatch,
     NegotiationError,
     NoUsableDriver,
 )
-from kvtransport.hello import Hello
-from kvtransport.memory import KVLayout, MemoryKind
-from kvtransport.negotiate import negotiate, sliced_pages
-from kvtransport.registry import Policy
+from kvtransport.spi.memory import KVLayout, MemoryKind
 
 from .hellos import FIRST_PARTY, hello, host, sliced_layout
 

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtransport.errors import InvalidPages, MemoryLayoutError
-from kvtransport.memory import HOST, MemoryKind, Region, RegionSet
-from kvtransport.plan import SMALL, RegionPairs, check_runs_within, plan
+from kvtransport.spi.errors import InvalidPages, MemoryLayoutError
+from kvtransport.spi.memory import HOST, MemoryKind, Region, RegionSet
+from kvtransport.spi.plan import SMALL, RegionPairs, check_runs_within, plan
 
 
 def regions(base: int, n: int, pages: int, item: int) -> tuple[Region, ...]:

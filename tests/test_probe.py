@@ -11,16 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from kvtransport.diagnose import import_failure
-from kvtransport.memory import MemoryKind
-from kvtransport.probe import host_id, judge_gdr, peermem_loaded, probe_host, rdma_devices
-from kvtransport.registry import load_driver
+from kvtransport.negotiation.registry import load_driver
+from kvtransport.spi.diagnose import import_failure
+from kvtransport.spi.memory import MemoryKind
+from kvtransport.spi.probe import host_id, judge_gdr, peermem_loaded, probe_host, rdma_devices
 
 from .conftest import require_engines, run_cli
 
 
 def test_host_id_is_equal_across_processes_and_stable() -> None:
-    code = "from kvtransport.probe import host_id; print(host_id())"
+    code = "from kvtransport.spi.probe import host_id; print(host_id())"
     ids = {
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
         for _ in range(2)

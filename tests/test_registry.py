@@ -12,16 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from kvtransport.driver import DRIVER_API_VERSION, Capabilities, DriverStatus, KVTransport
-from kvtransport.errors import (
+from kvtransport.negotiation.hello import load_drivers
+from kvtransport.negotiation.registry import Policy, list_drivers, load_driver
+from kvtransport.runtime.environment import unknown_env_vars, warn_unknown_env_vars
+from kvtransport.spi.driver import DRIVER_API_VERSION, Capabilities, DriverStatus, KVTransport
+from kvtransport.spi.errors import (
     ConfigError,
     DriverAPIMismatch,
     DriverLoadError,
     DuplicateDriver,
     NoSuchDriver,
 )
-from kvtransport.hello import load_drivers
-from kvtransport.registry import Policy, list_drivers, load_driver, unknown_env_vars, warn_unknown_env_vars
 
 from .conftest import run_cli
 
@@ -40,7 +41,7 @@ def test_import_and_listing_import_no_engine() -> None:
     code = (
         "import sys, kvtransport\n"
         "assert 'stevedore' not in sys.modules, 'entry points scanned at import'\n"
-        "from kvtransport.registry import list_drivers\n"
+        "from kvtransport.negotiation.registry import list_drivers\n"
         "names = [e.name for e in list_drivers()]\n"
         "engines = ('mooncake', 'nixl_cu12', 'torch', 'kvtransport_nixl', 'kvtransport_mooncake')\n"
         "bad = [m for m in engines if m in sys.modules]\n"
@@ -55,7 +56,7 @@ def test_import_and_listing_import_no_engine() -> None:
 def test_loading_one_driver_imports_only_that_one() -> None:
     code = (
         "import sys\n"
-        "from kvtransport.registry import load_driver\n"
+        "from kvtransport.negotiation.registry import load_driver\n"
         "cls = load_driver('cuda-local')\n"
         "assert cls.name == 'cuda-local'\n"
         "others = ('kvtransport_nixl', 'kvtransport_mooncake', 'nixl_cu12', 'mooncake')\n"

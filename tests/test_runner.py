@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
-from kvtransport.config import Limits
-from kvtransport.driver import KVTransport
-from kvtransport.endpoint import Endpoint, State
-from kvtransport.errors import KVTransportError
-from kvtransport.kv_pool import KVPool
-from kvtransport.runner import DriverRunner
+from kvtransport.runtime.config import Limits
+from kvtransport.runtime.endpoint import Endpoint, State
+from kvtransport.runtime.runner import DriverRunner
+from kvtransport.spi.driver import KVTransport
+from kvtransport.spi.errors import KVTransportError
 from kvtransport.testing.fake import FakeDriver
+from kvtransport.tools.kv_pool import KVPool
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -28,13 +28,13 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtransport import auth
-from kvtransport.auth import load_secret
-from kvtransport.endpoint import Connection, Endpoint, State, Timeouts
-from kvtransport.errors import AuthenticationFailed, ConfigError, KVTransportError, TransferAborted
-from kvtransport.hello import PROTOCOL_VERSION
-from kvtransport.kv_pool import KVPool
+from kvtransport.negotiation.hello import PROTOCOL_VERSION
+from kvtransport.runtime import auth
+from kvtransport.runtime.auth import load_secret
+from kvtransport.runtime.endpoint import Connection, Endpoint, State, Timeouts
+from kvtransport.spi.errors import AuthenticationFailed, ConfigError, KVTransportError, TransferAborted
 from kvtransport.testing.fake import FakeDriver
+from kvtransport.tools.kv_pool import KVPool
 from tests.hostile_messages import (
     RecordingProxy,
     authenticate,
@@ -131,7 +131,7 @@ def test_an_endpoint_reachable_from_other_hosts_needs_a_secret_or_an_explicit_op
     with endpoint("local", secret=None) as (ep, _):
         assert ep.security.startswith("not authenticated") and "loopback" in ep.security
     monkeypatch.setenv("KVTRANSPORT_INSECURE", "1")
-    import kvtransport.endpoint as endpoint_module
+    import kvtransport.runtime.endpoint as endpoint_module
 
     monkeypatch.setattr(endpoint_module, "_insecure_warned", False)
     with caplog.at_level(logging.WARNING, logger="kvtransport"):
@@ -149,7 +149,7 @@ def test_doctor_says_whether_the_control_plane_is_authenticated() -> None:
     def doctor(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
         clean = {k: v for k, v in os.environ.items() if not k.startswith("KVTRANSPORT_")}
         return subprocess.run(
-            [sys.executable, "-m", "kvtransport.cli", "doctor", *args],
+            [sys.executable, "-m", "kvtransport.tools.cli", "doctor", *args],
             capture_output=True,
             text=True,
             env={**clean, **env},

@@ -21,15 +21,15 @@ from .conftest import require_engines
 sglang_conn = pytest.importorskip("sglang.srt.disaggregation.base.conn", reason="sglang==0.5.23 not installed")
 KVPoll = sglang_conn.KVPoll
 
-from kvtransport.errors import KVTransportError  # noqa: E402
 from kvtransport.integrations.sglang import (  # noqa: E402 - needs SGLang, checked just above
     KVTransferError,
     KVTransportKVManager,
     KVTransportKVReceiver,
     KVTransportKVSender,
 )
-from kvtransport.kv_pool import KVPool  # noqa: E402
-from kvtransport.peer_process import PeerProcess  # noqa: E402
+from kvtransport.spi.errors import KVTransportError  # noqa: E402
+from kvtransport.tools.kv_pool import KVPool  # noqa: E402
+from kvtransport.tools.peer_process import PeerProcess  # noqa: E402
 
 from .sglang_rank import kv_args, server_args  # noqa: E402
 
@@ -296,8 +296,8 @@ def test_a_room_goes_only_to_the_decode_rank_the_registry_pairs_with_it(monkeypa
     than send rank 0's KV to rank 1, and rank 1 hears so at once. Decode rank 0, which the
     registry pairs with prefill rank 0, gets room 78, every byte right."""
     require_engines()
-    from kvtransport.errors import TransferAborted
     from kvtransport.integrations.bootstrap import BootstrapClient
+    from kvtransport.spi.errors import TransferAborted
 
     env = {"KVTRANSPORT_DRIVER": "nixl-ucx", **FAST}
     for k, v in env.items():

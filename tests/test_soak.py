@@ -33,7 +33,7 @@ def test_soak_on_every_real_host_driver() -> None:
 
 def test_soak_reports_corruption_it_can_see() -> None:
     """The soak's verdict is not a constant: a pool whose pages are wrong fails it."""
-    from kvtransport.soak import DriverSoak
+    from kvtransport.tools.soak import DriverSoak
 
     r = DriverSoak("x", transfers=10, succeeded=9, corrupt=1)
     assert not r.ok
@@ -50,11 +50,11 @@ def test_soak_of_a_connection_with_two_lanes(tmp_path: Path, monkeypatch: pytest
     sides and 16 in flight: both lanes carry verified transfers, and both processes' tables,
     handles, threads and fds end where they were after the first wave."""
     require_engines()
-    from kvtransport.calibration_cache import write_cache
-    from kvtransport.cost_model import CostModel
-    from kvtransport.hello import load_drivers
-    from kvtransport.probe import machine_key
-    from kvtransport.soak import run_soak
+    from kvtransport.negotiation.calibration_cache import write_cache
+    from kvtransport.negotiation.cost_model import CostModel
+    from kvtransport.negotiation.hello import load_drivers
+    from kvtransport.spi.probe import machine_key
+    from kvtransport.tools.soak import run_soak
 
     names = ("nixl-ucx", "mooncake-staged")
     loaded = load_drivers(names)

@@ -23,14 +23,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtransport.endpoint import Endpoint, State, Timeouts, Transfer
-from kvtransport.errors import ConfigError, DriverError, EngineError, PeerLost, ProtocolError
-from kvtransport.inbound import FEW_PIECES
-from kvtransport.kv_pool import KVPool
-from kvtransport.memory import RegionSet
-from kvtransport.peer_process import PeerProcess
-from kvtransport.plan import Runs, plan
-from kvtransport.registry import load_driver
+from kvtransport.negotiation.registry import load_driver
+from kvtransport.runtime.endpoint import Endpoint, State, Timeouts, Transfer
+from kvtransport.spi.errors import ConfigError, DriverError, EngineError, PeerLost, ProtocolError
+from kvtransport.spi.inbound import FEW_PIECES
+from kvtransport.spi.memory import RegionSet
+from kvtransport.spi.plan import Runs, plan
 from kvtransport.staging import MemcpyCopyEngine, RingConfig, StagingPipeline, chunk_runs
 from kvtransport.staging import pipeline as pipeline_module
 from kvtransport.staging.config import MAX_SLOTS
@@ -52,6 +50,8 @@ from kvtransport.staging.notices import (
     encode_want,
 )
 from kvtransport.staging.pipeline import LEND_MAX_SLOTS
+from kvtransport.tools.kv_pool import KVPool
+from kvtransport.tools.peer_process import PeerProcess
 
 from .conftest import require_engines
 

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtransport.errors import InvalidPages, MemoryLayoutError, ProtocolError
-from kvtransport.handshake import regions_from_dict, regions_to_dict
-from kvtransport.memory import HOST, KVLayout, Region, RegionSet
-from kvtransport.session import state_items
+from kvtransport.negotiation.handshake import regions_from_dict, regions_to_dict
+from kvtransport.runtime.checks import state_items
+from kvtransport.spi.errors import InvalidPages, MemoryLayoutError, ProtocolError
+from kvtransport.spi.memory import HOST, KVLayout, Region, RegionSet
 
 BASE = 1 << 32
 KV = (Region(1 << 20, 4096 * 8, HOST, 4096),)

@@ -16,11 +16,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtransport import sweep
-from kvtransport.bench_remote import Listener, RemotePeer, checked_args
-from kvtransport.errors import ConfigError, KVTransportError
-from kvtransport.peer_process import PeerProcess
-from kvtransport.presets import PRESETS, preset
+from kvtransport.spi.errors import ConfigError, KVTransportError
+from kvtransport.tools import sweep
+from kvtransport.tools.bench_remote import Listener, RemotePeer, checked_args
+from kvtransport.tools.peer_process import PeerProcess
+from kvtransport.tools.presets import PRESETS, preset
 
 from .conftest import require_engines, run_cli
 
@@ -162,7 +162,7 @@ def test_the_sweep_measures_every_path_on_real_engines_with_every_byte_checked(t
     text = sweep.render(doc)
     assert "integrity   OK" in text and "DeepSeek-V3" in text and "naive:mc" in text
     pytest.importorskip("matplotlib")
-    from kvtransport.sweep_plot import plot
+    from kvtransport.tools.sweep_plot import plot
 
     out = tmp_path / "sweep.png"
     plot(doc, str(out))
@@ -349,7 +349,7 @@ def test_a_stranger_that_sends_nothing_or_floods_cannot_stop_the_listener(
 ) -> None:
     import socket
 
-    from kvtransport import bench_remote
+    from kvtransport.tools import bench_remote
 
     require_engines()
     monkeypatch.setattr(bench_remote, "REQUEST_TIMEOUT_S", 0.5)
@@ -390,7 +390,7 @@ def test_one_workload_between_hosts_runs_with_the_benchs_own_flags(tmp_path: Pat
     log = tmp_path / "listener.log"  # a file, not a pipe: the peers log there too, and never block
     with open(log, "w") as sink:
         server = subprocess.Popen(
-            [sys.executable, "-m", "kvtransport.cli", "bench", "--listen", "127.0.0.1:0"], env=env, stderr=sink
+            [sys.executable, "-m", "kvtransport.tools.cli", "bench", "--listen", "127.0.0.1:0"], env=env, stderr=sink
         )
     try:
         deadline = time.monotonic() + 30

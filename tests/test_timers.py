@@ -10,7 +10,7 @@ import threading
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtransport.timers import TimerHeap
+from kvtransport.runtime.timers import TimerHeap
 
 ops = st.lists(
     st.one_of(

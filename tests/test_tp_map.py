@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtransport.errors import InvalidPages, MemoryLayoutError
-from kvtransport.memory import HOST, KVLayout, Region
-from kvtransport.plan import plan_heads
-from kvtransport.tp_map import HeadSlice, head_slice, held_heads, latent_source, pair_shape, sources, targets
+from kvtransport.spi.errors import InvalidPages, MemoryLayoutError
+from kvtransport.spi.memory import HOST, KVLayout, Region
+from kvtransport.spi.plan import plan_heads
+from kvtransport.spi.tp_map import HeadSlice, head_slice, held_heads, latent_source, pair_shape, sources, targets
 
 SIZES = [1, 2, 4, 8]
 HEADS = [1, 2, 4, 8, 16]
@@ -214,7 +214,7 @@ def test_the_head_check_catches_a_wrong_head_a_wrong_page_and_a_stray_byte() -> 
     """Controls for the unequal-TP tests and bench: a decode pool whose pages hold exactly what
     its heads should passes; a page from the wrong source page, the wrong rank's heads, or one
     flipped byte does not."""
-    from kvtransport.kv_pool import KVPool
+    from kvtransport.tools.kv_pool import KVPool
 
     right = KVPool(8, 2, 16 * 2 * 32, 0, shared=False, tp=(4, 2, 1))  # heads 2-3
     wrong = KVPool(8, 2, 16 * 2 * 32, 0, shared=False, tp=(4, 2, 0))  # heads 0-1

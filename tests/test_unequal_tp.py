@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kvtransport.peer_process import PeerProcess
-from kvtransport.tp_map import held_heads, sources
+from kvtransport.spi.tp_map import held_heads, sources
+from kvtransport.tools.peer_process import PeerProcess
 
 from .conftest import require_engines
 

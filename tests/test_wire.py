@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtransport.errors import ConfigError, MessageTooLarge, ProtocolError, VersionMismatch
-from kvtransport.hello import PROTOCOL_VERSION
-from kvtransport.wire import MAX_INT, SCHEMAS, Done, Field, Int, Text, decode, encode
+from kvtransport.negotiation.hello import PROTOCOL_VERSION
+from kvtransport.runtime.wire import MAX_INT, SCHEMAS, Done, Field, Int, Text, decode, encode
+from kvtransport.spi.errors import ConfigError, MessageTooLarge, ProtocolError, VersionMismatch
 
 
 def _sample(spec: Field) -> object:

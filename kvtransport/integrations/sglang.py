@@ -8,7 +8,7 @@ What SGLang's scheduler expects of them, call by call: docs/sglang-contract.md.
 
 How the pieces map:
 
-- one :class:`KVTransportKVManager` per rank opens one :class:`~kvtransport.endpoint.Endpoint`
+- one :class:`KVTransportKVManager` per rank opens one :class:`~kvtransport.runtime.endpoint.Endpoint`
   over the rank's ``KVArgs`` (one item = one page of one buffer; aux slots; one state group
   per ``state_types`` entry: the SWA window pool, the Mamba slots);
 - prefill ranks register their endpoint address with the :class:`KVTransportKVBootstrapServer`
@@ -54,11 +54,14 @@ except ImportError as exc:  # pragma: no cover - exercised in a process without 
         f"(sglang==0.5.23: pip install 'sglang==0.5.23'); importing them failed: {exc}"
     ) from exc
 
-from ..auth import RateLimitedLog
-from ..bounded import put_newest
-from ..config import env_number
-from ..endpoint import Connection, Endpoint, State, Timeouts, Transfer
-from ..errors import (
+from kvtransport.integrations.bootstrap import BootstrapClient, BootstrapServer
+from kvtransport.integrations.sglang_topology import RankTopology, rank_topology
+from kvtransport.runtime.auth import RateLimitedLog
+from kvtransport.runtime.bounded import put_newest
+from kvtransport.runtime.config import env_number
+from kvtransport.runtime.endpoint import Connection, Endpoint, State, Timeouts, Transfer
+from kvtransport.runtime.fanin import FanIn, FanOut, PartialAnnouncement, expect_from
+from kvtransport.spi.errors import (
     ConnectError,
     InvalidPages,
     KVTransportError,
@@ -67,11 +70,8 @@ from ..errors import (
     TransferAborted,
     TransferTimeout,
 )
-from ..fanin import FanIn, FanOut, PartialAnnouncement, expect_from
-from ..memory import HOST, KVLayout, MemoryKind, RegionSet
-from ..tp_map import sources, targets
-from .bootstrap import BootstrapClient, BootstrapServer
-from .sglang_topology import RankTopology, rank_topology
+from kvtransport.spi.memory import HOST, KVLayout, MemoryKind, RegionSet
+from kvtransport.spi.tp_map import sources, targets
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ def kv_memory(args: KVArgs, server_args: Any) -> MemoryKind:
     """Where the KV buffers live: ``cuda:<gpu_id>`` when the pointers are device memory."""
     if getattr(server_args, "device", "cuda") == "cpu" or not args.kv_data_ptrs:
         return HOST
-    from ..cuda_copy import is_device_pointer
+    from kvtransport.staging.cuda_copy import is_device_pointer
 
     return MemoryKind(int(args.gpu_id)) if is_device_pointer(int(args.kv_data_ptrs[0])) else HOST
 

@@ -63,7 +63,7 @@ def _get_kv_class(original: Any, *args: Any, **kwargs: Any) -> Any:
 
     if class_type == KVClassType.KVARGS:
         return original(*args, **kwargs)  # SGLang's own container, as for its own backends
-    from .sglang import (
+    from kvtransport.integrations.sglang import (
         KVTransportKVBootstrapServer,
         KVTransportKVManager,
         KVTransportKVReceiver,

@@ -6,7 +6,7 @@ a chunk to the peer's ring and tells when it is there, and the endpoint's contex
 does the rest. The pieces:
 
 - :mod:`.config`: ring and chunk sizes (``KVTRANSPORT_STAGING_*``);
-- :mod:`.copy`: the copy-engine seam (memcpy here, CUDA streams in ``kvtransport.cuda_copy``)
+- :mod:`.copy`: the copy-engine seam (memcpy here, CUDA streams in ``kvtransport.staging.cuda_copy``)
   and the wire seam;
 - :mod:`.chunks`: runs cut into slot-sized chunks;
 - :mod:`.notices`: the want / grant / lend / release / revoke / chunk notices and their typed schema;
@@ -16,8 +16,8 @@ does the rest. The pieces:
 
 from __future__ import annotations
 
-from .chunks import Chunk, chunk_runs
-from .config import (
+from kvtransport.staging.chunks import Chunk, chunk_runs
+from kvtransport.staging.config import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_RING_BYTES,
     ENV_CHUNK_BYTES,
@@ -27,9 +27,9 @@ from .config import (
     OPT_SCATTER_DELAY,
     RingConfig,
 )
-from .copy import CopyEngine, MemcpyCopyEngine, WireLink
-from .pipeline import WIRE_POLL_S, RingUsage, StagingPipeline
-from .transport import StagedTransport
+from kvtransport.staging.copy import CopyEngine, MemcpyCopyEngine, WireLink
+from kvtransport.staging.pipeline import WIRE_POLL_S, RingUsage, StagingPipeline
+from kvtransport.staging.transport import StagedTransport
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",

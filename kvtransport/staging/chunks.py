@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..inbound import FEW_PIECES, Pieces, as_list, as_u64
-from ..plan import Runs
-from .copy import U64
+from kvtransport.spi.inbound import FEW_PIECES, Pieces, as_list, as_u64
+from kvtransport.spi.plan import Runs
+from kvtransport.staging.copy import U64
 
 
 @dataclass(frozen=True)

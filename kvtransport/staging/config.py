@@ -6,7 +6,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..errors import ConfigError
+from kvtransport.spi.errors import ConfigError
 
 ENV_RING_BYTES = "KVTRANSPORT_STAGING_RING_BYTES"
 ENV_CHUNK_BYTES = "KVTRANSPORT_STAGING_CHUNK_BYTES"

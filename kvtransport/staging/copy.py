@@ -9,7 +9,7 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from ..inbound import U64, Pieces, as_list, as_u64
+from kvtransport.spi.inbound import U64, Pieces, as_list, as_u64
 
 __all__ = ["U64", "CopyEngine", "MemcpyCopyEngine", "Pieces", "WireLink", "as_list", "as_u64", "shifted"]
 

@@ -6,7 +6,7 @@ asked for), ``lend`` (slots it did not ask for yet, lent ahead of a transfer jus
 be used or released within ``hold_ms``), ``revoke`` (granted slots it held unused too long while
 another peer waits: give back those not yet taken for a write).
 :func:`decode_notice` checks every field's type and range before anything uses it, and raises
-only :class:`~kvtransport.errors.ProtocolError`; integers arrive bounded, so no arithmetic on
+only :class:`~kvtransport.spi.errors.ProtocolError`; integers arrive bounded, so no arithmetic on
 them can overflow.
 """
 
@@ -20,10 +20,10 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from ..errors import ProtocolError
-from ..inbound import FEW_PIECES
-from .config import MAX_SLOTS
-from .copy import Pieces
+from kvtransport.spi.errors import ProtocolError
+from kvtransport.spi.inbound import FEW_PIECES
+from kvtransport.staging.config import MAX_SLOTS
+from kvtransport.staging.copy import Pieces
 
 #: Most pieces in one chunk notice (a chunk of 8 MiB of 1 KiB pages is 8,192).
 MAX_PIECES = 1 << 16

@@ -44,14 +44,14 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigError, DriverError, EngineError, KVTransportError, PeerLost, ProtocolError
-from ..inbound import FEW_PIECES
-from ..memory import RegionSet
-from ..plan import Runs, check_runs_within
-from .chunks import Chunk, chunk_runs
-from .config import ENV_CHUNK_BYTES, MAX_SLOTS, RingConfig
-from .copy import CopyEngine, Pieces, WireLink, as_list, as_u64, shifted
-from .notices import (
+from kvtransport.spi.errors import ConfigError, DriverError, EngineError, KVTransportError, PeerLost, ProtocolError
+from kvtransport.spi.inbound import FEW_PIECES
+from kvtransport.spi.memory import RegionSet
+from kvtransport.spi.plan import Runs, check_runs_within
+from kvtransport.staging.chunks import Chunk, chunk_runs
+from kvtransport.staging.config import ENV_CHUNK_BYTES, MAX_SLOTS, RingConfig
+from kvtransport.staging.copy import CopyEngine, Pieces, WireLink, as_list, as_u64, shifted
+from kvtransport.staging.notices import (
     MAX_HOLD_MS,
     ChunkNotice,
     Grant,

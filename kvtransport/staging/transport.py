@@ -6,13 +6,13 @@ import logging
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from ..driver import KVTransport
-from ..errors import DriverError
-from ..memory import RegionSet
-from ..plan import Runs
-from .config import OPT_SCATTER_DELAY, RingConfig
-from .copy import CopyEngine, MemcpyCopyEngine
-from .pipeline import StagingPipeline
+from kvtransport.spi.driver import KVTransport
+from kvtransport.spi.errors import DriverError
+from kvtransport.spi.memory import RegionSet
+from kvtransport.spi.plan import Runs
+from kvtransport.staging.config import OPT_SCATTER_DELAY, RingConfig
+from kvtransport.staging.copy import CopyEngine, MemcpyCopyEngine
+from kvtransport.staging.pipeline import StagingPipeline
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class StagedTransport(KVTransport):
         if regions.kv_kind.device is None:
             copy = MemcpyCopyEngine()
         else:
-            from ..cuda_copy import CudaCopyEngine
+            from kvtransport.staging.cuda_copy import CudaCopyEngine
 
             cuda = CudaCopyEngine(regions.kv_kind.device)
             try:

@@ -13,7 +13,7 @@ supply a ``conformance_driver`` fixture.
         return DriverUnderTest("my-driver")
 
 Each test runs a real endpoint in this process (the prefill side, sending) and another in a
-child process (:mod:`kvtransport.peer`, the decode side, receiving), over the real
+child process (:mod:`kvtransport.tools.peer`, the decode side, receiving), over the real
 control channel on loopback, with the driver forced on both, and verifies every byte by
 per-page digests. Tests are gated by the capabilities the driver declares (host memory, or
 device memory with ``DriverUnderTest(name, device=0)`` on a CUDA host), not by its name.
@@ -29,13 +29,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from ..driver import KVTransport
-from ..endpoint import Connection, Endpoint, State, Timeouts
-from ..errors import InvalidPages, PeerLost, TransferAborted
-from ..kv_pool import KVPool
-from ..peer_process import PeerProcess
-from ..registry import load_driver
-from .fake import FakeDriver
+from kvtransport.negotiation.registry import load_driver
+from kvtransport.runtime.endpoint import Connection, Endpoint, State, Timeouts
+from kvtransport.spi.driver import KVTransport
+from kvtransport.spi.errors import InvalidPages, PeerLost, TransferAborted
+from kvtransport.testing.fake import FakeDriver
+from kvtransport.tools.kv_pool import KVPool
+from kvtransport.tools.peer_process import PeerProcess
 
 __all__ = [
     "DriverUnderTest",
@@ -167,15 +167,16 @@ def test_a_one_batch_transfer_says_done_on_the_express_stream(pair: Pair) -> Non
     two-sided driver's session in ordered mode sends every notice and "done" on the stream;
     one not in ordered mode sends none of them there. Bytes verified."""
     deadline = time.monotonic() + 10
+    session = pair.local.sessions[pair.conn.id]
     # The peer (the initiator) binds the stream after its handshake: wait for it here.
-    while pair.conn._session.express is None and time.monotonic() < deadline:
+    while session.express is None and time.monotonic() < deadline:
         time.sleep(0.01)
-    link = pair.conn._session.express
+    link = session.express
     assert link is not None, "the session should have bound an express stream"
     decision = pair.conn.decision
     assert decision is not None
     two_sided = type(pair.local.drivers[decision.driver]).capabilities.two_sided
-    ordered = pair.conn._session.ordered is link
+    ordered = session.ordered is link
     before = link.sent
     _send_and_verify(pair, {"express-one": ([7, 8, 9], [20, 21, 22])})
     if not two_sided:

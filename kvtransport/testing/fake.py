@@ -2,7 +2,7 @@
 
 It copies with memmove between registered regions and enforces the real contract: ``open``
 once before use, ``connect`` before ``submit``, every run inside this side's and the peer's
-registered regions. Between processes it works on buffers from :mod:`kvtransport.shm`
+registered regions. Between processes it works on buffers from :mod:`kvtransport.tools.shm`
 (it maps the peer's buffers itself). Options (``driver_options`` of an endpoint) inject faults:
 
 - ``fake.delay``: seconds before a batch completes;
@@ -25,8 +25,7 @@ from typing import ClassVar
 import msgpack
 import numpy as np
 
-from .. import shm
-from ..driver import (
+from kvtransport.spi.driver import (
     DRIVER_API_VERSION,
     Capabilities,
     DriverContext,
@@ -37,9 +36,10 @@ from ..driver import (
     Rejection,
     TransferPath,
 )
-from ..errors import DriverError, EngineError
-from ..memory import RegionSet
-from ..plan import Runs, check_runs_within
+from kvtransport.spi.errors import DriverError, EngineError
+from kvtransport.spi.memory import RegionSet
+from kvtransport.spi.plan import Runs, check_runs_within
+from kvtransport.tools import shm
 
 
 class FakeDriver(KVTransport):

@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 
-from kvtransport.driver import (
+from kvtransport.spi.driver import (
     DRIVER_API_VERSION,
     Capabilities,
     DriverContext,
@@ -34,10 +34,10 @@ from kvtransport.driver import (
     Rejection,
     TransferPath,
 )
-from kvtransport.errors import DriverError, KVTransportError, ProtocolError
-from kvtransport.memory import RegionSet
-from kvtransport.plan import Runs, check_runs_within
-from kvtransport.probe import probe_host
+from kvtransport.spi.errors import DriverError, KVTransportError, ProtocolError
+from kvtransport.spi.memory import RegionSet
+from kvtransport.spi.plan import Runs, check_runs_within
+from kvtransport.spi.probe import probe_host
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class CudaLocal(KVTransport):
         device = regions.kv_kind.device
         if device is None:
             raise DriverError(f"{self.name}: KV is in host memory; cuda-local moves device memory only")
-        from kvtransport.cuda_copy import CudaDriver
+        from kvtransport.staging.cuda_copy import CudaDriver
 
         cuda = CudaDriver(device)
         exported: list[dict[str, Any]] = []

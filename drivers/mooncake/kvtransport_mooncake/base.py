@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtransport.driver import PeerView, Rejection
+from kvtransport.spi.driver import PeerView, Rejection
 
 
 def protocol_mismatch(local: PeerView, remote: PeerView) -> Rejection | None:

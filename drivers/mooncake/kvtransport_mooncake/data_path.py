@@ -28,10 +28,10 @@ from typing import ClassVar
 
 import msgpack
 
-from kvtransport.driver import DriverContext, KVTransport
-from kvtransport.errors import DriverError, EngineError, KVTransportError
-from kvtransport.memory import RegionSet
-from kvtransport.plan import Runs
+from kvtransport.spi.driver import DriverContext, KVTransport
+from kvtransport.spi.errors import DriverError, EngineError, KVTransportError
+from kvtransport.spi.memory import RegionSet
+from kvtransport.spi.plan import Runs
 
 from .engine import Engine
 

@@ -16,8 +16,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvtransport.diagnose import capture_native_stderr
-from kvtransport.errors import DriverUnavailable, EngineError
+from kvtransport.spi.diagnose import capture_native_stderr
+from kvtransport.spi.errors import DriverUnavailable, EngineError
 
 from .engine_probe import ENV_DEVICE, ENV_HOSTNAME, ENV_MAX_BATCH, probe_engine
 

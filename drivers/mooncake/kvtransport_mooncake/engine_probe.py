@@ -11,9 +11,9 @@ import os
 from dataclasses import dataclass
 from importlib import metadata
 
-from kvtransport.diagnose import import_failure
-from kvtransport.driver import DriverStatus
-from kvtransport.probe import HostInfo, probe_host
+from kvtransport.spi.diagnose import import_failure
+from kvtransport.spi.driver import DriverStatus
+from kvtransport.spi.probe import HostInfo, probe_host
 
 ENV_PROTOCOL = "KVTRANSPORT_MOONCAKE_PROTOCOL"
 ENV_DEVICE = "KVTRANSPORT_MOONCAKE_DEVICE"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import ClassVar
 
-from kvtransport.driver import (
+from kvtransport.spi.driver import (
     DRIVER_API_VERSION,
     Capabilities,
     DriverStatus,
@@ -19,7 +19,7 @@ from kvtransport.driver import (
     Rejection,
     TransferPath,
 )
-from kvtransport.probe import probe_host
+from kvtransport.spi.probe import probe_host
 
 from .base import protocol_mismatch
 from .data_path import MooncakeDataPath

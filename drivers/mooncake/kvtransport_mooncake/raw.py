@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import msgpack
 
-from kvtransport.memory import RegionSet
-from kvtransport.plan import Runs
+from kvtransport.spi.memory import RegionSet
+from kvtransport.spi.plan import Runs
 
 from .engine import Engine
 

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-from kvtransport.driver import (
+from kvtransport.spi.driver import (
     DRIVER_API_VERSION,
     Capabilities,
     DriverContext,
@@ -25,9 +25,9 @@ from kvtransport.driver import (
     Rejection,
     TransferPath,
 )
-from kvtransport.errors import DriverError, EngineError, KVTransportError
-from kvtransport.memory import RegionSet
-from kvtransport.probe import probe_host
+from kvtransport.spi.errors import DriverError, EngineError, KVTransportError
+from kvtransport.spi.memory import RegionSet
+from kvtransport.spi.probe import probe_host
 from kvtransport.staging import ENV_CHUNK_BYTES, ENV_RING_BYTES, RingConfig, StagedTransport
 from kvtransport.staging.transport import abandon
 
@@ -111,7 +111,7 @@ class MooncakeStaged(StagedTransport):
                 )
             self._ring = (ring, config.ring_bytes)
             if regions.kv_kind.is_cuda:
-                from kvtransport.cuda_copy import is_device_pointer
+                from kvtransport.staging.cuda_copy import is_device_pointer
 
                 # Mooncake allocates managed buffers with the protocol's allocator; the ring
                 # must be host memory (an nvlink allocator would hand out device memory).

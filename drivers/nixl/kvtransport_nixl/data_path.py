@@ -23,10 +23,10 @@ from typing import Any, ClassVar, TypeVar
 import msgpack
 import numpy as np
 
-from kvtransport.driver import DriverContext, KVTransport
-from kvtransport.errors import DriverError, DriverUnavailable, EngineError
-from kvtransport.memory import MemoryKind, RegionSet
-from kvtransport.plan import Runs
+from kvtransport.spi.driver import DriverContext, KVTransport
+from kvtransport.spi.errors import DriverError, DriverUnavailable, EngineError
+from kvtransport.spi.memory import MemoryKind, RegionSet
+from kvtransport.spi.plan import Runs
 
 from .engine_probe import probe_nixl, quiet_nixl_logging
 from .posters import Part, Posters, posters_from_env, split_points

@@ -21,8 +21,8 @@ from importlib import metadata
 from types import ModuleType
 from typing import Any
 
-from kvtransport.diagnose import import_failure
-from kvtransport.driver import DriverStatus
+from kvtransport.spi.diagnose import import_failure
+from kvtransport.spi.driver import DriverStatus
 
 ENV_BACKEND = "KVTRANSPORT_NIXL_BACKEND"
 ENV_BACKEND_PARAMS = "KVTRANSPORT_NIXL_BACKEND_PARAMS"

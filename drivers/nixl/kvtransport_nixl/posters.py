@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvtransport.config import env_int
-from kvtransport.errors import EngineError
+from kvtransport.runtime.config import env_int
+from kvtransport.spi.errors import EngineError
 
 ENV_POSTERS = "KVTRANSPORT_NIXL_POSTERS"
 ENV_SPLIT_BYTES = "KVTRANSPORT_NIXL_SPLIT_BYTES"

@@ -18,8 +18,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from kvtransport.memory import RegionSet
-from kvtransport.plan import Runs
+from kvtransport.spi.memory import RegionSet
+from kvtransport.spi.plan import Runs
 
 from .data_path import _keep_exit_safe
 from .engine_probe import probe_nixl, quiet_nixl_logging

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 
-from kvtransport.driver import (
+from kvtransport.spi.driver import (
     DRIVER_API_VERSION,
     Capabilities,
     DriverContext,
@@ -28,9 +28,9 @@ from kvtransport.driver import (
     Rejection,
     TransferPath,
 )
-from kvtransport.errors import DriverError, EngineError
-from kvtransport.memory import RegionSet
-from kvtransport.probe import probe_host
+from kvtransport.spi.errors import DriverError, EngineError
+from kvtransport.spi.memory import RegionSet
+from kvtransport.spi.probe import probe_host
 from kvtransport.staging import ENV_CHUNK_BYTES, ENV_RING_BYTES, RingConfig, StagedTransport
 from kvtransport.staging.transport import abandon
 

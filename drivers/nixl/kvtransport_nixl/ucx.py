@@ -11,7 +11,7 @@ import os
 from dataclasses import replace
 from typing import ClassVar
 
-from kvtransport.driver import (
+from kvtransport.spi.driver import (
     DRIVER_API_VERSION,
     Capabilities,
     DriverStatus,
@@ -20,8 +20,8 @@ from kvtransport.driver import (
     Rejection,
     TransferPath,
 )
-from kvtransport.errors import ConfigError
-from kvtransport.probe import probe_host
+from kvtransport.spi.errors import ConfigError
+from kvtransport.spi.probe import probe_host
 
 from .data_path import NixlDataPath
 from .engine_probe import ENV_VARS, probe_nixl

@@ -9,14 +9,14 @@ imported here.
 
 This module owns the registry's whole contract:
 
-- **Who may write.** With a deployment secret (:func:`~kvtransport.auth.load_secret`) every
+- **Who may write.** With a deployment secret (:func:`~kvtransport.runtime.auth.load_secret`) every
   ``PUT`` and ``DELETE`` carries ``Authorization: KVT1 ts=<unix s>,nonce=<32 hex>,mac=<hex>``
   where ``mac = secret.derive(b"bootstrap request", method, target, ts, nonce, sha256(body))``
   (each part as bytes: the request target is the path with its query as sent). A request whose
   MAC does not verify, whose timestamp is more than :data:`CLOCK_SKEW` seconds off, or whose
   nonce was already seen, is refused with 401 and the words "authentication failed" (the
   details go to this process's log, rate-limited). Without a secret the server may only bind
-  loopback (:func:`~kvtransport.auth.control_plane_policy`) and writes are unsigned.
+  loopback (:func:`~kvtransport.runtime.auth.control_plane_policy`) and writes are unsigned.
 - **Who may replace a rank.** A client sends a random owner token with each registration; the
   first one binds the (dp, tp) key until the entry expires, and another owner gets 409.
 - **How long a route lives.** ``ttl`` seconds after its last ``PUT`` (``KVTRANSPORT_BOOTSTRAP_
@@ -30,10 +30,16 @@ Reads stay open to anyone who reaches the port: an address alone is useless with
 control-plane secret, which every endpoint's handshake demands before it reveals or moves KV.
 """
 
-from .client import BootstrapClient
-from .routes import DEFAULT_MAX_ROUTES, DEFAULT_TTL, ENV_ROUTE_TTL, RouteTable, route_ttl
-from .server import MAX_BODY, BootstrapServer
-from .signing import CLOCK_SKEW, RequestVerifier, request_mac, sign_request
+from kvtransport.integrations.bootstrap.client import BootstrapClient
+from kvtransport.integrations.bootstrap.routes import (
+    DEFAULT_MAX_ROUTES,
+    DEFAULT_TTL,
+    ENV_ROUTE_TTL,
+    RouteTable,
+    route_ttl,
+)
+from kvtransport.integrations.bootstrap.server import MAX_BODY, BootstrapServer
+from kvtransport.integrations.bootstrap.signing import CLOCK_SKEW, RequestVerifier, request_mac, sign_request
 
 __all__ = [
     "CLOCK_SKEW",

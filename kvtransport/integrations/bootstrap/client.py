@@ -12,11 +12,11 @@ import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
-from ...auth import RateLimitedLog, Secret, load_secret
-from ...errors import AuthenticationFailed, ConfigError, ConnectError
-from .routes import Reply, route_ttl, validated
-from .server import MAX_BODY
-from .signing import CLOCK_SKEW, sign_request
+from kvtransport.integrations.bootstrap.routes import Reply, route_ttl, validated
+from kvtransport.integrations.bootstrap.server import MAX_BODY
+from kvtransport.integrations.bootstrap.signing import CLOCK_SKEW, sign_request
+from kvtransport.runtime.auth import RateLimitedLog, Secret, load_secret
+from kvtransport.spi.errors import AuthenticationFailed, ConfigError, ConnectError
 
 log = logging.getLogger(__name__)
 

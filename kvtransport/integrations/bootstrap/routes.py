@@ -13,8 +13,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ...config import env_number
-from ...errors import ProtocolError
+from kvtransport.runtime.config import env_number
+from kvtransport.spi.errors import ProtocolError
 
 ENV_ROUTE_TTL = "KVTRANSPORT_BOOTSTRAP_ROUTE_TTL"
 DEFAULT_TTL = 600.0

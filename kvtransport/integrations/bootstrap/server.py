@@ -13,10 +13,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, cast
 
-from ...auth import RateLimitedLog, Secret, control_plane_policy, load_secret
-from ...bounded import ConnectionQuota
-from ...errors import ConfigError, ProtocolError
-from .routes import (
+from kvtransport.integrations.bootstrap.routes import (
     DEFAULT_MAX_ROOMS,
     DEFAULT_MAX_ROUTES,
     DIGITS,
@@ -31,7 +28,10 @@ from .routes import (
     route_ttl,
     validated,
 )
-from .signing import RequestVerifier
+from kvtransport.integrations.bootstrap.signing import RequestVerifier
+from kvtransport.runtime.auth import RateLimitedLog, Secret, control_plane_policy, load_secret
+from kvtransport.runtime.bounded import ConnectionQuota
+from kvtransport.spi.errors import ConfigError, ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -255,7 +255,7 @@ class BootstrapServer:
     """The registry, served on a background thread until :meth:`close`.
 
     Binds exactly ``host`` (a wildcard only when given one). ``secret`` defaults to the
-    deployment's (:func:`~kvtransport.auth.load_secret`); without one a host reachable from
+    deployment's (:func:`~kvtransport.runtime.auth.load_secret`); without one a host reachable from
     elsewhere raises :class:`ConfigError` unless ``KVTRANSPORT_INSECURE=1``."""
 
     def __init__(

@@ -11,8 +11,8 @@ import secrets
 import threading
 import time
 
-from ...auth import Secret
-from .routes import Reply
+from kvtransport.integrations.bootstrap.routes import Reply
+from kvtransport.runtime.auth import Secret
 
 #: Seconds a signed request's timestamp may be off the server's clock, either way.
 CLOCK_SKEW = 60.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from kvtransport.driver import Capabilities, DriverStatus, KVTransport
+from kvtransport.spi.driver import Capabilities, DriverStatus, KVTransport
 
 
 class OldApiDriver(KVTransport):

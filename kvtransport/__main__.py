@@ -1,0 +1,5 @@
+"""``python -m kvtransport``: the command line (:mod:`kvtransport.tools.cli`)."""
+
+from kvtransport.tools.cli import main
+
+raise SystemExit(main())

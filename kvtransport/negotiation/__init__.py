@@ -1,0 +1,6 @@
+"""Choosing a driver for a pair of peers: discovery, hellos, cost models and the decision.
+
+``registry`` (entry points, env-var policy), ``hello`` (what a side says about itself), ``cost_model``
+and ``calibration_cache`` (measured predictions), ``negotiate`` (the pure decision) and ``handshake``
+(reading and cross-checking a peer's hello). Pure functions over data: no sockets, no threads.
+"""

@@ -1,0 +1,69 @@
+"""Every ``KVTRANSPORT_*`` environment variable kvtransport reads, and the warning for the rest.
+
+A typo in a variable name must not pass silently: an endpoint and ``kvtransport doctor`` warn
+about each ``KVTRANSPORT_*`` variable nothing reads, with the closest known name. The catalogue
+lives here, above the modules that read the variables, so that none of them imports another
+only to learn its neighbours' names.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+from collections.abc import Iterable, Mapping
+
+from kvtransport.negotiation.registry import ENV_DRIVER, ENV_DRIVERS, ENV_EXCLUDE
+from kvtransport.runtime.auth import ENV_INSECURE, ENV_SECRET, ENV_SECRET_FILE
+from kvtransport.runtime.config import ENV_VARS as CONFIG_ENV_VARS
+
+log = logging.getLogger(__name__)
+
+#: Every ``KVTRANSPORT_*`` variable the core reads; drivers add theirs via ``env_vars``.
+CORE_ENV_VARS = frozenset(
+    {
+        ENV_DRIVER,
+        ENV_DRIVERS,
+        ENV_EXCLUDE,
+        "KVTRANSPORT_LOG_LEVEL",
+        "KVTRANSPORT_STAGING_RING_BYTES",
+        "KVTRANSPORT_STAGING_CHUNK_BYTES",
+        "KVTRANSPORT_MAX_MESSAGE_BYTES",
+        # the calibration cache (calibration_cache)
+        "KVTRANSPORT_CALIBRATION",
+        # integrations.bootstrap's, named: importing it would pull an HTTP server into every process
+        "KVTRANSPORT_BOOTSTRAP_ROUTE_TTL",
+        # the deployment secret (auth), read by the bootstrap registry
+        ENV_SECRET,
+        ENV_SECRET_FILE,
+        ENV_INSECURE,
+        *CONFIG_ENV_VARS,
+    }
+)
+#: Variables of the first-party drivers, known even when a driver is not installed.
+FIRST_PARTY_ENV_VARS = frozenset(
+    {
+        "KVTRANSPORT_NIXL_BACKEND",
+        "KVTRANSPORT_NIXL_BACKEND_PARAMS",
+        "KVTRANSPORT_MOONCAKE_PROTOCOL",
+        "KVTRANSPORT_MOONCAKE_DEVICE",
+        "KVTRANSPORT_MOONCAKE_MAX_BATCH",
+    }
+)
+
+
+def unknown_env_vars(env: Mapping[str, str] | None = None, driver_vars: Iterable[str] = ()) -> list[str]:
+    """``KVTRANSPORT_*`` variables set in ``env`` that nothing reads (likely typos)."""
+    env = os.environ if env is None else env
+    known = CORE_ENV_VARS | FIRST_PARTY_ENV_VARS | set(driver_vars)
+    return sorted(k for k in env if k.startswith("KVTRANSPORT_") and k not in known)
+
+
+def warn_unknown_env_vars(env: Mapping[str, str] | None = None, driver_vars: Iterable[str] = ()) -> list[str]:
+    unknown = unknown_env_vars(env, driver_vars)
+    all_known = sorted(CORE_ENV_VARS | FIRST_PARTY_ENV_VARS | set(driver_vars))
+    for var in unknown:
+        close = difflib.get_close_matches(var, all_known, n=1, cutoff=0.7)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        log.warning("ignoring unknown environment variable %s%s", var, hint)
+    return unknown

@@ -1,0 +1,239 @@
+"""A small KV pool with random contents and per-page digests, so two processes can check that
+every byte arrived where it should. KV in host memory (shared in ``/dev/shm`` for the fake
+driver, or private), or in device memory on a CUDA host (``device=N``, through the CUDA driver
+API); aux slots always in host memory, as SGLang keeps them. Optional state groups (``state``:
+per group its item count, item size and number of buffers, like an SWA window pool or a Mamba
+slot pool) live beside the KV, in the same memory."""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvtransport.spi.memory import KVLayout, MemoryKind, RegionSet
+from kvtransport.tools import shm
+
+#: Tokens per page of every pool here (the layout's ``page_size``).
+PAGE_TOKENS = 16
+
+
+class DeviceBuffer:
+    """``size`` bytes of device memory, read and written through host copies."""
+
+    def __init__(self, cuda: Any, size: int) -> None:
+        self.cuda = cuda
+        self.size = size
+        self.ptr = cuda.alloc(size)
+
+    def read(self, offset: int, n: int) -> bytes:
+        out = np.empty(n, dtype=np.uint8)
+        self.cuda.memcpy(int(out.ctypes.data), self.ptr + offset, n)
+        return out.tobytes()
+
+    def write(self, offset: int, data: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
+        self.cuda.memcpy(self.ptr + offset, int(data.ctypes.data), data.nbytes)
+
+    def close(self) -> None:
+        if self.ptr:
+            self.cuda.free(self.ptr)
+            self.ptr = 0
+
+
+@dataclass
+class KVPool:
+    num_pages: int
+    num_layers: int
+    item_len: int
+    aux_slots: int = 0
+    aux_item_len: int = 64
+    #: ``True``: buffers in ``/dev/shm`` (the fake driver maps the peer's); ``False``: private
+    #: anonymous memory, enough for real engines.
+    shared: bool = True
+    #: CUDA device for the KV buffers (``None``: host memory).
+    device: int | None = None
+    #: State groups: ``(items, item_len, buffers)`` each.
+    state: tuple[tuple[int, int, int], ...] = ()
+    #: Unequal-TP tests: ``(total KV heads, TP size, TP rank)`` of this rank, and whether the
+    #: buffers hold MLA's latent (one replicated row per token) instead of K and V heads.
+    tp: tuple[int, int, int] | None = None
+    mla: bool = False
+    #: Tokens per page (the layout's ``page_size``; both sides must agree).
+    page_tokens: int = PAGE_TOKENS
+    _cuda: Any = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        allocate = shm.allocate if self.shared else shm.allocate_private
+        size = self.num_pages * self.item_len
+        if self.device is None:
+            self.buffers: list[Any] = [allocate(size) for _ in range(self.num_layers)]
+        else:
+            from kvtransport.staging.cuda_copy import CudaDriver
+
+            self._cuda = CudaDriver(self.device)
+            self.buffers = [DeviceBuffer(self._cuda, size) for _ in range(self.num_layers)]
+        self.aux = [allocate(self.aux_slots * self.aux_item_len)] if self.aux_slots else []
+        self.state_buffers: list[list[Any]] = [
+            [self._buffer(allocate, items * item_len) for _ in range(buffers)]
+            for items, item_len, buffers in self.state
+        ]
+        flat = [b for group in self.state_buffers for b in group]
+        kind = MemoryKind(self.device)
+        self.regions = RegionSet.from_kv_args(
+            [b.ptr for b in self.buffers],
+            [b.size for b in self.buffers],
+            [self.item_len] * self.num_layers,
+            kind=kind,
+            aux_data_ptrs=[b.ptr for b in self.aux],
+            aux_data_lens=[b.size for b in self.aux],
+            aux_item_lens=[self.aux_item_len] * len(self.aux),
+            state_data_ptrs=[b.ptr for b in flat],
+            state_data_lens=[b.size for b in flat],
+            state_item_lens=[item_len for _, item_len, buffers in self.state for _ in range(buffers)],
+            state_groups=[buffers for _, _, buffers in self.state],
+        )
+        total, tp_size, tp_rank = self.tp if self.tp is not None else (0, 1, 0)
+        self.layout = KVLayout(
+            page_size=self.page_tokens,
+            dtype="bfloat16",
+            num_layers=self.num_layers if self.mla else self.num_layers // 2 or 1,
+            kv_split="mla" if self.mla else "kv",
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+            total_kv_heads=0 if self.mla else total,
+            kv_item_lens=(self.item_len,) * self.num_layers,
+            aux_item_lens=(self.aux_item_len,) * len(self.aux),
+            memory=kind,
+            state_types=tuple(f"group{g}" for g in range(len(self.state))),
+            state_item_lens=self.regions.state_item_lens,
+        )
+
+    def _buffer(self, allocate: Any, size: int) -> Any:
+        return allocate(size) if self.device is None else DeviceBuffer(self._cuda, size)
+
+    def _all_buffers(self) -> list[Any]:
+        return self.buffers + self.aux + [b for group in self.state_buffers for b in group]
+
+    def fill(self, seed: int) -> None:
+        """Random bytes everywhere (eight at a time: filling a GiB takes about 2 s)."""
+        rng = np.random.default_rng(seed)
+        for b in self._all_buffers():
+            data = _random_bytes(rng, b.size)
+            if isinstance(b, DeviceBuffer):
+                b.write(0, data)
+            else:
+                b.array[:] = data
+
+    def poison(self, pages: list[int]) -> None:
+        """Overwrite ``pages`` in every layer, so bytes left from an earlier transfer can never
+        pass for a fresh one."""
+        idx = np.asarray(pages, dtype=np.int64)
+        for b in self.buffers:
+            if isinstance(b, DeviceBuffer):
+                for p in idx.tolist():
+                    self._cuda.memset(b.ptr + p * self.item_len, 0xA5, self.item_len)
+            else:
+                b.array.reshape(self.num_pages, self.item_len)[idx] = 0xA5
+
+    def poison_state(self, group: int, items: list[int]) -> None:
+        """Overwrite ``items`` of every buffer of state group ``group`` (host memory)."""
+        item_len = self.state[group][1]
+        idx = np.asarray(items, dtype=np.int64)
+        for b in self.state_buffers[group]:
+            b.array.reshape(-1, item_len)[idx] = 0x5A
+
+    def page_digests(self, pages: list[int]) -> list[int]:
+        """crc32 of each page across every layer (order matters)."""
+        out = []
+        for p in pages:
+            crc = 0
+            for b in self.buffers:
+                start = p * self.item_len
+                if isinstance(b, DeviceBuffer):
+                    crc = zlib.crc32(b.read(start, self.item_len), crc)
+                else:
+                    crc = zlib.crc32(b.array[start : start + self.item_len].tobytes(), crc)
+            out.append(crc)
+        return out
+
+    def aux_digest(self, slot: int) -> int:
+        a = self.aux[0].array
+        return zlib.crc32(a[slot * self.aux_item_len : (slot + 1) * self.aux_item_len].tobytes())
+
+    def _heads(self) -> range:
+        """The global heads this rank's rows hold (MLA: the one latent, 0)."""
+        if self.tp is None or self.mla:
+            return range(1)
+        from kvtransport.spi.tp_map import held_heads
+
+        return held_heads(*self.tp)
+
+    def _head_rows(self, region: int, pages: np.ndarray[Any, Any], heads: range) -> np.ndarray[Any, Any]:
+        """What region ``region`` holds in ``pages`` when filled by :meth:`fill_heads`: bytes
+        that are a function of (region, page, token, global head, byte)."""
+        head_bytes = self.item_len // (self.page_tokens * len(heads))
+        p = pages.astype(np.int64)[:, None, None]
+        t = np.arange(self.page_tokens, dtype=np.int64)[None, :, None]
+        h = np.asarray(list(heads), dtype=np.int64)[None, None, :]
+        # The (page, token, head) part on a small array, the byte part added in 16 bits: a GiB
+        # pool fills in seconds.
+        row = ((region * 7919 + p * 104729 + t * 131 + h * 65537) % 251).astype(np.uint16)
+        byte = (np.arange(head_bytes, dtype=np.uint16) * 31 % 251).astype(np.uint16)
+        return ((row[..., None] + byte) % 251).astype(np.uint8)
+
+    def fill_heads(self) -> None:
+        """Every page of every region: rows of heads a peer can check without this pool."""
+        for i, b in enumerate(self.buffers):
+            b.array[:] = self._head_rows(i, np.arange(self.num_pages), self._heads()).reshape(-1)
+
+    def check_heads(self, src_pages: list[int], dst_pages: list[int]) -> str:
+        """'' when page ``dst_pages[k]`` holds, in every region, what :meth:`fill_heads` of a
+        rank holding any of this rank's heads wrote in its page ``src_pages[k]``; else the
+        first difference."""
+        heads = self._heads()
+        dst = np.asarray(dst_pages, dtype=np.int64)
+        for i, b in enumerate(self.buffers):
+            got = b.array.reshape(self.num_pages, -1)[dst].reshape(len(dst_pages), self.page_tokens, len(heads), -1)
+            want = self._head_rows(i, np.asarray(src_pages), heads)
+            bad = np.argwhere(got != want)
+            if bad.size:
+                k, t, h, _ = (int(x) for x in bad[0])
+                return (
+                    f"region {i}: page {dst_pages[k]} (from {src_pages[k]}) token {t} local head {h} (global "
+                    f"{heads[h]}) differs; {len(bad)} bytes in all"
+                )
+        return ""
+
+    def state_digests(self, group: int, items: list[int]) -> list[int]:
+        """crc32 of each item of state group ``group`` across its buffers (order matters)."""
+        item_len = self.state[group][1]
+        out = []
+        for i in items:
+            crc = 0
+            for b in self.state_buffers[group]:
+                start = i * item_len
+                if isinstance(b, DeviceBuffer):
+                    crc = zlib.crc32(b.read(start, item_len), crc)
+                else:
+                    crc = zlib.crc32(b.array[start : start + item_len].tobytes(), crc)
+            out.append(crc)
+        return out
+
+    def close(self) -> None:
+        for b in self._all_buffers():
+            b.close()
+        if self._cuda is not None:
+            self._cuda.release()
+            self._cuda = None
+
+
+def _random_bytes(rng: np.random.Generator, size: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    data = np.empty(size, dtype=np.uint8)
+    words = size // 8
+    if words:
+        data[: words * 8].view(np.uint64)[:] = rng.integers(0, 2**63, words, dtype=np.uint64)
+    if size % 8:
+        data[words * 8 :] = rng.integers(0, 256, size % 8, dtype=np.uint8)
+    return data
