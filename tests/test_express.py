@@ -470,7 +470,7 @@ def test_only_the_sessions_keys_bind_a_stream_it_is_waiting_for(seal: str) -> No
         else:
             # A frame of this session, sealed for the control channel (initiator's direction).
             peer = recv._session
-            other = Seal(decode.secret, peer.id, peer.nonce_i, peer.nonce_a, initiator=True)
+            other = Seal(decode.secret, peer.id, peer.exchange.nonce_i, peer.exchange.nonce_a, initiator=True)
             sealed = other.seal(b"x")
         s = dial(prefill.express.port)
         try:

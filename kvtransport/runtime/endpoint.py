@@ -47,19 +47,14 @@ from kvtransport.negotiation.handshake import (
 from kvtransport.negotiation.hello import DriverHello, Hello, build_hello, describe_driver, load_drivers
 from kvtransport.negotiation.negotiate import Decision
 from kvtransport.negotiation.registry import Policy
+from kvtransport.runtime.admission import Acceptor, Admitted, InitiatorExchange, PendingAuth
 from kvtransport.runtime.auth import (
     MAX_UNSEALED_BYTES,
-    NONCE_BYTES,
-    ChallengeCookies,
     RateLimitedLog,
-    Seal,
     Secret,
     control_plane_policy,
     is_sealed,
     load_secret,
-    new_nonce,
-    proof,
-    proof_ok,
 )
 from kvtransport.runtime.bounded import put_newest
 from kvtransport.runtime.config import Limits, Timeouts, express_from_env
@@ -158,19 +153,6 @@ class _Context:
         return self._endpoint.check_inbound(peer, dst, length)
 
 
-class PendingAuth:
-    """Acceptor side of a route whose initiator proved the secret, until its hello. (Before
-    the proof nothing is kept: the challenge is a cookie, see ``ChallengeCookies``.)"""
-
-    __slots__ = ("conn", "express_seal", "seal", "timer")
-
-    def __init__(self, conn: str, seal: Seal, express_seal: Seal) -> None:
-        self.conn = conn
-        self.seal = seal
-        self.express_seal = express_seal
-        self.timer: Any = None
-
-
 class Endpoint:
     """A rank's KV regions, registered once, reachable at a control address."""
 
@@ -219,10 +201,10 @@ class Endpoint:
                 _insecure_warned = True
                 log.warning("kvtransport control plane %s", self.security)
         self._auth_log = RateLimitedLog(log)
-        self._pending_auth: collections.OrderedDict[Route, PendingAuth] = collections.OrderedDict()
-        self._cookies = ChallengeCookies()
         self.timeouts = timeouts or Timeouts.from_env()
         self.limits = limits or Limits.from_env()
+        #: The acceptor's side of the authentication exchange (admission.py: no I/O there).
+        self._admission = Acceptor(self.secret, self.limits.max_pending_handshakes, self.timeouts.connect)
         use_express = express_from_env() if express is None else express
         if max_run_bytes is not None and max_run_bytes <= 0:
             raise ValueError(f"max_run_bytes must be positive, got {max_run_bytes}")
@@ -389,9 +371,8 @@ class Endpoint:
                     self._file(session)
                     holder.append(session)
                     # Nothing about this endpoint goes out before the peer proved the secret.
-                    session.nonce_i = new_nonce()
-                    session.auth_step = "auth"
-                    session.send("auth", conn=conn_id, nonce=session.nonce_i)
+                    session.exchange = InitiatorExchange(conn_id)
+                    session.send("auth", **session.exchange.opening())
                 except KVTransportError as exc:
                     holder.append(exc)
                 finally:
@@ -485,7 +466,7 @@ class Endpoint:
             "routes": len(self._by_route),
             "incoming": len(self._incoming),
             "pending_handshakes": self.pending_handshakes,
-            "pending_auth": len(self._pending_auth),
+            "pending_auth": len(self._admission.pending),
             "transfers": sum(len(s.transfers) for s in sessions),
             **self.tags.stats(),  # early_expects, early_expect_bytes, early_aborts, refused, tag_owners
             "awaiting_drain": sum(len(s.awaiting_drain) for s in sessions),
@@ -748,7 +729,7 @@ class Endpoint:
         if session is not None:
             seal = session.seal
         else:
-            pending = self._pending_auth.get(route)
+            pending = self._admission.pending.get(route)
             seal = pending.seal if pending is not None else None
         if seal is None:
             if self._ended_lately(route):
@@ -813,73 +794,43 @@ class Endpoint:
     # -- authentication (docs/security.md; the primitives are in auth.py) ---------------------
 
     def _on_auth(self, route: Route, session: Session | None, msg: Message) -> None:
-        """Acceptor: a peer opens an exchange. It learns one nonce (a cookie), nothing else, and
-        this side keeps nothing."""
-        if session is not None or route[0] != "in" or route in self._pending_auth:
-            raise ProtocolError("auth on a route that already authenticated or carries a connection")
-        if len(msg["nonce"]) != NONCE_BYTES:
-            raise ProtocolError(f"auth nonce of {len(msg['nonce'])} bytes, expected {NONCE_BYTES}")
-        nonce_a = self._cookies.issue(bytes(route[1]), msg["conn"], msg["nonce"])
-        self.channel.send(route, encode("challenge", self.max_message_bytes, conn=msg["conn"], nonce=nonce_a))
+        """Acceptor: a peer opens an exchange; it gets a challenge and this side keeps nothing."""
+        challenge = self._admission.on_auth(route, msg, carries_session=session is not None)
+        self.channel.send(route, encode("challenge", self.max_message_bytes, **challenge))
 
     def _on_challenge(self, session: Session, msg: Message) -> None:
         """Initiator: prove the secret, bound to both nonces and the connection id."""
-        nonce_a = msg["nonce"]
-        if session.auth_step != "auth" or msg["conn"] != session.id or len(nonce_a) != NONCE_BYTES:
+        if session.exchange is None:
             raise ProtocolError("unexpected challenge")
-        session.nonce_a = nonce_a
-        session.auth_step = "proof"
-        mac = proof(self.secret, "initiator", session.id, session.nonce_i, nonce_a)
-        session.send("proof", conn=session.id, nonce_i=session.nonce_i, nonce_a=nonce_a, mac=mac)
+        session.send("proof", **session.exchange.on_challenge(self.secret, msg))
 
     def _on_initiator_proof(self, route: Route, msg: Message) -> None:
         """Acceptor: the initiator proved the secret (or not); prove it back. Only a verified
         initiator is remembered (until its hello, or the connect timeout)."""
-        conn, nonce_i, nonce_a = msg["conn"], msg["nonce_i"], msg["nonce_a"]
-        if route[0] != "in" or route in self._pending_auth:
-            raise ProtocolError("proof on a route that already authenticated")
-        if not self._cookies.valid(bytes(route[1]), conn, nonce_i, nonce_a, self.timeouts.connect):
-            raise ProtocolError("proof for a challenge this endpoint did not issue to this peer (or too old)")
-        if not proof_ok(self.secret, "initiator", conn, nonce_i, nonce_a, msg["mac"]):
+        outcome = self._admission.on_proof(route, msg)
+        if not isinstance(outcome, Admitted):
             self._auth_log.warning(
                 "refused a connection from %s: authentication failed (its proof does not verify under this "
                 "endpoint's secret, %s: the peer has another KVTRANSPORT_SECRET, or none)",
                 self._describe(route),
                 self.secret.source,
             )
-            self.channel.send(route, encode("refuse", self.max_message_bytes, conn=conn, reason=AUTH_FAILED))
+            self.channel.send(route, encode("refuse", self.max_message_bytes, conn=msg["conn"], reason=AUTH_FAILED))
             return
-        while len(self._pending_auth) >= self.limits.max_pending_handshakes:
-            # Only holders of the secret get here: the oldest of them that never said hello goes.
-            _, old = self._pending_auth.popitem(last=False)
-            self.channel.timers.cancel(old.timer)
-        entry = PendingAuth(
-            conn,
-            Seal(self.secret, conn, nonce_i, nonce_a, initiator=False),
-            Seal(self.secret, conn, nonce_i, nonce_a, initiator=False, channel=b"express"),
+        timers = self.channel.timers
+        for old in outcome.evicted:
+            timers.cancel(old.timer)
+        outcome.entry.timer = timers.call_later(
+            self.timeouts.connect, functools.partial(self._admission.expire, route, outcome.entry)
         )
-
-        def expire() -> None:
-            if self._pending_auth.get(route) is entry:
-                del self._pending_auth[route]
-
-        entry.timer = self.channel.timers.call_later(self.timeouts.connect, expire)
-        self._pending_auth[route] = entry
-        mac = proof(self.secret, "acceptor", conn, nonce_i, nonce_a)
-        self.channel.send(
-            route, encode("proof", self.max_message_bytes, conn=conn, nonce_i=nonce_i, nonce_a=nonce_a, mac=mac)
-        )
+        self.channel.send(route, encode("proof", self.max_message_bytes, **outcome.answer))
 
     def _on_acceptor_proof(self, session: Session, msg: Message) -> None:
         """Initiator: the acceptor proved the secret; only now does this side say who it is."""
-        if (
-            session.auth_step != "proof"
-            or msg["conn"] != session.id
-            or msg["nonce_i"] != session.nonce_i
-            or msg["nonce_a"] != session.nonce_a
-        ):
+        if session.exchange is None:
             raise ProtocolError("unexpected proof")
-        if not proof_ok(self.secret, "acceptor", session.id, session.nonce_i, session.nonce_a, msg["mac"]):
+        outcome = session.exchange.on_proof(self.secret, msg)
+        if not isinstance(outcome, tuple):
             self._auth_log.warning(
                 "%s did not prove it holds this deployment's secret (%s)", session.peer_address, self.secret.source
             )
@@ -892,11 +843,7 @@ class Endpoint:
                 notify=False,
             )
             return
-        session.seal = Seal(self.secret, session.id, session.nonce_i, session.nonce_a, initiator=True)
-        session.express_seal = Seal(
-            self.secret, session.id, session.nonce_i, session.nonce_a, initiator=True, channel=b"express"
-        )
-        session.auth_step = "done"
+        session.seal, session.express_seal = outcome
         session.send("hello", conn=session.id, hello=self.hello.to_dict(), regions=self._regions_doc)
 
     def _stranger(self, route: Route, text: str) -> None:
@@ -986,7 +933,7 @@ class Endpoint:
         session.seal = seal
         session.express_seal = auth.express_seal
         session.peer_hello = peer_hello
-        del self._pending_auth[route]
+        self._admission.take(route)
         self.channel.timers.cancel(auth.timer)
         session.decision, session.peer_regions, session.lanes = decision, peer_regions, lanes
         self._file(session)

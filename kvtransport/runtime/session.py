@@ -74,6 +74,7 @@ from kvtransport.spi.tp_map import EQUAL, PairShape, pair_shape
 if TYPE_CHECKING:
     from kvtransport.negotiation.hello import Hello
     from kvtransport.negotiation.negotiate import Decision
+    from kvtransport.runtime.admission import InitiatorExchange
     from kvtransport.runtime.auth import Seal
     from kvtransport.runtime.config import Limits, Timeouts
     from kvtransport.runtime.control import ControlChannel, Route
@@ -208,11 +209,8 @@ class Session:
         #: Whether an ordered message already went out on the control channel (the session can
         #: then no longer switch: one of those could be overtaken by the stream).
         self.sent_ordered_on_control = False
-        #: Initiator: its step in the authentication exchange ("auth", "proof", "done") and
-        #: the two nonces the session's keys are bound to.
-        self.auth_step = ""
-        self.nonce_i = b""
-        self.nonce_a = b""
+        #: Initiator: its side of the authentication exchange (``runtime.admission``).
+        self.exchange: InitiatorExchange | None = None
         #: Set when the session starts closing: no per-transfer confirmations go out then.
         self.closing = False
 
