@@ -63,10 +63,11 @@ from kvtransport.spi.plan import Runs
 
 if TYPE_CHECKING:
     from kvtransport.negotiation.negotiate import Decision
-    from kvtransport.negotiation.registry import DriverEntry, list_drivers
+    from kvtransport.negotiation.registry import DriverEntry, Policy, list_drivers
+    from kvtransport.runtime.auth import Secret
     from kvtransport.runtime.config import Limits, Timeouts
     from kvtransport.runtime.endpoint import Endpoint
-    from kvtransport.runtime.fanin import FanIn, expect_from
+    from kvtransport.runtime.fanin import FanIn, FanOut, PartialAnnouncement, expect_from
     from kvtransport.runtime.handles import Connection, State, Transfer
 
 __version__ = "0.2.0"
@@ -80,7 +81,11 @@ _LAZY = {
     "Timeouts": "kvtransport.runtime.config",
     "Limits": "kvtransport.runtime.config",
     "FanIn": "kvtransport.runtime.fanin",
+    "FanOut": "kvtransport.runtime.fanin",
+    "PartialAnnouncement": "kvtransport.runtime.fanin",
     "expect_from": "kvtransport.runtime.fanin",
+    "Secret": "kvtransport.runtime.auth",
+    "Policy": "kvtransport.negotiation.registry",
     "Decision": "kvtransport.negotiation.negotiate",
     "DriverEntry": "kvtransport.negotiation.registry",
     "list_drivers": "kvtransport.negotiation.registry",
@@ -106,7 +111,10 @@ __all__ = [
     "Decision",
     "Endpoint",
     "FanIn",
+    "FanOut",
     "Limits",
+    "Policy",
+    "Secret",
     "State",
     "Timeouts",
     "Transfer",
@@ -152,6 +160,7 @@ __all__ = [
     "NegotiationError",
     "NoSuchDriver",
     "NoUsableDriver",
+    "PartialAnnouncement",
     "PeerLost",
     "ProtocolError",
     "TransferAborted",

@@ -1,5 +1,6 @@
 """``python -m kvtransport``: the command line (:mod:`kvtransport.tools.cli`)."""
 
-from kvtransport.tools.cli import main
+if __name__ == "__main__":
+    from kvtransport.tools.cli import main
 
-raise SystemExit(main())
+    raise SystemExit(main())

@@ -150,5 +150,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     from tests.tiers import in_full_tier
 
     for item in items:
-        if in_full_tier(Path(str(item.fspath)).stem, item.name):
+        if in_full_tier(item.path.stem, item.name):
             item.add_marker(pytest.mark.full)

@@ -21,8 +21,9 @@ import kvtransport
 
 PACKAGE = Path(kvtransport.__file__).resolve().parent
 
-#: Each sub-package and the layer it sits on: a module may import from its own layer's
-#: packages' modules only when no circle results, and from lower layers freely, never upward.
+#: Each sub-package and the layer it sits on: a module imports from its own package (with no
+#: circle) and from packages of lower layers, never from another package of its layer or above.
+#: The package itself (``kvtransport``, the public API) sits above them all.
 LAYERS = {
     "spi": 0,
     "negotiation": 1,
@@ -32,22 +33,34 @@ LAYERS = {
     "testing": 4,
     "integrations": 4,
 }
+API_LAYER = 5
 #: Upward imports that are allowed, with the reason. The bench's decode peer loads the fake
-#: drivers only when asked for them by name (``--driver fake``), for fault injection.
-ALLOWED_UPWARD = {("kvtransport.tools.peer", "kvtransport.testing.fake")}
-#: The old top-level modules kept as aliases of where they moved (``kvtransport/<name>.py``).
+#: drivers only when asked for them by name (``--driver fake``), for fault injection; the CLI
+#: prints the package's version.
+ALLOWED_UPWARD = {("kvtransport.tools.peer", "kvtransport.testing.fake"), ("kvtransport.tools.cli", "kvtransport")}
+#: What a driver package may import: the public API and the SPI, and the staged path (staged
+#: drivers and the CUDA copy engine); nothing of the runtime, the negotiation or above.
+DRIVER_MAY_IMPORT = ("kvtransport.spi", "kvtransport.staging")
+#: 0.1's module paths that 0.2 keeps: the SPI's, for driver packages, as they were (no warning)...
 STABLE_ALIASES = {
     "driver": "kvtransport.spi.driver",
     "errors": "kvtransport.spi.errors",
     "memory": "kvtransport.spi.memory",
-}
-DEPRECATED_ALIASES = {
     "plan": "kvtransport.spi.plan",
     "probe": "kvtransport.spi.probe",
     "diagnose": "kvtransport.spi.diagnose",
+}
+#: ... and the other paths 0.1's docs named, as aliases that warn with the new path.
+DEPRECATED_ALIASES = {
     "endpoint": "kvtransport.runtime.endpoint",
     "prometheus": "kvtransport.runtime.prometheus",
+    "registry": "kvtransport.negotiation.registry",
+    "shm": "kvtransport.tools.shm",
+    "baseline": "kvtransport.tools.baseline",
+    "peer": "kvtransport.tools.peer",
+    "testing.gpu_check": "kvtransport.tools.gpu_check",
 }
+ALIASES = {**STABLE_ALIASES, **DEPRECATED_ALIASES}
 
 
 def module_name(path: Path, root: Path = PACKAGE) -> str:
@@ -79,7 +92,7 @@ def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
                 # `import a.b.c` depends on a.b.c; a name imported from a package on the package
                 while target and target not in paths:
                     target = target.rpartition(".")[0]
-                if target and target != mod and not mod.startswith(target + "."):
+                if target and target != mod:
                     deps.add(target)
         graph[mod] = deps
     return graph
@@ -137,28 +150,78 @@ def test_the_cycle_finder_finds_a_circle(tmp_path: Path) -> None:
     assert cycles(import_graph(pkg)) == [["kvtransport.a", "kvtransport.b"]]
 
 
-def _layer(mod: str) -> int | None:
+def _package(mod: str) -> str:
     parts = mod.split(".")
-    return LAYERS.get(parts[1]) if len(parts) > 2 else None
+    return parts[1] if len(parts) > 1 else ""
 
 
-def test_layers_only_import_downward() -> None:
-    graph = import_graph()
-    upward = sorted(
+def _layer(mod: str) -> int | None:
+    """The layer of ``mod`` (a package's ``__init__`` included); ``None`` for an alias."""
+    if mod == "kvtransport":
+        return API_LAYER
+    if mod.removeprefix("kvtransport.") in ALIASES or mod == "kvtransport.__main__":
+        return None
+    return LAYERS[_package(mod)]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    return sorted(
         (mod, dep)
         for mod, deps in graph.items()
         for dep in deps
         if (mine := _layer(mod)) is not None
         and (theirs := _layer(dep)) is not None
-        and mod.split(".")[1] != dep.split(".")[1]
+        and _package(mod) != _package(dep)
         and theirs >= mine
         and (mod, dep) not in ALLOWED_UPWARD
     )
-    assert upward == []
+
+
+def test_layers_only_import_downward() -> None:
+    graph = import_graph()
+    assert upward_imports(graph) == []
     # Every module lives in a sub-package, except the public API and the aliases of moved ones.
     top = {m.split(".")[1] for m in graph if m.count(".") == 1}
-    assert top - set(LAYERS) == {*STABLE_ALIASES, *DEPRECATED_ALIASES, "__main__"}
-    assert {m.split(".")[1] for m in graph if m.count(".") >= 2} == set(LAYERS)
+    assert top - set(LAYERS) == {a for a in ALIASES if "." not in a} | {"__main__"}
+
+
+def test_the_layer_check_finds_an_upward_import() -> None:
+    """The check above can fail: a package's __init__ that imports the tools, an SPI module
+    that imports the staging package or the public API, a runtime module a staging one."""
+    graph = {
+        "kvtransport": set(),
+        "kvtransport.spi": {"kvtransport.tools.cli"},
+        "kvtransport.spi.driver": {"kvtransport.staging", "kvtransport"},
+        "kvtransport.staging": set(),
+        "kvtransport.staging.pipeline": {"kvtransport.runtime.session"},
+        "kvtransport.runtime.session": {"kvtransport.spi.driver"},
+        "kvtransport.tools.cli": set(),
+    }
+    assert upward_imports(graph) == [
+        ("kvtransport.spi", "kvtransport.tools.cli"),
+        ("kvtransport.spi.driver", "kvtransport"),
+        ("kvtransport.spi.driver", "kvtransport.staging"),
+        ("kvtransport.staging.pipeline", "kvtransport.runtime.session"),
+    ]
+
+
+def test_driver_packages_import_only_the_spi_and_the_staged_path() -> None:
+    drivers = PACKAGE.parent / "drivers"
+    bad = []
+    for path in sorted(drivers.glob("*/kvtransport_*/**/*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and not node.level
+                else []
+            )
+            for name in names:
+                if name.startswith("kvtransport.") and not name.startswith(DRIVER_MAY_IMPORT):
+                    bad.append(f"{path.relative_to(drivers)}: {name}")
+    assert bad == []
+    assert len(list(drivers.glob("*/kvtransport_*/*.py"))) >= 10
 
 
 def test_the_spi_imports_nothing_above_it_and_no_engine() -> None:
@@ -196,9 +259,10 @@ def test_public_api() -> None:
 
 @pytest.mark.parametrize("old", sorted(STABLE_ALIASES))
 def test_stable_aliases_keep_working_without_a_warning(old: str) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        alias = importlib.import_module(f"kvtransport.{old}")
+    code = f"import warnings; warnings.simplefilter('error'); import kvtransport.{old}"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    alias = importlib.import_module(f"kvtransport.{old}")
     target = importlib.import_module(STABLE_ALIASES[old])
     public = [n for n in vars(target) if not n.startswith("_") and not isinstance(vars(target)[n], type(sys))]
     assert public and all(getattr(alias, n) is getattr(target, n) for n in public)
@@ -220,12 +284,18 @@ def test_moved_documented_modules_warn(old: str) -> None:
     assert all(getattr(alias, n) is getattr(target, n) for n in names)
 
 
-def test_python_dash_m_kvtransport_is_the_cli() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "kvtransport", "--help"], capture_output=True, text=True, timeout=60, check=False
-    )
-    assert out.returncode == 0, out.stderr
+def test_python_dash_m_kvtransport_is_the_cli_and_old_runnable_paths_still_run() -> None:
+    for module in ("kvtransport", "kvtransport.peer", "kvtransport.testing.gpu_check"):
+        out = subprocess.run(
+            [sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=60, check=False
+        )
+        assert out.returncode == 0, (module, out.stderr[-2000:])
+        assert "usage:" in out.stdout, module
+    out = subprocess.run([sys.executable, "-m", "kvtransport", "--help"], capture_output=True, text=True, timeout=60)
     assert "doctor" in out.stdout and "bench" in out.stdout
+    # Importing the package's __main__ (pydoc, autodoc) runs nothing.
+    out = subprocess.run([sys.executable, "-c", "import kvtransport.__main__"], capture_output=True, timeout=60)
+    assert out.returncode == 0 and not out.stdout
 
 
 def test_the_readme_example_is_the_example_file_and_runs() -> None:

@@ -455,7 +455,7 @@ def test_sglangs_timeout_variables_are_honoured() -> None:
 
 def test_a_decode_managers_tables_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     """A router naming endless bootstrap addresses must not grow a decode rank's tables."""
-    import kvtransport.integrations.sglang as adapter
+    import kvtransport.integrations.sglang.manager as adapter
 
     monkeypatch.setattr(adapter, "MAX_PREFILL_PEERS", 3)
     pool = KVPool(PAGES, LAYERS, ITEM, AUX, shared=False)

@@ -84,13 +84,13 @@ def test_the_core_distribution_registers_the_plugin() -> None:
 def test_sglang_loads_the_plugin_and_resolves_the_backend_to_the_adapter() -> None:
     doc = run_sglang("kvtransport")
     assert doc["parsed"] and doc["backend"] == "KVTRANSPORT"
-    adapter = "kvtransport.integrations.sglang.KVTransportKV"
+    adapter = "kvtransport.integrations.sglang."
     assert doc["classes"] == {
         "KVARGS": "sglang.srt.disaggregation.base.conn.KVArgs",
-        "MANAGER": adapter + "Manager",
-        "SENDER": adapter + "Sender",
-        "RECEIVER": adapter + "Receiver",
-        "BOOTSTRAP_SERVER": adapter + "BootstrapServer",
+        "MANAGER": adapter + "manager.KVTransportKVManager",
+        "SENDER": adapter + "sender.KVTransportKVSender",
+        "RECEIVER": adapter + "receiver.KVTransportKVReceiver",
+        "BOOTSTRAP_SERVER": adapter + "bootstrap_server.KVTransportKVBootstrapServer",
     }
     assert doc["enum_everywhere"] and doc["resolver_everywhere"]
     # SGLang's own backends are untouched.

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtransport.negotiation.handshake import regions_from_dict, regions_to_dict
-from kvtransport.runtime.checks import state_items
+from kvtransport.runtime.checks import read_announcement, state_items
 from kvtransport.spi.errors import InvalidPages, MemoryLayoutError, ProtocolError
 from kvtransport.spi.memory import HOST, KVLayout, Region, RegionSet
 
@@ -119,3 +119,27 @@ def test_layouts_with_other_state_buffers_are_incompatible() -> None:
     assert any("state_item_lens" in p for p in swa.incompatibilities(wider))
     assert any("state_types" in p for p in swa.incompatibilities(base))
     assert KVLayout.from_dict(swa.to_dict()) == swa
+
+
+@given(
+    pages=st.binary(max_size=80),
+    aux=st.integers(-(2**63), 2**63 - 1),
+    state=st.lists(st.binary(max_size=40), max_size=6),
+)
+def test_a_peers_announcement_is_read_or_refused_with_invalid_pages(pages: bytes, aux: int, state: list[bytes]) -> None:
+    """Whatever a peer announces, read_announcement returns pages, aux slot and state items
+    inside the peer's regions, or raises InvalidPages: nothing else leaves."""
+    regions = RegionSet(
+        kv=KV,
+        aux=(Region(1 << 24, 8 * 64, HOST, 64),),
+        state=(Region(BASE, 5 * 64, HOST, 64), Region(BASE + 4096, 3 * 16, HOST, 16)),
+        state_groups=(1, 1),
+    )
+    try:
+        got, slot, items = read_announcement({"pages": pages, "aux": aux, "state": state}, regions, "peer")
+    except InvalidPages:
+        return
+    assert ((0 <= got) & (got < regions.num_pages)).all() and len(set(got.tolist())) == got.size
+    assert slot == aux and (slot < 0 or slot < min(r.num_items for r in regions.aux))
+    for g, group in enumerate(items):
+        assert ((0 <= group) & (group < regions.state_slots(g))).all()

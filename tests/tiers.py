@@ -39,8 +39,8 @@ _CONFORMANCE_STAGED_CORE = [f"{name}[mooncake-default-ring]" for name in CONFORM
 FULL: dict[str, list[str]] = {
     # the SGLang scheduler clusters: SGLang's own prefill and decode schedulers in processes
     "test_sglang_scheduler": ["*"],
-    # soaks: thousands of verified transfers with aborts
-    "test_soak": ["*"],
+    # soaks: thousands of verified transfers with aborts (the fast tier keeps the soak's own check)
+    "test_soak": ["test_soak_on_every_real_host_driver", "test_soak_of_a_connection_with_two_lanes"],
     # the hostile campaign (100,000 generated frames) and the slower single attacks; the
     # fast tier keeps the attacks that take under a second (a live victim each)
     "test_hostile": [

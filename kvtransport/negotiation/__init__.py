@@ -2,5 +2,6 @@
 
 ``registry`` (entry points, env-var policy), ``hello`` (what a side says about itself), ``cost_model``
 and ``calibration_cache`` (measured predictions), ``negotiate`` (the pure decision) and ``handshake``
-(reading and cross-checking a peer's hello). Pure functions over data: no sockets, no threads.
+(reading and cross-checking a peer's hello). ``negotiate`` and ``handshake`` are pure functions
+over data; ``registry`` and ``hello`` load drivers from entry points and probe them.
 """

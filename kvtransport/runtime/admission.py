@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from kvtransport.runtime.auth import NONCE_BYTES, ChallengeCookies, Seal, Secret, new_nonce, proof, proof_ok
-from kvtransport.runtime.control import Route
-from kvtransport.runtime.wire import Message
 from kvtransport.spi.errors import ProtocolError
+
+if TYPE_CHECKING:
+    from kvtransport.runtime.control import Route
+    from kvtransport.runtime.wire import Message
 
 
 class _ProofFailed:

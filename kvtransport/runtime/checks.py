@@ -82,3 +82,20 @@ def check_aux(index: Any, regions: RegionSet, what: str) -> None:
 def check_tag(tag: Any) -> None:
     if not isinstance(tag, str) or not tag or len(tag) > 256:
         raise KVTransportError(f"a transfer tag must be a non-empty string of at most 256 characters, got {tag!r}")
+
+
+def read_announcement(
+    msg: Any, regions: RegionSet, peer: str
+) -> tuple[npt.NDArray[np.int64], int, tuple[npt.NDArray[np.int64], ...]]:
+    """A peer's ``expect``, checked against the peer's own regions (``regions``): the announced
+    pages (packed int64, each a registered page, none twice), the aux slot (-1: none) and the
+    state items per group. Raises :class:`InvalidPages` naming what is wrong."""
+    raw = msg["pages"]
+    if len(raw) % 8:
+        raise InvalidPages(f"page list of {len(raw)} bytes is not a whole number of int64")
+    pages = np.frombuffer(raw, dtype=np.int64).copy()
+    check_pages(pages, regions.num_pages, f"pages announced by {peer}")
+    check_unique(pages, f"pages announced by {peer}")
+    if msg["aux"] >= 0:
+        check_aux(msg["aux"], regions, f"aux slot announced by {peer}")
+    return pages, int(msg["aux"]), peer_state_items(msg["state"], regions, f"state items announced by {peer}")

@@ -1,6 +1,6 @@
 """Runtime settings of an endpoint: timeouts and resource limits, and how the environment sets them.
 
-Every ``KVTRANSPORT_*`` number an endpoint reads is parsed here, with one error style: a value
+Every ``KVTRANSPORT_*`` number an endpoint reads is parsed here (through ``spi.env``), with one error style: a value
 that is not a positive number of the expected unit raises :class:`~kvtransport.spi.errors.ConfigError`
 naming the variable, the value and what it takes. A serving engine that starts with a typo in its
 environment should stop at start-up, not run with a default nobody chose.
@@ -13,33 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
+from kvtransport.spi.env import env_int, env_number
 from kvtransport.spi.errors import ConfigError
-
-
-def env_number(
-    name: str, default: float, *, integer: bool = False, env: Mapping[str, str] | None = None, zero: bool = False
-) -> float:
-    """The positive number in environment variable ``name`` (``default`` when unset or empty;
-    ``zero``: 0 is allowed too)."""
-    raw = (os.environ if env is None else env).get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw) if integer else float(raw)
-    except ValueError:
-        raise ConfigError(
-            f"{name}={raw!r} is not {'a whole number' if integer else 'a number'}; unset it or give e.g. {default:g}"
-        ) from None
-    if not (value >= 0 if zero else value > 0) or value != value or value == float("inf"):
-        raise ConfigError(
-            f"{name}={raw!r} must be {'0 or more' if zero else 'positive'} and finite; "
-            f"unset it or give e.g. {default:g}"
-        )
-    return value
-
-
-def env_int(name: str, default: int, env: Mapping[str, str] | None = None, *, zero: bool = False) -> int:
-    return int(env_number(name, default, integer=True, env=env, zero=zero))
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,14 @@
-"""One connection to one peer: its transfers, announcements, liveness, and the handle callers get.
+"""One connection to one peer: its transfers, their messages and timeouts, and its lanes.
 
 A :class:`Session` is created by the endpoint when a handshake starts and owns everything that
-belongs to that peer: the transfers filed under their tags, announcements that arrived before
-this side created their transfer, early aborts, the pages announced to it (its
+belongs to that peer: the transfers filed under their tags, the pages announced to it (its
 :class:`~kvtransport.spi.inbound.InboundGuard`), its heartbeat timer and the transfers' state
-timers. When the session ends (peer gone, bye, handshake failure, close) it fails what is left,
-disconnects the driver and the endpoint forgets it with everything it held.
+timers, the order its messages leave in (the express stream's ordered mode). What the peer said
+of tags before their transfers existed is kept in the endpoint's
+:class:`~kvtransport.runtime.tags.TagBook`; the caller's handle is
+:class:`~kvtransport.runtime.handles.Connection`. The session knows its endpoint only as a
+:class:`SessionHost`. When the session ends (peer gone, bye, handshake failure, close) it fails
+what is left, disconnects the driver and the endpoint forgets it with everything it held.
 
 Threads: :class:`Connection` methods and ``send_chunk``/``abort_from_caller`` run on the
 caller's thread, validate there, and queue the rest; everything else runs on the endpoint's I/O
@@ -34,7 +37,7 @@ from kvtransport.runtime.checks import (
     NO_ITEMS,
     check_aux,
     check_tag,
-    peer_state_items,
+    read_announcement,
     state_items,
     well_formed_state,
 )
@@ -970,19 +973,11 @@ class Session:
             return
         assert self.peer_regions is not None
         try:
-            raw = msg["pages"]
-            if len(raw) % 8:
-                raise InvalidPages(f"page list of {len(raw)} bytes is not a whole number of int64")
-            pages = np.frombuffer(raw, dtype=np.int64).copy()
-            check_pages(pages, self.peer_regions.num_pages, f"pages announced by {self.peer_label}")
-            check_unique(pages, f"pages announced by {self.peer_label}")
-            if msg["aux"] >= 0:
-                check_aux(msg["aux"], self.peer_regions, f"aux slot announced by {self.peer_label}")
-            state = peer_state_items(msg["state"], self.peer_regions, f"state items announced by {self.peer_label}")
+            pages, aux, state = read_announcement(msg, self.peer_regions, self.peer_label)
         except InvalidPages as exc:
             self.abort(t, str(exc), notify=True, error=exc)
             return
-        t.dst_pages, t.dst_aux, t.peer_prefix = pages, int(msg["aux"]), int(msg["prefix"])
+        t.dst_pages, t.dst_aux, t.peer_prefix = pages, aux, int(msg["prefix"])
         t.dst_page_list = pages.tolist() if pages.size <= SMALL else None
         t.dst_state = state
         t._set(State.WAITING_FOR_INPUT)
@@ -1188,13 +1183,14 @@ class Session:
         timers = self.endpoint.channel.timers
         timers.cancel(self.heartbeat)
         timers.cancel(self.handshake_timer)
+        filed = list(self.transfers)
         for t in [*self.transfers.values(), *self.awaiting_drain.values()]:
             timers.cancel(t.timer)
             t.filed = False
             self.stop_arriving(t)  # the driver forgets the peer: nothing more of it arrives
         self.transfers.clear()
         self.awaiting_drain.clear()
-        self.endpoint.tags.forget(self)  # its early tables, and every tag it owned
+        self.endpoint.tags.forget(self, filed)  # its early tables, and every tag it owned
         for lane in self.lanes.values():
             if lane.connect_queued:
                 driver = lane.driver

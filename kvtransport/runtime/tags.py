@@ -11,13 +11,15 @@ Events come in as method calls (an announcement arrived, an early abort arrived,
 transfer was filed or forgotten, the application refused a tag, a connection ended); what the
 caller must do comes back as a value (:class:`Kept`, :class:`Refused`, an owner to tell). The
 book sends nothing, arms no timer and takes no lock: the endpoint's I/O thread is its only
-caller, and a test can drive it with any sequence of events (tests/test_tags.py).
+caller (other threads read only :meth:`TagBook.stats`, made of counters), and a test can drive
+it with any sequence of events (tests/test_tags.py). Its limits are read once, when the endpoint
+that owns it starts.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -54,13 +56,14 @@ class Refused:
 
 @dataclass
 class _Early:
-    """One connection's early tables."""
+    """One connection's early tables (made only when a peer says something early: a sending
+    transfer's tag, the common case, costs two dictionary entries and no table)."""
 
     expects: collections.OrderedDict[str, tuple[Message, int]] = field(default_factory=collections.OrderedDict)
     expect_bytes: int = 0
     aborts: collections.OrderedDict[str, str] = field(default_factory=collections.OrderedDict)
-    sending: set[str] = field(default_factory=set)
-    #: Every tag this connection owns (what it holds, and what a taken early abort left).
+    #: Every tag these tables made this connection own (what they hold, and what a taken
+    #: early abort left until its transfer is forgotten).
     owned: set[str] = field(default_factory=set)
 
 
@@ -74,9 +77,12 @@ class TagBook(Generic[Owner]):
         self.owners: dict[str, Owner] = {}
         #: Tags the application refused before any peer announced them, with the reason.
         self.refused: collections.OrderedDict[str, str] = collections.OrderedDict()
+        #: Tags under which a filed transfer of their owner sends.
+        self._sending: dict[str, Owner] = {}
         self._early: dict[Owner, _Early] = {}
         self.early_expects_total = 0
         self.early_expect_bytes_total = 0
+        self.early_aborts_total = 0
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -97,10 +103,11 @@ class TagBook(Generic[Owner]):
         return 0 if early is None else len(early.aborts)
 
     def stats(self) -> dict[str, int]:
+        """What the book holds; any thread (counters and lengths, no iteration)."""
         return {
             "early_expects": self.early_expects_total,
             "early_expect_bytes": self.early_expect_bytes_total,
-            "early_aborts": sum(len(e.aborts) for e in self._early.values()),
+            "early_aborts": self.early_aborts_total,
             "refused": len(self.refused),
             "tag_owners": len(self.owners),
         }
@@ -168,7 +175,9 @@ class TagBook(Generic[Owner]):
             return False
         early = self._tables(owner)
         self._own(owner, early, tag)
+        before = len(early.aborts)
         dropped = put_newest(early.aborts, tag, reason, self.limits.max_early_aborts)
+        self.early_aborts_total += len(early.aborts) - before
         # After the abort is recorded: dropping the announcement must not release the tag,
         # which the abort holds (Endpoint.announced finds the connection by it).
         self.take_announcement(owner, tag)
@@ -180,21 +189,22 @@ class TagBook(Generic[Owner]):
         """The reason ``owner``'s peer gave for aborting ``tag`` early, once (its transfer is
         being created now); the tag stays owned until that transfer is forgotten."""
         early = self._early.get(owner)
-        return early.aborts.pop(tag, None) if early is not None else None
+        reason = early.aborts.pop(tag, None) if early is not None else None
+        if reason is not None:
+            self.early_aborts_total -= 1
+        return reason
 
     def claim_sending(self, owner: Owner, tag: str) -> None:
         """A transfer that ``owner`` sends was filed under ``tag`` (the caller checked
         :meth:`owned_elsewhere` first)."""
-        early = self._tables(owner)
-        early.sending.add(tag)
-        self._own(owner, early, tag)
+        self._sending[tag] = owner
+        self.owners[tag] = owner
 
     def forget_transfer(self, owner: Owner, tag: str) -> None:
         """``owner``'s transfer filed under ``tag`` is forgotten: the tag goes unless an early
         announcement or abort of it still holds it."""
-        early = self._early.get(owner)
-        if early is not None:
-            early.sending.discard(tag)
+        if self._sending.get(tag) == owner:
+            del self._sending[tag]
         self._release(owner, tag)
 
     def refuse(self, tag: str, reason: str) -> Owner | None:
@@ -208,16 +218,24 @@ class TagBook(Generic[Owner]):
         put_newest(self.refused, tag, reason, self.limits.max_early_aborts)
         return None
 
-    def forget(self, owner: Owner) -> None:
-        """``owner`` ended: everything it held goes, and every tag it owned."""
+    def forget(self, owner: Owner, transfer_tags: Iterable[str] = ()) -> None:
+        """``owner`` ended, with transfers filed under ``transfer_tags``: everything it held
+        goes, and every tag it owned."""
+        owners, sending = self.owners, self._sending
+        for tag in transfer_tags:
+            if sending.get(tag) == owner:
+                del sending[tag]
+            if owners.get(tag) == owner:
+                del owners[tag]
         early = self._early.pop(owner, None)
         if early is None:
             return
         self.early_expects_total -= len(early.expects)
         self.early_expect_bytes_total -= early.expect_bytes
+        self.early_aborts_total -= len(early.aborts)
         for tag in early.owned:
-            if self.owners.get(tag) == owner:
-                del self.owners[tag]
+            if owners.get(tag) == owner:
+                del owners[tag]
 
     # -- inside ----------------------------------------------------------------------------
 
@@ -232,21 +250,24 @@ class TagBook(Generic[Owner]):
         early.owned.add(tag)
 
     def _holds(self, owner: Owner, tag: str) -> bool:
+        if self._sending.get(tag) == owner:
+            return True
         early = self._early.get(owner)
-        return early is not None and (tag in early.expects or tag in early.aborts or tag in early.sending)
+        return early is not None and (tag in early.expects or tag in early.aborts)
 
     def _release(self, owner: Owner, tag: str) -> None:
-        early = self._early.get(owner)
-        if early is None or self._holds(owner, tag):
+        if self._holds(owner, tag):
             return
-        early.owned.discard(tag)
         if self.owners.get(tag) == owner:
             del self.owners[tag]
-        self._tidy(owner)
+        early = self._early.get(owner)
+        if early is not None:
+            early.owned.discard(tag)
+            self._tidy(owner)
 
     def _tidy(self, owner: Owner) -> None:
         """An owner that holds nothing keeps no tables (a peer's every announcement refused
         leaves nothing behind)."""
         early = self._early.get(owner)
-        if early is not None and not (early.expects or early.aborts or early.sending or early.owned):
+        if early is not None and not (early.expects or early.aborts or early.owned):
             del self._early[owner]

@@ -18,7 +18,7 @@ from typing import Any
 import msgpack
 
 from kvtransport.negotiation.hello import PROTOCOL_VERSION
-from kvtransport.runtime.config import env_int
+from kvtransport.spi.env import env_int
 from kvtransport.spi.errors import MessageTooLarge, ProtocolError, VersionMismatch
 
 #: Default largest control message (a hello with connection info is a few KiB; a destination

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvtransport.runtime.config import env_int
+from kvtransport.spi.env import env_int
 from kvtransport.spi.errors import EngineError
 
 ENV_POSTERS = "KVTRANSPORT_NIXL_POSTERS"

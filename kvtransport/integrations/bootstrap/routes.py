@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtransport.runtime.config import env_number
+from kvtransport.spi.env import env_number
 from kvtransport.spi.errors import ProtocolError
 
 ENV_ROUTE_TTL = "KVTRANSPORT_BOOTSTRAP_ROUTE_TTL"

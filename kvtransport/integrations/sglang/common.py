@@ -1,0 +1,190 @@
+"""What every role of the SGLang backend shares: SGLang's base classes (imported here once, with
+the version to install when they are missing), the timeouts, a room's transfer tag and the TP
+sizes that pair, :class:`KVTransferError`, a request's failure as ``poll`` and
+``failure_exception`` report it, and the rank's KV description read from SGLang's ``KVArgs``
+(regions, memory kind, state types, the parallelism the backend serves)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+try:
+    from sglang.srt.disaggregation.base.conn import BaseKVBootstrapServer as BaseKVBootstrapServer
+    from sglang.srt.disaggregation.base.conn import BaseKVManager as BaseKVManager
+    from sglang.srt.disaggregation.base.conn import BaseKVReceiver as BaseKVReceiver
+    from sglang.srt.disaggregation.base.conn import BaseKVSender as BaseKVSender
+    from sglang.srt.disaggregation.base.conn import KVArgs as KVArgs
+    from sglang.srt.disaggregation.base.conn import KVPoll as KVPoll
+    from sglang.srt.disaggregation.base.conn import KVTransferMetric as KVTransferMetric
+except ImportError as exc:  # pragma: no cover - exercised in a process without SGLang
+    raise ImportError(
+        "kvtransport.integrations.sglang needs SGLang's disaggregation classes "
+        f"(sglang==0.5.23: pip install 'sglang==0.5.23'); importing them failed: {exc}"
+    ) from exc
+
+from kvtransport.integrations.sglang_topology import RankTopology
+from kvtransport.runtime.endpoint import State, Timeouts, Transfer
+from kvtransport.runtime.fanin import FanIn
+from kvtransport.spi.env import env_number
+from kvtransport.spi.errors import KVTransportError
+from kvtransport.spi.memory import HOST, MemoryKind, RegionSet
+from kvtransport.spi.tp_map import sources, targets
+
+SGLANG_VERSION = "0.5.23"
+#: SGLang's own timeout variables, honoured unless the kvtransport one is set (defaults: SGLang's).
+SGLANG_TIMEOUTS = {
+    "bootstrap": ("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", 300.0),
+    "waiting": ("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300.0),
+}
+
+
+def sglang_timeouts(env: Any = None) -> Timeouts:
+    """kvtransport's timeouts, with SGLang's ``SGLANG_DISAGGREGATION_*`` ones where the
+    kvtransport variable is not set: a deployment tuned for SGLang's backends keeps its settings."""
+    env = os.environ if env is None else env
+    timeouts = Timeouts.from_env(env)
+    changes = {
+        field: env_number(theirs, default, env=env)
+        for field, (theirs, default) in SGLANG_TIMEOUTS.items()
+        if not env.get(Timeouts.ENV[field], "").strip()
+    }
+    return dataclasses.replace(timeouts, **changes)
+
+
+def room_tag(room: int, prefill_tp: int, decode_tp: int, decode_rank: int) -> str:
+    """The transfer tag decode rank ``decode_rank`` announces ``room`` under. The room number,
+    except when decode runs the wider TP: a prefill rank then hears from several decode ranks
+    for one room, and each but the first of them (the one whose announcement tells the prefill
+    rank decode's TP size) adds its rank, ``room@rank`` (a tag names one announcer per endpoint)."""
+    fed = targets(prefill_tp, sources(prefill_tp, decode_tp, decode_rank)[0], decode_tp)
+    return str(room) if decode_rank == fed[0] else f"{room}@{decode_rank}"
+
+
+def tp_pairing_problem(prefill_tp: int, decode_tp: int) -> str:
+    """Why prefill and decode ranks of these attention-TP sizes cannot pair ('' when they can)."""
+    if prefill_tp <= 0 or decode_tp <= 0 or (prefill_tp % decode_tp and decode_tp % prefill_tp):
+        return (
+            f"prefill runs attention TP={prefill_tp}, this decode rank TP={decode_tp}: kvtransport pairs TP sizes "
+            "of which one divides the other"
+        )
+    return ""
+
+
+class KVTransferError(KVTransportError):
+    """What ``failure_exception`` raises: SGLang's fields (room, reason) over a kvtransport error."""
+
+    def __init__(self, bootstrap_room: int, failure_reason: str, cause: BaseException | None = None) -> None:
+        super().__init__(f"KV transfer of room {bootstrap_room} failed: {failure_reason}")
+        self.bootstrap_room = bootstrap_room
+        self.failure_reason = failure_reason
+        self.cause = cause
+
+
+def kv_memory(args: KVArgs, server_args: Any) -> MemoryKind:
+    """Where the KV buffers live: ``cuda:<gpu_id>`` when the pointers are device memory."""
+    if getattr(server_args, "device", "cuda") == "cpu" or not args.kv_data_ptrs:
+        return HOST
+    from kvtransport.staging.cuda_copy import is_device_pointer
+
+    return MemoryKind(int(args.gpu_id)) if is_device_pointer(int(args.kv_data_ptrs[0])) else HOST
+
+
+#: State types (SGLang's ``StateType`` values) moved by kvtransport: each is a set of buffers
+#: addressed by one index list that prefill and decode pair one to one (the SWA sub-pool's
+#: window pages; a request's Mamba slot in every state tensor), between equal attention TP.
+#: Pools with any other state type are refused when the manager starts (state_types_of).
+SERVED_STATE_TYPES = ("swa", "mamba")
+
+
+def state_types_of(args: KVArgs) -> tuple[str, ...]:
+    """The rank's state groups by SGLang type name; :class:`KVTransportError` at start-up for a
+    pool kvtransport cannot serve (rather than failing every request of that model)."""
+    types = tuple(str(getattr(t, "value", t)) for t in (getattr(args, "state_types", None) or []))
+    groups = list(getattr(args, "state_data_ptrs", None) or [])
+    unserved = sorted({t for t in types if t not in SERVED_STATE_TYPES})
+    if unserved:
+        raise KVTransportError(
+            f"this model's KV pool has state buffers of type {', '.join(unserved)}, which kvtransport does not "
+            f"transfer (it serves {', '.join(SERVED_STATE_TYPES)}); run it with another "
+            "--disaggregation-transfer-backend (mooncake serves it)"
+        )
+    if len(groups) != len(types):
+        raise KVTransportError(f"KVArgs lists {len(types)} state types but {len(groups)} groups of state buffers")
+    empty = [t for t, g in zip(types, groups, strict=True) if not g]
+    if empty:
+        raise KVTransportError(f"KVArgs has no buffers for state type {empty[0]}")
+    return types
+
+
+def unserved_parallelism(topology: RankTopology) -> str:
+    """What of this rank's parallel layout the backend cannot serve ('' when it serves all)."""
+    parts = []
+    if topology.pp_size > 1:
+        parts.append(f"pipeline parallelism (pp_size {topology.pp_size})")
+    if topology.attn_cp_size > 1:
+        parts.append(f"attention context parallelism (attn_cp_size {topology.attn_cp_size})")
+    return " and ".join(parts)
+
+
+def regions_of(args: KVArgs, kind: MemoryKind) -> RegionSet:
+    """``KVArgs`` as regions: KV (one item = one page), aux slots (host), and one state group
+    per state type (its buffers, one item = one window page or one slot)."""
+
+    def flat(name: str) -> list[int]:
+        value = getattr(args, name, None) or []
+        return [int(x) for group in value for x in (group if isinstance(group, list | tuple) else [group])]
+
+    groups = [len(g) if isinstance(g, list | tuple) else 1 for g in getattr(args, "state_data_ptrs", None) or []]
+
+    return RegionSet.from_kv_args(
+        [int(p) for p in args.kv_data_ptrs],
+        [int(n) for n in args.kv_data_lens],
+        [int(n) for n in args.kv_item_lens],
+        kind=kind,
+        aux_data_ptrs=[int(p) for p in getattr(args, "aux_data_ptrs", [])],
+        aux_data_lens=[int(n) for n in getattr(args, "aux_data_lens", [])],
+        aux_item_lens=[int(n) for n in getattr(args, "aux_item_lens", [])],
+        state_data_ptrs=flat("state_data_ptrs"),
+        state_data_lens=flat("state_data_lens"),
+        state_item_lens=flat("state_item_lens"),
+        state_groups=groups,
+    )
+
+
+class _Failure:
+    """A transfer's first error, kept for ``failure_exception``."""
+
+    def __init__(self) -> None:
+        self.error: KVTransportError | None = None
+
+    def set(self, error: KVTransportError) -> None:
+        self.error = self.error or error
+
+
+def _env_flag(name: str, default: bool = False) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    return default if not value else value in ("1", "true", "yes", "on")
+
+
+def _poll_of(transfer: Transfer | FanIn | None, failure: _Failure, before: int) -> int:
+    if failure.error is not None:
+        return int(KVPoll.Failed)
+    if transfer is None:
+        return before
+    if transfer.state is State.FAILED:
+        failure.set(transfer.error or KVTransportError("transfer failed"))
+    return int(transfer.state)
+
+
+def _stop(transfer: Transfer | FanIn | None, reason: str) -> None:
+    """Abort ``transfer`` if it still runs (the peer hears of it)."""
+    if transfer is not None and not transfer.state.final:
+        transfer.abort(reason)
+
+
+def _raise(room: int, failure: _Failure, transfer: Transfer | FanIn | None) -> None:
+    error = failure.error or (transfer.error if transfer is not None else None)
+    reason = f"{type(error).__name__}: {error}" if error else "the transfer failed"
+    raise KVTransferError(room, reason, error)

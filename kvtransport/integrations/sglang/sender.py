@@ -1,0 +1,296 @@
+"""The prefill side of one request (:class:`KVTransportKVSender`): it waits for the
+announcements of the decode ranks this rank feeds, checks they are paired with it, writes each
+chunk SGLang hands over (the aux slot and the state items with the last), and refuses the room
+to every decode rank it feeds when it fails."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from kvtransport.integrations.sglang.common import (
+    BaseKVSender,
+    KVPoll,
+    KVTransferMetric,
+    _env_flag,
+    _Failure,
+    _poll_of,
+    _raise,
+    _stop,
+    room_tag,
+    tp_pairing_problem,
+)
+from kvtransport.integrations.sglang.manager import KVTransportKVManager
+from kvtransport.runtime.endpoint import State, Transfer
+from kvtransport.runtime.fanin import FanOut
+from kvtransport.spi.errors import ConnectError, InvalidPages, KVTransportError, TransferAborted, TransferTimeout
+from kvtransport.spi.tp_map import targets
+
+log = logging.getLogger(__name__)
+
+
+class KVTransportKVSender(BaseKVSender):
+    """Prefill side of one request (bootstrap room)."""
+
+    def __init__(
+        self,
+        mgr: KVTransportKVManager,
+        bootstrap_addr: str,
+        bootstrap_room: int,
+        req_has_disagg_prefill_dp_rank: bool = False,
+    ) -> None:
+        self.mgr = self.kv_mgr = mgr  # SGLang reads ``kv_mgr`` (prefill.py metrics)
+        self.bootstrap_addr = bootstrap_addr
+        self.room = int(bootstrap_room)
+        self.tag = str(self.room)
+        #: The room's transfer once every decode rank this rank feeds announced it: one
+        #: Transfer, or a FanOut over several when decode runs the wider TP.
+        self.transfer: Transfer | FanOut | None = None
+        #: Announced so far, by tag: this rank's room tag first (its announcer's layout says
+        #: which decode ranks to wait for, ``_targets``), then each ``room@rank``.
+        self._parts: dict[str, Transfer] = {}
+        self._targets: list[str] = []
+        self.failure = _Failure()
+        self.num_kv_indices: int | None = None
+        self.aux_index: int | None = None
+        self.sent = 0
+        self._queued: list[tuple[np.ndarray[Any, Any], bool, int | None, list[Any] | None]] = []
+        self._created = time.monotonic()
+        #: Set by SGLang's prefill (prefill.py, maybe_send_cached_prefix_chunk) under overlap
+        #: scheduling: a CUDA event the previous forward records while it may still be writing
+        #: the prefix pages handed to ``send``. Chunks wait in the queue until it completed.
+        self._early_send_wait_event: Any = None
+        self._waiting_on: Any = None
+        self._prefix_read = False
+        self._route_room(bool(req_has_disagg_prefill_dp_rank))
+
+    def _route_room(self, has_dp_rank: bool) -> None:
+        """With several prefill DP ranks, make sure decode finds this one for the room: by the
+        room number (``follow_bootstrap_room``: a request dispatched elsewhere fails here with
+        the reason, as SGLang's own backends do) or by publishing it at the registry."""
+        topo = self.mgr.topology
+        if topo.dp_size <= 1 or has_dp_rank:
+            return
+        if topo.follow_bootstrap_room and not _env_flag("SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK"):
+            implied = self.room % topo.dp_size
+            if implied != topo.dp_rank:
+                self.failure.set(
+                    ConnectError(
+                        f"follow_bootstrap_room conflict: room {self.room} was dispatched to prefill DP rank "
+                        f"{topo.dp_rank}, but decode routes it to DP rank {implied} (room % {topo.dp_size}). Route "
+                        "requests by room, or set SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK=1 on both sides"
+                    )
+                )
+            return
+        self.mgr.publish_room(self.room)
+
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
+        """A final chunk without pages still goes out: it carries the aux row and ends the
+        transfer (SGLang's base class would skip it, and decode would wait for it forever)."""
+        return num_pages > 0 or bool(last_chunk)
+
+    def pop_decode_prefix_len(self) -> int:
+        """The tokens decode holds already (its radix cache), read by SGLang's prefill once this
+        room is WaitingForInput: it then sends only the pages after them (prefill.py,
+        finalize_bootstrap). 0 before the announcement, and once read."""
+        t = self.transfer
+        if t is None or self._prefix_read:
+            return 0
+        self._prefix_read = True
+        prefixes = {p.peer_prefix for p in self._parts.values()}
+        if len(prefixes) > 1:
+            self.failure.set(
+                InvalidPages(
+                    f"room {self.room}: the decode ranks announced different cached prefixes {sorted(prefixes)}"
+                )
+            )
+            self._refuse(f"room {self.room}: decode ranks disagree on the cached prefix")
+        return int(t.peer_prefix)
+
+    def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
+        self.num_kv_indices = int(num_kv_indices)
+        self.aux_index = None if aux_index is None else int(aux_index)
+        announced = sorted({int(p.dst_pages.size) for p in self._parts.values() if p.dst_pages is not None})
+        prefix = max((p.peer_prefix for p in self._parts.values()), default=0)
+        if self.num_kv_indices < 0 or any(n != self.num_kv_indices for n in announced):
+            # A prefix longer than the prompt, or decode and prefill disagreeing on the page
+            # count: SGLang would send nothing (or too much); fail now, with both numbers.
+            self.failure.set(
+                InvalidPages(
+                    f"room {self.room}: prefill has {self.num_kv_indices} pages to send after decode's prefix of "
+                    f"{prefix} tokens, decode announced {announced[0] if len(announced) == 1 else announced}"
+                )
+            )
+            self._refuse(f"room {self.room}: prefill and decode disagree on the pages to send")
+
+    def _bind(self) -> None:
+        """Take the announcements of the decode ranks this rank feeds, as they arrive: the
+        room is sent once all are in (a bootstrap timeout for any that never comes)."""
+        if self.transfer is not None or self.failure.error is not None:
+            return
+        ep = self.mgr.endpoint
+        for tag in self._targets or [self.tag]:
+            if tag in self._parts:
+                continue
+            conn = ep.announced(tag)
+            if conn is None:
+                continue
+            unpaired = self.mgr.paired_with(conn, tag)
+            if unpaired:
+                self.failure.set(ConnectError(f"room {self.room} was announced by the wrong rank: {unpaired}"))
+                # Its announcer learns at once that nothing comes (not at its timeout).
+                conn.sender(tag).abort(f"room {self.room} is not paired with this rank: {unpaired}")
+                self._refuse(f"room {self.room} failed on the prefill side: {unpaired}")
+                return
+            self._parts[tag] = conn.sender(tag)
+            if not self._targets:
+                layout = conn.peer_layout
+                assert layout is not None  # paired_with checked it
+                decode_tp = layout.tp_size
+                self._targets = [
+                    room_tag(self.room, self.tp_size, decode_tp, d)
+                    for d in targets(self.tp_size, self.tp_rank, decode_tp)
+                ]
+        failed = next((p for p in self._parts.values() if p.state is State.FAILED), None)
+        if failed is not None:
+            self.failure.set(failed.error or KVTransportError(f"room {self.room}: a decode rank's transfer failed"))
+            self._refuse(f"room {self.room}: another decode rank's transfer failed")
+        elif self._targets and len(self._parts) == len(self._targets):
+            parts = [self._parts[t] for t in self._targets]
+            self.transfer = parts[0] if len(parts) == 1 else FanOut(self.tag, parts)
+        elif time.monotonic() - self._created > self.mgr.timeouts.bootstrap:
+            missing = [t for t in self._targets or [self.tag] if t not in self._parts]
+            self.failure.set(
+                TransferTimeout(
+                    f"no decode rank announced room {self.room} (tags {missing}) within "
+                    f"{self.mgr.timeouts.bootstrap:g} s"
+                )
+            )
+            # An announcement still on its way hears at once that nothing comes.
+            self._refuse(f"room {self.room} timed out on the prefill side")
+
+    @property
+    def tp_rank(self) -> int:
+        return self.mgr.tp_rank
+
+    @property
+    def tp_size(self) -> int:
+        return self.mgr.tp_size
+
+    def _refuse(self, reason: str) -> None:
+        """Nothing of this room will be sent: each decode rank it feeds learns so now (its
+        transfer is aborted) or when its announcement arrives (its tag is refused)."""
+        if self.transfer is not None:
+            _stop(self.transfer, reason)
+            return
+        for part in self._parts.values():
+            _stop(part, reason)
+        if self._targets:
+            unbound = [t for t in self._targets if t not in self._parts]
+        else:
+            # Decode's TP size is not known before its first announcement: every tag a decode
+            # rank of a TP size connected now would use. (A decode rank that connects later
+            # hears of the failure through its side's all-reduce of polls; the refusals are
+            # bounded, oldest first, so spare ones cost nothing but a slot.)
+            unbound = [self.tag]
+            for decode_tp in sorted(self.mgr.decode_tp_sizes()):
+                if decode_tp > self.tp_size and not tp_pairing_problem(self.tp_size, decode_tp):
+                    fed = targets(self.tp_size, self.tp_rank, decode_tp)
+                    unbound += [room_tag(self.room, self.tp_size, decode_tp, d) for d in fed[1:]]
+        for tag in unbound:
+            try:
+                self.mgr.endpoint.refuse(tag, reason)
+            except KVTransportError as exc:  # the endpoint is closing: its peers hear "bye"
+                log.debug("room %d: refusing tag %s failed: %s", self.room, tag, exc)
+
+    def _prefix_written(self) -> bool:
+        """Whether the forward SGLang asked this sender to wait for (see ``__init__``) is done."""
+        event = self._waiting_on
+        if event is None:
+            return True
+        try:
+            done = bool(event.query())
+        except Exception as exc:  # noqa: BLE001 - a broken event must fail the room, not the loop
+            self.failure.set(KVTransportError(f"room {self.room}: waiting for the prefix forward failed: {exc}"))
+            return False
+        if done:
+            self._waiting_on = None
+        return done
+
+    def _flush(self) -> None:
+        if self.transfer is None or self.transfer.state is State.BOOTSTRAPPING or not self._prefix_written():
+            return
+        while self._queued and self.failure.error is None:
+            pages, last, aux, state = self._queued.pop(0)
+            try:
+                self.transfer.send(pages, last=last, aux=aux, state=state)
+            except KVTransportError as exc:
+                self.failure.set(exc)
+                self.transfer.abort(f"prefill could not send: {exc}")
+
+    def send(self, kv_indices: Any, state_indices: list[Any] | None = None, num_kv_tokens: int | None = None) -> None:
+        if self.failure.error is not None:
+            return
+        pages = np.asarray(kv_indices, dtype=np.int64)
+        if self.num_kv_indices is None:
+            self.failure.set(KVTransportError(f"send() on room {self.room} before init()"))
+            return
+        # SGLang passes a state list (empty for a model without state buffers) with the last
+        # segment of the last chunk only (prefill.py, _send_kv_chunk), and writes the aux row
+        # just before that send: the aux row goes with it, even when earlier chunks already
+        # carried every page. The state items (one list per state type) go with it too.
+        last = state_indices is not None
+        total = self.sent + int(pages.size)
+        if total > self.num_kv_indices or (last and total != self.num_kv_indices):
+            self.failure.set(
+                InvalidPages(
+                    f"room {self.room}: {'the last chunk brings' if last else 'chunks bring'} the pages sent to "
+                    f"{total}, but init() announced {self.num_kv_indices}"
+                )
+            )
+            self._refuse(f"room {self.room}: prefill sent the wrong number of pages")
+            return
+        if not last and pages.size == 0:
+            return
+        event, self._early_send_wait_event = self._early_send_wait_event, None
+        if event is not None:
+            self._waiting_on = event  # holds this chunk and every later one (they stay in order)
+        self.sent = total
+        self._queued.append((pages, last, self.aux_index if last else None, state_indices if last else None))
+        self._bind()
+        self._flush()
+
+    def poll(self) -> int:
+        self._bind()
+        self._flush()
+        state = _poll_of(self.transfer, self.failure, int(KVPoll.Bootstrapping))
+        if state == int(KVPoll.Failed) and self.transfer is not None and not self.transfer.state.final:
+            self.transfer.abort(str(self.failure.error))
+        return state
+
+    def failure_exception(self) -> None:
+        # SGLang frees the pages once it has the exception (also when another rank failed and
+        # the all-reduce made this one Failed): nothing of this room may still be moving.
+        self._refuse(f"room {self.room} failed on the prefill side")
+        _raise(self.room, self.failure, self.transfer)
+
+    def abort(self) -> None:
+        self.failure.set(TransferAborted(f"room {self.room} aborted by the prefill scheduler"))
+        self._refuse("aborted by the prefill scheduler")
+
+    def clear(self) -> None:
+        self._queued.clear()
+        if self.transfer is not None:
+            _stop(self.transfer, f"room {self.room} released by the prefill scheduler")
+        elif self.failure.error is not None:
+            self._refuse(f"room {self.room} released by the prefill scheduler")
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        t = self.transfer
+        if t is None:
+            return KVTransferMetric()
+        latency = t.finished - t.started if t.state is State.SUCCESS and t.started else None
+        return KVTransferMetric(transfer_latency_s=latency, transfer_total_bytes=t.bytes or None)
