@@ -1,5 +1,6 @@
-"""The express stream (kvtransport/runtime/express.py): "done" on a plain socket beside the control
-channel, bound to its session by a sealed first frame, and what a stranger on its port gets.
+"""The express stream (kvtransport/runtime/express.py, its port, and express_link.py, the stream
+itself): "done" on a plain socket beside the control channel, bound to its session by a sealed
+first frame, and what a stranger on its port gets.
 
 The stranger here speaks raw TCP with bytes built by this file (the frame layout is read from
 docs/security.md, not imported), so a mismatch between the two would show."""
@@ -28,7 +29,7 @@ from hypothesis import strategies as st
 from kvtransport.runtime.auth import Seal
 from kvtransport.runtime.config import Limits, express_from_env
 from kvtransport.runtime.endpoint import Connection, Endpoint, State, Timeouts
-from kvtransport.runtime.express import MAX_FRAME_BYTES, FrameReader
+from kvtransport.runtime.express_link import MAX_FRAME_BYTES, FrameReader
 from kvtransport.runtime.wire import Done, encode
 from kvtransport.spi.errors import ConfigError, KVTransportError, PeerLost, ProtocolError
 from kvtransport.testing.fake import FakeDriver, FakeTwoSided

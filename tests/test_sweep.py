@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvtransport.spi.errors import ConfigError, KVTransportError
-from kvtransport.tools import sweep
+from kvtransport.tools import sweep, sweep_grid, sweep_report
 from kvtransport.tools.bench_remote import Listener, RemotePeer, checked_args
 from kvtransport.tools.peer_process import PeerProcess
 from kvtransport.tools.presets import PRESETS, preset
@@ -29,7 +29,7 @@ TOKEN = "s3cret-s3cret-s3cret"
 #: A peer a listener may start quickly: one real engine, no NIXL import.
 QUICK_PEER = ["--driver", "mooncake-gdr", "--pages", "8", "--layers", "1"]
 
-SMALL = sweep.Grid(
+SMALL = sweep_grid.Grid(
     models=("llama-3-70b-tp8", "deepseek-v3-mla", "qwen3-next-tp2"),
     tokens=(96,),
     page_tokens=(16,),
@@ -43,7 +43,7 @@ SMALL = sweep.Grid(
 
 
 @given(
-    placement=st.sampled_from(sweep.PLACEMENTS),
+    placement=st.sampled_from(sweep_grid.PLACEMENTS),
     n=st.integers(1, 64),
     k=st.integers(1, 8),
     slack=st.integers(0, 200),
@@ -53,7 +53,7 @@ def test_drawn_requests_are_disjoint_in_range_and_shaped_by_placement(
     placement: str, n: int, k: int, slack: int, seed: int
 ) -> None:
     total = n * k + slack
-    requests = sweep.draw_pages(np.random.default_rng(seed), placement, n, k, total)
+    requests = sweep_grid.draw_pages(np.random.default_rng(seed), placement, n, k, total)
     assert len(requests) == k and all(len(r) == n for r in requests)
     flat = [p for r in requests for p in r]
     assert len(set(flat)) == n * k, "two requests (or one twice) were given the same page"
@@ -66,7 +66,7 @@ def test_drawn_requests_are_disjoint_in_range_and_shaped_by_placement(
 
 def test_a_mixed_placement_has_runs_of_several_lengths() -> None:
     rng = np.random.default_rng(3)
-    (pages,) = sweep.draw_pages(rng, "mixed", 4096, 1, 3 * 4096)
+    (pages,) = sweep_grid.draw_pages(rng, "mixed", 4096, 1, 3 * 4096)
     breaks = np.flatnonzero(np.diff(pages) != 1)
     lengths = np.diff(np.concatenate([[-1], breaks, [len(pages) - 1]]))
     assert 1 < len(lengths) < 4096
@@ -76,13 +76,13 @@ def test_a_mixed_placement_has_runs_of_several_lengths() -> None:
 
 def test_a_request_that_does_not_fit_and_an_unknown_grid_are_refused() -> None:
     with pytest.raises(ValueError, match="do not fit"):
-        sweep.draw_pages(np.random.default_rng(0), "scattered", 10, 3, 29)
+        sweep_grid.draw_pages(np.random.default_rng(0), "scattered", 10, 3, 29)
     with pytest.raises(ConfigError, match="unknown model preset"):
-        sweep.Grid(("llama-9",), (16,), (16,), ("mixed",), (1,)).check()
+        sweep_grid.Grid(("llama-9",), (16,), (16,), ("mixed",), (1,)).check()
     with pytest.raises(ConfigError, match="unknown placement"):
-        sweep.Grid(("llama-3-8b",), (16,), (16,), ("diagonal",), (1,)).check()
+        sweep_grid.Grid(("llama-3-8b",), (16,), (16,), ("diagonal",), (1,)).check()
     with pytest.raises(ConfigError, match="positive"):
-        sweep.Grid(("llama-3-8b",), (16,), (0,), ("mixed",), (1,)).check()
+        sweep_grid.Grid(("llama-3-8b",), (16,), (0,), ("mixed",), (1,)).check()
 
 
 @pytest.mark.parametrize(
@@ -107,7 +107,7 @@ def test_presets_describe_real_per_rank_layouts(key: str, regions: int, page_byt
 
 def test_points_over_the_memory_cap_are_reported_skipped_with_their_need() -> None:
     # 32k-token Llama-3-8B requests need 4 GiB each: over a 64 MiB cap, reported, never opened.
-    grid = sweep.Grid(
+    grid = sweep_grid.Grid(
         ("llama-3-8b",), (32768,), (16,), ("scattered",), (1,), max_pool_bytes=64 << 20, drivers=("nixl-ucx",)
     )
     # No point is runnable, so no process may start.
@@ -117,17 +117,17 @@ def test_points_over_the_memory_cap_are_reported_skipped_with_their_need() -> No
     assert "needs 8192 MiB" in point["skipped"] and "cap of 64 MiB" in point["skipped"]
     assert doc["layouts"] == []
     # Nothing measured is not a pass.
-    assert doc["ok"] is False and "no point was measured" in sweep.render(doc)
+    assert doc["ok"] is False and "no point was measured" in sweep_report.render(doc)
 
 
 def _no_spawn(args: list[str]) -> Any:
     raise AssertionError("a skipped point started a decode side")
 
 
-def _check_paths(doc: dict[str, Any], grid: sweep.Grid) -> None:
-    assert doc["schema_version"] == sweep.SWEEP_SCHEMA_VERSION and doc["kind"] == "sweep"
+def _check_paths(doc: dict[str, Any], grid: sweep_grid.Grid) -> None:
+    assert doc["schema_version"] == sweep_report.SWEEP_SCHEMA_VERSION and doc["kind"] == "sweep"
     measured = [p for p in doc["points"] if "paths" in p]
-    assert len(measured) == len(sweep.points_of(grid))
+    assert len(measured) == len(sweep_grid.points_of(grid))
     for p in measured:
         paths = p["paths"]
         assert set(paths) >= {"choice", *(grid.drivers or ()), "memcpy"}
@@ -159,7 +159,7 @@ def test_the_sweep_measures_every_path_on_real_engines_with_every_byte_checked(t
     contiguous = next(p for p in doc["points"] if p["placement"] == "contiguous" and p["prompt_tokens"] == 96)
     # Naive is one descriptor per page and region; kvtransport's plan coalesces runs of pages.
     assert contiguous["paths"]["naive:nixl"]["descriptors"] > contiguous["paths"]["raw:nixl"]["descriptors"]
-    text = sweep.render(doc)
+    text = sweep_report.render(doc)
     assert "integrity   OK" in text and "DeepSeek-V3" in text and "naive:mc" in text
     pytest.importorskip("matplotlib")
     from kvtransport.tools.sweep_plot import plot
@@ -191,14 +191,14 @@ class _LyingPeer:
 @pytest.mark.parametrize(("model", "lie_about"), [("llama-3-8b", "digests"), ("qwen3-next-tp2", "state_digests")])
 def test_a_corrupted_page_or_state_slot_fails_the_sweep(model: str, lie_about: str) -> None:
     require_engines()
-    grid = sweep.Grid(
+    grid = sweep_grid.Grid(
         (model,), (16,), (16,), ("scattered",), (1,), reps=1, warmup=0, drivers=("nixl-ucx",), baselines=False
     )
     doc = sweep.Sweep(grid, spawn=lambda args: _LyingPeer(args, lie_about)).run()
     assert doc["integrity_ok"] is False and doc["ok"] is False
     (point,) = doc["points"]
     assert sum(f["corrupt"] for f in point["paths"].values()) >= 1
-    assert "BAD" in sweep.render(doc) and "FAILED" in sweep.render(doc)
+    assert "BAD" in sweep_report.render(doc) and "FAILED" in sweep_report.render(doc)
 
 
 def test_a_raw_engine_that_writes_nothing_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -208,7 +208,7 @@ def test_a_raw_engine_that_writes_nothing_is_caught(monkeypatch: pytest.MonkeyPa
     from kvtransport_nixl.raw import RawNixl
 
     monkeypatch.setattr(RawNixl, "write", lambda self, runs: None)
-    grid = sweep.Grid(("llama-3-8b",), (32,), (16,), ("mixed",), (1,), reps=1, warmup=0, drivers=("nixl-ucx",))
+    grid = sweep_grid.Grid(("llama-3-8b",), (32,), (16,), ("mixed",), (1,), reps=1, warmup=0, drivers=("nixl-ucx",))
     doc = sweep.Sweep(grid).run()
     (point,) = doc["points"]
     assert point["paths"]["raw:nixl"]["corrupt"] == 1 and point["paths"]["naive:nixl"]["corrupt"] == 1
@@ -227,7 +227,9 @@ def listener() -> Iterator[Listener]:
 
 def test_a_sweep_runs_its_decode_sides_through_a_listener(listener: Listener) -> None:
     require_engines()
-    grid = sweep.Grid(("llama-3-8b",), (16, 64), (16,), ("mixed",), (1, 2), reps=1, warmup=0, drivers=("mooncake-gdr",))
+    grid = sweep_grid.Grid(
+        ("llama-3-8b",), (16, 64), (16,), ("mixed",), (1, 2), reps=1, warmup=0, drivers=("mooncake-gdr",)
+    )
     runner = sweep.Sweep(
         grid,
         spawn=lambda args: RemotePeer(listener.address, args, TOKEN),
@@ -237,7 +239,7 @@ def test_a_sweep_runs_its_decode_sides_through_a_listener(listener: Listener) ->
     doc = runner.run()
     _check_paths(doc, grid)
     assert doc["clock_error_ms"] > 0 and doc["remote"] == listener.address
-    assert "decode sides at" in sweep.render(doc)
+    assert "decode sides at" in sweep_report.render(doc)
     # One host, one monotonic clock: each offset measured is zero within its own error bound.
     peer = RemotePeer(listener.address, QUICK_PEER, TOKEN)
     try:

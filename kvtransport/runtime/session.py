@@ -34,16 +34,16 @@ import numpy as np
 from kvtransport.runtime.bounded import put_newest
 from kvtransport.runtime.checks import (
     MALFORMED_STATE,
-    NO_ITEMS,
     check_aux,
     check_tag,
     read_announcement,
     state_items,
     well_formed_state,
 )
-from kvtransport.runtime.express import ORDERED_KINDS
+from kvtransport.runtime.express_link import ORDERED_KINDS
 from kvtransport.runtime.handles import RECV, SEND, Connection, State, Transfer
 from kvtransport.runtime.lane import Lane
+from kvtransport.runtime.planning import PairPlan
 from kvtransport.runtime.tags import Refused, TagBook
 from kvtransport.runtime.wire import MAX_INT, Done, Message, encode
 from kvtransport.spi.driver import KVTransport
@@ -63,16 +63,14 @@ from kvtransport.spi.inbound import Claim, InboundGuard
 from kvtransport.spi.memory import KVLayout, RegionSet
 from kvtransport.spi.plan import (
     SMALL,
-    RegionPairs,
     Runs,
     as_pages,
     check_pages,
     check_unique,
     few_pages,
     plan,
-    plan_heads,
 )
-from kvtransport.spi.tp_map import EQUAL, PairShape, pair_shape
+from kvtransport.spi.tp_map import PairShape
 
 if TYPE_CHECKING:
     from kvtransport.negotiation.hello import Hello
@@ -81,7 +79,7 @@ if TYPE_CHECKING:
     from kvtransport.runtime.auth import Seal
     from kvtransport.runtime.config import Limits, Timeouts
     from kvtransport.runtime.control import ControlChannel, Route
-    from kvtransport.runtime.express import ExpressLink
+    from kvtransport.runtime.express_link import ExpressLink
     from kvtransport.runtime.metrics import Metrics
     from kvtransport.runtime.timers import Timer
 
@@ -173,12 +171,10 @@ class Session:
         self.error: KVTransportError | None = None
         self.decision: Decision | None = None
         self.peer_regions: RegionSet | None = None
-        #: This side's KV regions paired with the peer's, for planning (made at the first send).
-        self._kv_pairs: RegionPairs | None = None
-        #: The receiving shape, and the bytes a page and an aux slot take in it (expected_bytes).
-        self._receive_sizes: tuple[PairShape, int, int] | None = None
+        #: This side's KV paired with the peer's, for planning (made at its first use, after
+        #: the handshake set the peer's regions and hello).
+        self._plan: PairPlan | None = None
         self.peer_hello: Hello | None = None
-        self._shapes: dict[bool, PairShape] = {}  # True: what this side sends; False: receives
         #: One per driver of the decision's lanes, the chosen driver's first (set at handshake).
         self.lanes: dict[str, Lane] = {}
         self.last_seen = time.monotonic()
@@ -398,8 +394,8 @@ class Session:
             )
         shape = self.shape(sending=True)
         listed = transfer.dst_page_list
-        runs = self._plan_kv(
-            shape, src, listed[start:stop] if few is not None and listed is not None else transfer.dst_pages[start:stop]
+        runs = self.plan.kv_runs(
+            src, listed[start:stop] if few is not None and listed is not None else transfer.dst_pages[start:stop]
         )
         if not shape.primary:
             # Another rank of this side sends the receiver's aux slot and state (unequal TP).
@@ -417,7 +413,7 @@ class Session:
         if state is not None and not last:
             raise InvalidPages(f"transfer {transfer.tag!r}: state items go with the last chunk")
         if last and shape.primary and (state or transfer.dst_state):
-            runs = Runs.concat([runs, self._plan_state(transfer, state or ())])
+            runs = Runs.concat([runs, self.plan.state_runs(transfer.tag, state or (), transfer.dst_state)])
         transfer.sent_pages = stop
         transfer.last_planned = last
         bid = ep.next_batch_id() if len(runs) else 0
@@ -512,76 +508,22 @@ class Session:
             else:
                 transfer.done_sent = link.send(done.encode())
 
+    @property
+    def plan(self) -> PairPlan:
+        """This side's KV paired with the peer's (``runtime.planning``); any thread, after the
+        handshake (two threads that make it at once make equal ones)."""
+        pair = self._plan
+        if pair is None:
+            assert self.peer_regions is not None
+            ep, hello = self.endpoint, self.peer_hello
+            pair = PairPlan(ep.regions, ep.layout, self.peer_regions, hello.layout if hello else None, ep.max_run_bytes)
+            self._plan = pair
+        return pair
+
     def shape(self, *, sending: bool) -> PairShape:
         """What this side moves into the peer's pages (``sending``), or the peer into this
         side's: all of each page, a slice of its heads, or nothing (unequal TP, ``tp_map``)."""
-        shape = self._shapes.get(sending)
-        if shape is None:
-            mine, theirs = self.endpoint.layout, self.peer_hello.layout if self.peer_hello else None
-            if theirs is None:
-                shape = EQUAL
-            else:
-                shape = pair_shape(mine, theirs) if sending else pair_shape(theirs, mine)
-            self._shapes[sending] = shape
-        return shape
-
-    def _plan_kv(self, shape: PairShape, src: Any, dst: Any) -> Runs:
-        assert self.peer_regions is not None
-        ep = self.endpoint
-        if shape.kind == "heads":
-            assert shape.slice is not None
-            return plan_heads(
-                ep.regions.kv,
-                self.peer_regions.kv,
-                src,
-                dst,
-                page_tokens=shape.page_tokens,
-                src_heads=shape.src_heads,
-                dst_heads=shape.dst_heads,
-                head_bytes=shape.head_bytes,
-                src_head=shape.slice.src_head,
-                dst_head=shape.slice.dst_head,
-                count=shape.slice.count,
-                max_run_bytes=ep.max_run_bytes,
-            )
-        if shape.kind == "none":
-            # Nothing of these pages is this side's to write; the caller's indices still must be right.
-            check_pages(as_pages(src, "source"), ep.regions.num_pages, "source")
-            return Runs.empty()
-        pairs = self._kv_pairs
-        if pairs is None:
-            pairs = self._kv_pairs = RegionPairs(ep.regions.kv, self.peer_regions.kv)
-        return pairs.plan(src, dst, max_run_bytes=ep.max_run_bytes)
-
-    def _plan_state(self, transfer: Transfer, state: Sequence[Any]) -> Runs:
-        """Runs moving, per state group, the source items to the items the receiver announced
-        (both sides must name as many; a group that one side lacks cannot move)."""
-        assert self.peer_regions is not None
-        ep, what = self.endpoint, f"transfer {transfer.tag!r} source"
-        src = state_items(state, ep.regions, what)
-        parts = []
-        for g in range(max(len(src), len(transfer.dst_state))):
-            mine = src[g] if g < len(src) else NO_ITEMS
-            theirs = transfer.dst_state[g] if g < len(transfer.dst_state) else NO_ITEMS
-            if mine.size != theirs.size:
-                raise InvalidPages(
-                    f"transfer {transfer.tag!r}: state group {g} has {mine.size} source items, the receiver "
-                    f"announced {theirs.size}; they pair one to one"
-                )
-            if not mine.size:
-                continue
-            if g >= len(self.peer_regions.state_groups):
-                raise InvalidPages(f"transfer {transfer.tag!r}: state group {g} is not registered at the receiver")
-            parts.append(
-                plan(
-                    ep.regions.state_group(g),
-                    self.peer_regions.state_group(g),
-                    mine,
-                    theirs,
-                    max_run_bytes=ep.max_run_bytes,
-                )
-            )
-        return Runs.concat(parts)
+        return self.plan.shape(sending=sending)
 
     def abort_tag_from_caller(self, tag: str, reason: str) -> None:
         """Caller's thread (``Connection.abort``): fail ``tag`` here, or tell the peer nothing of it is wanted."""
@@ -1069,24 +1011,8 @@ class Session:
 
     def expected_bytes(self, t: Transfer) -> int:
         """What a complete transfer writes into the pages (aux slot, state items) ``t`` announced."""
-        regions, claim = self.endpoint.regions, t.announced
-        if claim is None:
-            return 0
-        shape = self.shape(sending=False)
-        sizes = self._receive_sizes
-        if sizes is None or sizes[0] is not shape:
-            # Per page and per aux slot, over every region (a model has dozens): asked for at
-            # each announcement and each "done", the same for the session's life.
-            kv = shape.kv_bytes_per_page(tuple(r.item_len for r in regions.kv))
-            sizes = self._receive_sizes = (shape, kv, sum(r.item_len for r in regions.aux))
-        total = int(claim.pages.size) * sizes[1]
-        if not shape.primary:
-            return total  # the receiver's first source sends its aux slot and state
-        if claim.aux >= 0:
-            total += sizes[2]
-        for g, items in enumerate(claim.state):
-            total += int(items.size) * sum(r.item_len for r in regions.state_group(g))
-        return total
+        claim = t.announced
+        return 0 if claim is None else self.plan.expected_bytes(claim)
 
     def inbound_settled(self, t: Transfer, error: KVTransportError | None) -> None:
         if error is not None:

@@ -452,10 +452,10 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from kvtransport.tools import sweep
+    from kvtransport.tools import sweep, sweep_grid, sweep_report
 
-    grid = sweep.with_overrides(
-        sweep.QUICK if args.quick else sweep.FULL,
+    grid = sweep_grid.with_overrides(
+        sweep_grid.QUICK if args.quick else sweep_grid.FULL,
         models=args.models,
         tokens=args.tokens,
         page_tokens=args.page_sizes,
@@ -482,7 +482,7 @@ def _sweep(args: argparse.Namespace) -> int:
     with native_stdout_to_stderr():
         doc = runner.run()
     # The figures first: a plot that fails must not take a long sweep's results with it.
-    print(json.dumps(doc, indent=2) if args.json else sweep.render(doc), flush=True)
+    print(json.dumps(doc, indent=2) if args.json else sweep_report.render(doc), flush=True)
     if args.plot:
         from kvtransport.tools.sweep_plot import plot
 

@@ -14,13 +14,16 @@ last request's decode Success), p50 and p99 per-request latency, CPU seconds per
 (both processes, from the round's start to its end), and per point the planning time of one
 request. Per layout and path: the handshake's time. A point whose pools would exceed
 ``max_pool_bytes`` is reported as skipped, with the bytes it needs.
+
+This module measures: ``Sweep`` runs a grid's points (the grid, its points and the page draws
+are ``sweep_grid``'s) and returns the sweep's document (its entries' shape and the table it is
+printed as are ``sweep_report``'s).
 """
 
 from __future__ import annotations
 
 import base64
 import json
-import math
 import statistics
 import time
 from collections import Counter
@@ -33,7 +36,7 @@ import numpy as np
 
 from kvtransport.negotiation.registry import load_driver
 from kvtransport.runtime.endpoint import Connection, Endpoint, State
-from kvtransport.spi.errors import ConfigError, KVTransportError, NegotiationError
+from kvtransport.spi.errors import KVTransportError, NegotiationError
 from kvtransport.spi.plan import Runs, plan
 from kvtransport.tools.baseline import RawEngine, raw_engine_of
 from kvtransport.tools.bench import Progress, await_announced, nearest_rank
@@ -41,78 +44,8 @@ from kvtransport.tools.bench_remote import listen_url
 from kvtransport.tools.kv_pool import KVPool
 from kvtransport.tools.peer_process import Peer, PeerProcess
 from kvtransport.tools.presets import ModelPreset, preset
-
-MiB, GiB = 1 << 20, 1 << 30
-#: The sweep's ``--json`` document; it changes only when a field changes meaning or goes
-#: (docs/performance.md, "The sweep's JSON").
-SWEEP_SCHEMA_VERSION = 1
-PLACEMENTS = ("contiguous", "scattered", "mixed")
-#: Mean run length, in pages, of the "mixed" placement (runs drawn geometric, at least 1).
-MIXED_MEAN_RUN = 8
-
-
-@dataclass(frozen=True)
-class Grid:
-    models: tuple[str, ...]
-    tokens: tuple[int, ...]
-    page_tokens: tuple[int, ...]
-    placements: tuple[str, ...]
-    in_flight: tuple[int, ...]
-    reps: int = 5
-    #: Untimed (still verified) rounds at each point first.
-    warmup: int = 1
-    #: Forced drivers (``None``: every driver usable for host memory here).
-    drivers: tuple[str, ...] | None = None
-    #: Raw engines on kvtransport's descriptors and on one descriptor per page.
-    baselines: bool = True
-    #: The most KV and state memory one process's pool may take at a layout (``None``: a share
-    #: of this host's available memory, :func:`auto_pool_cap`).
-    max_pool_bytes: int | None = None
-    seed: int = 1
-
-    def check(self) -> None:
-        for key in self.models:
-            preset(key)
-        bad = [p for p in self.placements if p not in PLACEMENTS]
-        if bad:
-            raise ConfigError(f"unknown placement {bad[0]!r}; known: {', '.join(PLACEMENTS)}")
-        for what, values in (("tokens", self.tokens), ("page sizes", self.page_tokens), ("in flight", self.in_flight)):
-            if not values or min(values) < 1:
-                raise ConfigError(f"the sweep's {what} must be positive integers")
-        if not (self.models and self.placements) or self.reps < 1 or self.warmup < 0:
-            raise ConfigError("the sweep needs a model, a placement, and at least one repetition")
-
-
-#: ``kvtransport bench --sweep``: the full grid (a long run: see docs/performance.md).
-FULL = Grid(
-    models=("llama-3-8b", "llama-3-70b-tp8", "deepseek-v3-mla", "qwen3-next-tp2"),
-    tokens=(16, 512, 4096, 32768),
-    page_tokens=(16, 64),
-    placements=PLACEMENTS,
-    in_flight=(1, 8, 64),
-)
-#: ``--sweep --quick``: every model and placement, short requests (about 6 minutes on a 2-core host).
-QUICK = Grid(
-    models=FULL.models,
-    tokens=(16, 512),
-    page_tokens=(16,),
-    placements=PLACEMENTS,
-    in_flight=(1, 4),
-    reps=3,
-    max_pool_bytes=512 * MiB,
-)
-
-
-@dataclass(frozen=True)
-class Point:
-    model: str
-    page_tokens: int
-    prompt_tokens: int
-    placement: str
-    in_flight: int
-
-    def pages(self) -> int:
-        return math.ceil(self.prompt_tokens / self.page_tokens)
+from kvtransport.tools.sweep_grid import Grid, MiB, Point, auto_pool_cap, draw_pages, needs, points_of, pool_bytes
+from kvtransport.tools.sweep_report import SWEEP_SCHEMA_VERSION, point_doc, verdicts
 
 
 @dataclass(frozen=True)
@@ -156,63 +89,6 @@ class Layout:
         if self.preset.kv_per_layer == 1:
             args.append("--mla")
         return args
-
-
-def pool_bytes(p: ModelPreset, page_tokens: int, pages: int, slots: int) -> int:
-    """Bytes of KV and state one process registers for ``pages`` pages and ``slots`` slots."""
-    return p.kv_bytes(page_tokens, pages) + slots * p.state_bytes
-
-
-def points_of(grid: Grid) -> list[Point]:
-    return [
-        Point(m, pt, t, pl, k)
-        for m in grid.models
-        for pt in grid.page_tokens
-        for t in grid.tokens
-        for pl in grid.placements
-        for k in grid.in_flight
-    ]
-
-
-def needs(point: Point) -> tuple[int, int]:
-    """Pool pages and state slots one process needs for ``point``: room for one more request
-    than are in flight, so each round's requests are drawn from a pool with free pages left."""
-    k = point.in_flight
-    return point.pages() * (k + 1), 2 * k
-
-
-def draw_pages(rng: np.random.Generator, placement: str, n: int, k: int, total: int) -> list[list[int]]:
-    """``k`` requests of ``n`` pages each, pairwise disjoint, from a pool of ``total`` pages
-    (at least ``n * k``). Contiguous: each request one run at a random place. Scattered: pages
-    drawn uniformly, each request's sorted (a busy allocator's free list). Mixed: runs of
-    geometric length (mean :data:`MIXED_MEAN_RUN` pages) at random places, visited in random
-    order."""
-    if n * k > total:
-        raise ValueError(f"{k} requests of {n} pages do not fit in {total} pages")
-    if placement == "contiguous":
-        # k runs of n pages with the free pages spread between them at random.
-        gaps = np.sort(rng.integers(0, total - n * k + 1, k))
-        order = rng.permutation(k)
-        return [list(range(int(gaps[j] + n * j), int(gaps[j] + n * j + n))) for j in order]
-    if placement == "scattered":
-        chosen = rng.choice(total, n * k, replace=False)
-        return [sorted(chosen[j * n : (j + 1) * n].tolist()) for j in range(k)]
-    if placement == "mixed":
-        lengths: list[int] = []
-        while sum(lengths) < n * k:
-            lengths.append(int(rng.geometric(1 / MIXED_MEAN_RUN)))
-        lengths[-1] -= sum(lengths) - n * k
-        lengths = [x for x in lengths if x > 0]
-        free = total - n * k
-        cuts = np.sort(rng.integers(0, free + 1, len(lengths)))
-        starts, at = [], 0
-        for length, gap in zip(lengths, cuts, strict=True):
-            starts.append(int(gap) + at)
-            at += length
-        runs = [list(range(s, s + length)) for s, length in zip(starts, lengths, strict=True)]
-        flat = [p for j in rng.permutation(len(runs)) for p in runs[j]]
-        return [flat[j * n : (j + 1) * n] for j in range(k)]
-    raise ConfigError(f"unknown placement {placement!r}")
 
 
 @dataclass
@@ -273,17 +149,6 @@ PeerFactory = Callable[[list[str]], Peer]
 PATH_ERRORS = (KVTransportError, RuntimeError, TimeoutError, OSError)
 
 
-def auto_pool_cap(processes: int) -> int:
-    """The pool cap when the grid names none: 60% of this host's available memory shared by
-    the sweep's processes (this one and one per decode side), between 256 MiB and 8 GiB."""
-    try:
-        with open("/proc/meminfo") as f:
-            avail = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        avail = 8 * GiB
-    return max(256 * MiB, min(8 * GiB, int(avail * 0.6) // max(1, processes)))
-
-
 @dataclass
 class Sweep:
     grid: Grid
@@ -331,7 +196,7 @@ class Sweep:
         started = time.monotonic()
         for p, size in skipped:
             self.doc["points"].append(
-                _point_doc(p)
+                point_doc(p)
                 | {
                     "skipped": f"needs {size / MiB:.0f} MiB of KV and state per process, more than the cap of "
                     f"{cap / MiB:.0f} MiB (--max-pool-mib)"
@@ -532,10 +397,10 @@ class Sweep:
                     if pair is not None and not isinstance(exc, KVTransportError):
                         pair.broken = f"{label}'s decode side stopped answering: {result.error}"
             bar.step(f"{point.model} {point.prompt_tokens} tok {point.placement} x{k}")
-        doc = _point_doc(point)
+        doc = point_doc(point)
         doc["planning_ms"] = round(statistics.median(planning) * 1e3, 3)
         doc["paths"] = {label: r.figures(round_bytes) for label, r in results.items()}
-        doc |= _verdicts(doc["paths"])
+        doc |= verdicts(doc["paths"])
         return doc
 
     def _kvtransport_round(
@@ -718,112 +583,3 @@ class _Memcpy:
             for (array, offset, to), length in zip(spans, lengths * self.k, strict=True)
         )
         _record(result, ok, timed, seconds, latencies, cpu)
-
-
-def _point_doc(p: Point) -> dict[str, Any]:
-    return asdict(p) | {
-        "pages_per_request": p.pages(),
-        "request_bytes": preset(p.model).request_bytes(p.page_tokens, p.pages()),
-    }
-
-
-def _verdicts(paths: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The point's headline: the best forced driver, the choice against it, the best path
-    against memcpy."""
-
-    def gbps(label: str) -> float:
-        f = paths.get(label, {})
-        return 0.0 if f.get("corrupt") or f.get("error") else float(f.get("median_gbps", 0.0))
-
-    # A path that corrupted a byte or failed is never the best, whatever its median.
-    sound = {label for label, f in paths.items() if not f.get("corrupt") and not f.get("error")}
-    forced = [
-        label for label, f in paths.items() if f["kind"] == "kvtransport" and label != "choice" and label in sound
-    ]
-    out: dict[str, Any] = {}
-    if forced:
-        best = max(forced, key=gbps)
-        out["best_forced"] = best
-        if gbps(best) and gbps("choice"):
-            out["ratio_choice_best"] = round(gbps("choice") / gbps(best), 3)
-    moving = [label for label, f in paths.items() if f["kind"] != "memcpy" and label in sound]
-    if moving and gbps("memcpy"):
-        best_any = max(moving, key=gbps)
-        out["best_path"] = best_any
-        out["ratio_best_memcpy"] = round(gbps(best_any) / gbps("memcpy"), 3)
-    return out
-
-
-def render(doc: dict[str, Any]) -> str:
-    """The sweep as a table: a row per point, GB/s per path, the choice's latency and CPU."""
-    points = [p for p in doc["points"] if "paths" in p]
-    labels: list[str] = []
-    for p in points:
-        labels += [label for label in p["paths"] if label not in labels]
-    short = {label: _short(label) for label in labels}
-    lines = [
-        f"kvtransport bench --sweep: {len(points)} points measured, "
-        f"{len(doc['points']) - len(points)} skipped, {doc.get('seconds', 0):.0f} s; GB/s (medians, aggregate "
-        "over the requests in flight); the choice's latency p50/p99 per request from its round's start; its "
-        "CPU s per GB, both processes, idle cost subtracted",
-    ]
-    if doc.get("remote"):
-        lines.append(
-            f"  decode sides at {doc['remote']} (another host: latencies carry the clock offset's error, "
-            f"at most {doc.get('clock_error_ms', 0):.2f} ms)"
-        )
-    for layout in doc["layouts"]:
-        c = layout["choice"]
-        lanes = f", lanes {'/'.join(c['lanes'])}" if len(c["lanes"]) > 1 else ""
-        lines.append(
-            f"  {layout['model_name']}, {layout['page_tokens']}-token pages: choice {c['driver']} "
-            f"({c['basis']}{lanes}); connect "
-            + ", ".join(f"{_short(k)} {v:.1f} ms" for k, v in layout["connect_ms"].items())
-        )
-    head = f"{'model':<16}{'pg':>3}{'tokens':>7} {'place':<6}{'k':>3}{'MiB':>8} "
-    head += "".join(f"{short[label]:>10}" for label in labels)
-    head += f"{'ch/best':>8}{'best/mc':>8}{'p50ms':>9}{'p99ms':>9}{'cpu/GB':>7}{'planms':>7}"
-    lines += ["", head]
-    for p in points:
-        row = f"{p['model'][:15]:<16}{p['page_tokens']:>3}{p['prompt_tokens']:>7} {p['placement'][:5]:<6}"
-        row += f"{p['in_flight']:>3}{p['in_flight'] * p['request_bytes'] / MiB:>8.1f} "
-        for label in labels:
-            f = p["paths"].get(label, {})
-            cell = "ERR" if f.get("error") else ("BAD" if f.get("corrupt") else f"{f.get('median_gbps', 0):.2f}")
-            row += f"{cell:>10}"
-        choice = p["paths"].get("choice", {})
-        row += f"{p.get('ratio_choice_best', 0):>8.2f}{p.get('ratio_best_memcpy', 0):>8.2f}"
-        row += f"{choice.get('p50_ms', 0):>9.2f}{choice.get('p99_ms', 0):>9.2f}"
-        row += f"{choice.get('cpu_s_per_gb', 0):>7.2f}{p.get('planning_ms', 0):>7.2f}"
-        lines.append(row)
-    skipped = [p for p in doc["points"] if "skipped" in p]
-    if skipped:
-        lines.append(
-            f"  skipped {len(skipped)} points, e.g. {skipped[0]['model']} {skipped[0]['prompt_tokens']} "
-            f"tokens x{skipped[0]['in_flight']}: {skipped[0]['skipped']}"
-        )
-    lines += [f"  error {e}" for e in doc.get("errors", [])[:8]]
-    if len(doc.get("errors", [])) > 8:
-        lines.append(f"  ... {len(doc['errors']) - 8} more errors (--json lists them all)")
-    if not points:
-        lines.append("  integrity   FAILED: no point was measured")
-    else:
-        verdict = "OK" if doc.get("integrity_ok") else "FAILED (a cell marked BAD had a wrong byte)"
-        lines.append(
-            f"  integrity   {verdict}: {doc.get('requests_verified', 0)} requests, "
-            f"{doc.get('bytes_verified', 0) / GiB:.2f} GiB checked page by page and slot by slot"
-        )
-    return "\n".join(lines)
-
-
-def _short(label: str) -> str:
-    names = {"mooncake": "mc", "nixl": "nixl", "mooncake-gdr": "mc-gdr", "mooncake-staged": "mc-stg"}
-    kind, _, rest = label.partition(":")
-    if rest:
-        return f"{kind}:{names.get(rest, rest)}"[:9]
-    return names.get(label, label)[:9]
-
-
-def with_overrides(base: Grid, **changes: Any) -> Grid:
-    """``base`` with the axes the user named on the command line."""
-    return replace(base, **{k: v for k, v in changes.items() if v is not None})

@@ -1,0 +1,116 @@
+"""How this side's KV maps onto one peer's: the shape of what moves each way (all of a page, a
+slice of its heads under unequal TP, or nothing), the byte runs of a chunk of pages and of the
+state items that go with the last chunk, and the bytes a complete receive transfer writes.
+
+A :class:`PairPlan` is made once per connection, after its handshake, from both sides' regions
+and layouts; nothing in it changes afterwards, so the callers' threads plan with it at once.
+It does no I/O and keeps no per-transfer state: each call's errors are
+:class:`~kvtransport.spi.errors.InvalidPages` naming what does not pair.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtransport.runtime.checks import NO_ITEMS, state_items
+from kvtransport.spi.errors import InvalidPages
+from kvtransport.spi.inbound import Claim
+from kvtransport.spi.memory import KVLayout, RegionSet
+from kvtransport.spi.plan import RegionPairs, Runs, as_pages, check_pages, plan, plan_heads
+from kvtransport.spi.tp_map import EQUAL, PairShape, pair_shape
+
+
+class PairPlan:
+    """This side's regions and layout paired with one peer's (``peer_layout`` ``None``: a peer
+    that stated no layout, whose pages are taken whole)."""
+
+    def __init__(
+        self,
+        regions: RegionSet,
+        layout: KVLayout,
+        peer_regions: RegionSet,
+        peer_layout: KVLayout | None,
+        max_run_bytes: int | None,
+    ) -> None:
+        self.regions = regions
+        self.peer_regions = peer_regions
+        self.max_run_bytes = max_run_bytes
+        #: What this side writes into the peer's pages, and the peer into this side's.
+        self.sending = EQUAL if peer_layout is None else pair_shape(layout, peer_layout)
+        self.receiving = EQUAL if peer_layout is None else pair_shape(peer_layout, layout)
+        self._kv_pairs = RegionPairs(regions.kv, peer_regions.kv)
+        # Per page and per aux slot, over every region (a model has dozens): asked for at each
+        # announcement and each "done", the same for the connection's life.
+        self._received_per_page = self.receiving.kv_bytes_per_page(tuple(r.item_len for r in regions.kv))
+        self._aux_slot_bytes = sum(r.item_len for r in regions.aux)
+
+    def shape(self, *, sending: bool) -> PairShape:
+        return self.sending if sending else self.receiving
+
+    def kv_runs(self, src: Any, dst: Any) -> Runs:
+        """The runs that move this side's pages ``src`` into the peer's pages ``dst``."""
+        shape = self.sending
+        if shape.kind == "heads":
+            assert shape.slice is not None
+            return plan_heads(
+                self.regions.kv,
+                self.peer_regions.kv,
+                src,
+                dst,
+                page_tokens=shape.page_tokens,
+                src_heads=shape.src_heads,
+                dst_heads=shape.dst_heads,
+                head_bytes=shape.head_bytes,
+                src_head=shape.slice.src_head,
+                dst_head=shape.slice.dst_head,
+                count=shape.slice.count,
+                max_run_bytes=self.max_run_bytes,
+            )
+        if shape.kind == "none":
+            # Nothing of these pages is this side's to write; the caller's indices still must be right.
+            check_pages(as_pages(src, "source"), self.regions.num_pages, "source")
+            return Runs.empty()
+        return self._kv_pairs.plan(src, dst, max_run_bytes=self.max_run_bytes)
+
+    def state_runs(self, tag: str, state: Sequence[Any], dst_state: Sequence[npt.NDArray[np.int64]]) -> Runs:
+        """Runs moving, per state group, the source items to the items the receiver announced
+        (both sides must name as many; a group that one side lacks cannot move)."""
+        src = state_items(state, self.regions, f"transfer {tag!r} source")
+        parts = []
+        for g in range(max(len(src), len(dst_state))):
+            mine = src[g] if g < len(src) else NO_ITEMS
+            theirs = dst_state[g] if g < len(dst_state) else NO_ITEMS
+            if mine.size != theirs.size:
+                raise InvalidPages(
+                    f"transfer {tag!r}: state group {g} has {mine.size} source items, the receiver "
+                    f"announced {theirs.size}; they pair one to one"
+                )
+            if not mine.size:
+                continue
+            if g >= len(self.peer_regions.state_groups):
+                raise InvalidPages(f"transfer {tag!r}: state group {g} is not registered at the receiver")
+            parts.append(
+                plan(
+                    self.regions.state_group(g),
+                    self.peer_regions.state_group(g),
+                    mine,
+                    theirs,
+                    max_run_bytes=self.max_run_bytes,
+                )
+            )
+        return Runs.concat(parts)
+
+    def expected_bytes(self, claim: Claim) -> int:
+        """What a complete transfer writes into the pages (aux slot, state items) ``claim`` announced."""
+        total = int(claim.pages.size) * self._received_per_page
+        if not self.receiving.primary:
+            return total  # the receiver's first source sends its aux slot and state
+        if claim.aux >= 0:
+            total += self._aux_slot_bytes
+        for g, items in enumerate(claim.state):
+            total += int(items.size) * sum(r.item_len for r in self.regions.state_group(g))
+        return total
