@@ -421,3 +421,34 @@ def test_one_workload_between_hosts_runs_with_the_benchs_own_flags(tmp_path: Pat
     finally:
         server.terminate()
         server.wait(30)
+
+
+def test_the_plot_draws_a_line_per_path_from_the_sweeps_json(tmp_path: Path) -> None:
+    """The plot's own test, on a sweep document made here (the real sweep's, on real engines,
+    runs in the full tier): one PNG, and a document without measured points refused."""
+    pytest.importorskip("matplotlib")
+    from kvtransport.spi.errors import ConfigError
+    from kvtransport.tools.sweep_plot import plot
+
+    def path(kind: str, gbps: float) -> dict[str, object]:
+        return {"kind": kind, "median_gbps": gbps, "p50_ms": 1.0 / gbps}
+
+    points = [
+        {
+            "model": model,
+            "in_flight": 1,
+            "page_tokens": 16,
+            "placement": placement,
+            "request_bytes": size,
+            "paths": {"kvtransport": path("kvtransport", size / 1e6), "raw:nixl": path("raw", size / 2e6)},
+        }
+        for model in ("llama-3-8b", "deepseek-v3-mla")
+        for placement in ("contiguous", "scattered")
+        for size in (1 << 20, 8 << 20, 64 << 20)
+    ]
+    doc = {"points": points, "layouts": [{"model": "llama-3-8b", "model_name": "Llama-3-8B"}]}
+    out = tmp_path / "sweep.png"
+    plot(doc, str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    with pytest.raises(ConfigError, match="no point"):
+        plot({"points": [{"model": "x"}], "layouts": []}, str(tmp_path / "empty.png"))
