@@ -458,6 +458,7 @@ def test_a_done_naming_a_one_sided_lane_still_waits_for_the_two_sided_lanes_copi
     """A peer's "done" may name any lane: the receiver does not take its word for which driver
     moved the bytes, and waits until its two-sided lane's copies into the pages are over."""
     from kvtransport.negotiation.hello import describe_driver
+    from kvtransport.runtime import ordered as ordered_module
     from kvtransport.runtime import session as session_module
     from kvtransport.runtime.endpoint import Endpoint, State
     from kvtransport.spi.probe import machine_key
@@ -481,7 +482,7 @@ def test_a_done_naming_a_one_sided_lane_still_waits_for_the_two_sided_lanes_copi
     monkeypatch.setattr(session_module, "encode", lying)
     # Its chunk's notice goes as a message of its own (not inside the "done", whose lane it would
     # share), so that the "done" alone names the wrong lane.
-    monkeypatch.setattr(session_module, "MAX_DONE_NOTICES", 0)
+    monkeypatch.setattr(ordered_module, "MAX_DONE_NOTICES", 0)
     a_pool, b_pool = KVPool(64, 2, 512, 4), KVPool(64, 2, 512, 4)
     a_pool.fill(1)
     prefill = Endpoint(a_pool.regions, a_pool.layout, drivers=drivers, name="prefill")

@@ -318,7 +318,7 @@ def test_a_notice_that_failed_on_the_drivers_thread_is_never_followed_by_success
 
         def on_done(msg: Any) -> None:
             # Hold "done" until the driver's thread has finished the failed notice and gone idle.
-            until(lambda: not runner._busy and not runner._calls and session.notice_failed, "the notice failed")
+            until(lambda: not runner._busy and not runner._calls and session.drivers.notice_failed, "the notice failed")
             real_on_done(msg)
 
         session.on_done = on_done  # type: ignore[method-assign]
@@ -398,11 +398,11 @@ def test_a_session_that_sent_ordered_messages_on_control_does_not_switch() -> No
         if was is None:
             pytest.fail("a fresh two-sided session should have taken ordered mode")
         # A session that already sent an ordered message on control refuses the switch.
-        session.ordered = None
-        session.sent_ordered_on_control = True
+        session.order.link = None
+        session.order.sent_on_control = True
         assert session.take_ordered_mode(was) is False
         assert session.ordered is None
-        session.sent_ordered_on_control = False
+        session.order.sent_on_control = False
         assert session.take_ordered_mode(was) is True
 
 
@@ -652,27 +652,28 @@ def test_released_messages_reach_the_peer_in_the_order_they_were_held(
     releases decodes, in the order the receiver handles it (a "done"'s notices just before the
     "done"), to exactly what was held, then the "done"; the notices ride in the "done" only when
     they are all its lane's, at most MAX_DONE_NOTICES, and fit in one message."""
-    from kvtransport.runtime.session import MAX_DONE_NOTICES, Session
+    from kvtransport.runtime.ordered import OrderedStream
+    from kvtransport.runtime.peer_protocol import MAX_DONE_NOTICES
     from kvtransport.runtime.wire import decode, max_message_bytes
 
-    session = Session.__new__(Session)  # only the holding and its writes are exercised
-    session._held = __import__("threading").local()
-    session.endpoint = SimpleNamespace(max_message_bytes=max_message_bytes())  # type: ignore[assignment]
+    # Only the holding and its writes are exercised: the owner is just what OrderedStream reads.
+    owner = SimpleNamespace(id="peer", closing=False, two_sided=True, max_message_bytes=max_message_bytes())
+    stream = OrderedStream(owner)  # type: ignore[arg-type]
     frames: list[bytes] = []
-    session._write_ordered = lambda fs: frames.extend(fs) or True  # type: ignore[method-assign]
+    stream._write = lambda fs: frames.extend(fs) or True  # type: ignore[method-assign]
     filler = bytes(max_message_bytes() // 2) if big else b""
     expected: list[tuple[str, str, bytes]] = []
-    session.hold_ordered()
+    stream.hold()
     for lane, what in items:
         if lane is None:
-            assert session.send_ordered(encode(what, tag="t", reason="r") if what == "abort" else encode(what, tag="t"))
+            assert stream.send(encode(what, tag="t", reason="r") if what == "abort" else encode(what, tag="t"))
             expected.append((what, "", b""))
         else:
             payload = what + filler
-            assert session.hold_notice(lane, payload)
+            assert stream.hold_notice(lane, payload)
             expected.append(("notice", lane, payload))
     done = Done("t", 1, "fake-two-sided") if with_done else None
-    assert session.release_ordered(done)
+    assert stream.release(done)
     if done is not None:
         expected.append(("done", "fake-two-sided", b""))
     got: list[tuple[str, str, bytes]] = []
@@ -695,7 +696,7 @@ def test_released_messages_reach_the_peer_in_the_order_they_were_held(
     else:
         assert riding == 0
     # Released: nothing is held any more, a later message goes out at once.
-    assert not session.hold_notice("", b"x")
+    assert not stream.hold_notice("", b"x")
 
 
 def test_a_peer_that_reads_nothing_costs_only_its_own_session() -> None:

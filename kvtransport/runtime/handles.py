@@ -65,9 +65,11 @@ class HandleOwner(Protocol):
     decision: Decision | None
     peer_hello: Hello | None
     peer_regions: RegionSet | None
-    error: KVTransportError | None
-    transfers: dict[str, Transfer]
 
+    @property
+    def error(self) -> KVTransportError | None: ...
+    @property
+    def transfers(self) -> dict[str, Transfer]: ...
     @property
     def endpoint(self) -> Any: ...
     @property
@@ -87,7 +89,6 @@ class HandleOwner(Protocol):
         self, transfer: Transfer, src_pages: Any, last: bool, aux: int | None, state: Sequence[Any] | None = None
     ) -> None: ...
     def abort_from_caller(self, transfer: Transfer, reason: str) -> None: ...
-    def state_changed(self, transfer: Transfer) -> None: ...
 
 
 class Transfer:
@@ -189,7 +190,8 @@ class Transfer:
     # -- I/O thread ------------------------------------------------------------------------
 
     def _set(self, state: State, error: KVTransportError | None = None) -> bool:
-        """Move to ``state``; ``False`` (and nothing changes) once the transfer is final."""
+        """Move to ``state``; ``False`` (and nothing changes) once the transfer is final. The
+        session's protocol machine calls it, acts on the change, then :meth:`_publish`."""
         if self._state.final:
             return False  # a failed transfer is never reported as a success later
         if error is not None:
@@ -200,12 +202,15 @@ class Transfer:
             self.started = self._since
         if state.final:
             self.finished = self._since
-        self._session.state_changed(self)
-        if state is State.SUCCESS and self.role == RECV:
-            self.drained.set()  # every write of it completed
-        if state.final:
-            self._final.set()
         return True
+
+    def _publish(self) -> None:
+        """Wake whoever waits for the final state (after the session acted on the change:
+        its timers, the metrics, the guard of its pages)."""
+        if self._state is State.SUCCESS and self.role == RECV:
+            self.drained.set()  # every write of it completed
+        if self._state.final:
+            self._final.set()
 
 
 class Connection:
