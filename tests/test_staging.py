@@ -31,6 +31,7 @@ from kvtransport.spi.memory import RegionSet
 from kvtransport.spi.plan import Runs, plan
 from kvtransport.staging import MemcpyCopyEngine, RingConfig, StagingPipeline, chunk_runs
 from kvtransport.staging import pipeline as pipeline_module
+from kvtransport.staging import receiving as receiving_module
 from kvtransport.staging.config import MAX_SLOTS
 from kvtransport.staging.copy import as_list
 from kvtransport.staging.notices import (
@@ -1152,6 +1153,6 @@ def test_the_ring_slot_bound_holds_for_any_integers_on_both_paths(pieces: list[t
     offset = np.array([o for o, _ in pieces], dtype=np.uint64)
     length = np.array([n for _, n in pieces], dtype=np.uint64)
     exact = all(o + n <= room for o, n in pieces)
-    assert pipeline_module._within_slot(offset, length, room) is exact
-    with mock.patch.object(pipeline_module, "FEW_PIECES", 0):
-        assert pipeline_module._within_slot(offset, length, room) is exact
+    assert receiving_module._within_slot(offset, length, room) is exact
+    with mock.patch.object(receiving_module, "FEW_PIECES", 0):
+        assert receiving_module._within_slot(offset, length, room) is exact
