@@ -12,7 +12,7 @@ does the rest. The pieces:
 - :mod:`.notices`: the want / grant / lend / release / revoke / chunk notices and their typed schema;
 - :mod:`.pipeline`: :class:`StagingPipeline`, the one object a driver holds (threads, connections,
   notices), built from :mod:`.ring_state` (records, the lock, slot accounting), :mod:`.sending`
-  (submits, credits, the gather stage), :mod:`.wire` (the wire stage) and :mod:`.receiving`
+  (submits, credits, the gather stage), :mod:`.wire_stage` (the wire stage) and :mod:`.receiving`
   (grants, lends, revokes, the scatter stage);
 - :mod:`.transport`: :class:`StagedTransport`, the SPI half every staged driver shares.
 """

@@ -9,7 +9,7 @@ peers' connections (``connect``, ``disconnect``) and the routing of each notice 
 - :mod:`.ring_state`: the records, the one lock, the ring's slot accounting (``describe``,
   ``usage``, ``pending``);
 - :mod:`.sending`: ``submit``, ``poll``, ``abort``, ``settled``, credits, the gather stage;
-- :mod:`.wire`: the wire stage (writes, their notices, failures, abandoning at close);
+- :mod:`.wire_stage`: the wire stage (writes, their notices, failures, abandoning at close);
 - :mod:`.receiving`: ``lend_ahead``, ``inbound_idle``, grants and revokes, chunk checks, the
   scatter stage.
 
@@ -68,10 +68,10 @@ from kvtransport.staging.ring_state import RingUsage as RingUsage
 from kvtransport.staging.ring_state import _Inbound, _Outbound, log
 from kvtransport.staging.sending import INLINE_FINISH_S as INLINE_FINISH_S
 from kvtransport.staging.sending import SendingSide
-from kvtransport.staging.wire import WIRE_POLL_MIN_S as WIRE_POLL_MIN_S
-from kvtransport.staging.wire import WIRE_POLL_S as WIRE_POLL_S
-from kvtransport.staging.wire import WIRE_SPIN_MAX_BYTES as WIRE_SPIN_MAX_BYTES
-from kvtransport.staging.wire import WIRE_SPIN_S as WIRE_SPIN_S
+from kvtransport.staging.wire_stage import WIRE_POLL_MIN_S as WIRE_POLL_MIN_S
+from kvtransport.staging.wire_stage import WIRE_POLL_S as WIRE_POLL_S
+from kvtransport.staging.wire_stage import WIRE_SPIN_MAX_BYTES as WIRE_SPIN_MAX_BYTES
+from kvtransport.staging.wire_stage import WIRE_SPIN_S as WIRE_SPIN_S
 
 
 class StagingPipeline(SendingSide, ReceivingSide):

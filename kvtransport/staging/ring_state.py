@@ -11,7 +11,7 @@ batches and the queues between the stages; the ring's geometry and what of it is
 (``INLINE_CHUNK_MAX_*``, ``LEND_MAX_SLOTS``, ``DEFAULT_GRANT_TIMEOUT_S``).
 
 The pipeline's parts are classes of one object, not helper objects it composes:
-``wire.WireStage`` and ``sending.SendingSide`` (the sender) and ``receiving.ReceivingSide``
+``wire_stage.WireStage`` and ``sending.SendingSide`` (the sender) and ``receiving.ReceivingSide``
 (the receiver) derive from :class:`RingState`, and ``pipeline.StagingPipeline`` from both
 sides. Every stage and every driver call works under the one lock on the same tables, and the
 pipeline's settings and the core's callbacks (``copy_engine``, ``grant_timeout``,

@@ -21,7 +21,7 @@ from kvtransport.staging.chunks import chunk_runs
 from kvtransport.staging.copy import shifted
 from kvtransport.staging.notices import Grant, Lend, Revoke, encode_chunk, encode_release, encode_want
 from kvtransport.staging.ring_state import LEND_MAX_SLOTS, _Batch, _Job, _Outbound, _Work, log
-from kvtransport.staging.wire import WireStage
+from kvtransport.staging.wire_stage import WireStage
 
 #: How long the thread that gathered and posted a small chunk itself (see ``submit``) checks its
 #: write back to back before the wire stage takes it over. One that finishes within it has its
