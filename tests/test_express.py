@@ -279,12 +279,12 @@ def test_a_frame_that_arrives_while_the_last_is_handled_is_read_in_the_same_pass
             handled.append((msg["payload"], decode.channel.passes))
             if msg["payload"] == b"first":
                 # The peer writes its next frame now, while this one is being handled.
-                assert send._session.send_ordered(encode("notice", payload=b"second", lane=lane))
+                assert send._session.order.send(encode("notice", payload=b"second", lane=lane))
                 time.sleep(0.05)  # it is in this side's socket by the time this handler returns
             real_on_notice(msg)
 
         session.on_notice = on_notice  # type: ignore[method-assign]
-        assert send._session.send_ordered(encode("notice", payload=b"first", lane=lane))
+        assert send._session.order.send(encode("notice", payload=b"first", lane=lane))
         until(lambda: len(handled) == 2, "both notices handled")
         (first, pass_1), (second, pass_2) = handled
         assert (first, second) == (b"first", b"second")
@@ -324,9 +324,9 @@ def test_a_notice_that_failed_on_the_drivers_thread_is_never_followed_by_success
         session.on_done = on_done  # type: ignore[method-assign]
         lane = send._session.wire_name(lane_name)
         big = b"bad" + bytes(16 << 10)  # over the inline limit: it goes to the driver's thread
-        assert send._session.send_ordered(encode("notice", payload=big, lane=lane))
+        assert send._session.order.send(encode("notice", payload=big, lane=lane))
         done = encode("done", tag="x", bytes=session.expected_bytes(r), lane=lane, notices=[])
-        assert send._session.send_ordered(done)
+        assert send._session.order.send(done)
         with pytest.raises(KVTransportError):
             r.wait(5)
         assert r.state is State.FAILED
@@ -393,7 +393,7 @@ def test_a_session_that_sent_ordered_messages_on_control_does_not_switch() -> No
     with ordered_pair() as (_prefill, _a_pool, _send, _decode, _b_pool, recv):
         until(lambda: recv._session.express is not None, "the stream bound")
         session = recv._session
-        with session.order_lock:
+        with session.order.lock:
             was = session.ordered
         if was is None:
             pytest.fail("a fresh two-sided session should have taken ordered mode")
@@ -626,7 +626,7 @@ def test_a_done_whose_notice_is_refused_ends_the_session_and_never_succeeds() ->
         until(lambda: r.announced is not None, "the announcement filed")
         lane = send._session.wire_name(session.primary.name if session.primary else "")
         done = encode("done", tag="x", bytes=session.expected_bytes(r), lane=lane, notices=[b"bad notice"])
-        assert send._session.send_ordered(done)
+        assert send._session.order.send(done)
         with pytest.raises(KVTransportError):
             r.wait(5)
         assert r.state is State.FAILED

@@ -15,9 +15,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvtransport.runtime.config import Limits, Timeouts
-from kvtransport.runtime.handles import RECV, SEND, State, Transfer
-from kvtransport.runtime.peer_protocol import (
+from kvtransport.runtime.actions import (
     Action,
     Announce,
     Arriving,
@@ -28,12 +26,16 @@ from kvtransport.runtime.peer_protocol import (
     Later,
     Next,
     Observe,
-    PeerProtocol,
-    Phase,
     Publish,
     Send,
     SetTimer,
     StopWrites,
+)
+from kvtransport.runtime.config import Limits, Timeouts
+from kvtransport.runtime.handles import RECV, SEND, State, Transfer
+from kvtransport.runtime.peer_protocol import (
+    PeerProtocol,
+    Phase,
     done_notices,
 )
 from kvtransport.runtime.planning import PairPlan

@@ -174,20 +174,21 @@ class DriverTraffic:
         # Queued in order; the I/O thread flushes the queue before it sends any "done", so a
         # notice a driver sent before reporting a batch complete always reaches the peer before
         # the "done" that follows that batch.
-        # In ordered mode (session.py) it goes out right here, on the express stream, which
-        # carries that "done" too, behind it.
+        # In ordered mode (runtime.ordered) it goes out right here, on the express stream,
+        # which carries that "done" too, behind it.
         session = self._endpoint.sessions.get(peer)
         lane = session.wire_name(driver) if session is not None else ""
-        if session is not None and session.hold_notice(lane, payload):
+        if session is not None and session.order.hold_notice(lane, payload):
             return  # the thread that submitted its batch sends it, in that transfer's "done"
         data = encode("notice", self._endpoint.max_message_bytes, payload=payload, lane=lane)
         if session is not None:
-            with session.order_lock:
-                ordered = session.ordered is not None
+            order = session.order
+            with order.lock:
+                ordered = order.link is not None
                 if not ordered:
                     self._notices.append((peer, data))
             if ordered:
-                session.send_ordered(data)
+                order.send(data)
                 return
         else:
             self._notices.append((peer, data))

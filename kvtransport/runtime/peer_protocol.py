@@ -9,12 +9,12 @@ sender's word that its writes stopped.
 
 Events come in as method calls (a message arrived, a chunk reached its driver, a batch
 finished, a timer fired, the caller aborted, the session ends); what must happen comes back as
-a list of actions, in order: :class:`Send` a message, :class:`SetTimer`, :class:`StopWrites` on
-the drivers, :class:`CheckInbound` with the two-sided drivers, :class:`Publish` a final state to
-waiting callers, and so on. The machine sends nothing, arms no timer and calls no driver: the
-session (``runtime.session``) carries the actions out on the endpoint's I/O thread and feeds the
-outcomes back as events. A test can drive it with any sequence of events and read what it
-would do (tests/test_peer_protocol.py).
+a list of actions (``runtime.actions``), in order: send a message, set a timer, stop a
+transfer's writes on the drivers, check with the two-sided drivers that their inbound work is
+idle, publish a final state to waiting callers, and so on. The machine sends nothing, arms no
+timer and calls no driver: the session (``runtime.session``) carries the actions out on the
+endpoint's I/O thread and feeds the outcomes back as events. A test can drive it with any
+sequence of events and read what it would do (tests/test_peer_protocol.py).
 
 It reads, without calling into them, what the session learnt at handshake (:class:`PeerFacts`:
 the peer's regions, the lanes and their kind, the decision) and keeps the endpoint-wide tag
@@ -28,9 +28,24 @@ import enum
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvtransport.runtime.actions import (
+    Action,
+    Announce,
+    Arriving,
+    Calibrate,
+    CheckInbound,
+    EndSession,
+    FlushNotices,
+    Later,
+    Next,
+    Observe,
+    Publish,
+    Send,
+    SetTimer,
+    StopWrites,
+)
 from kvtransport.runtime.bounded import put_newest
 from kvtransport.runtime.checks import MALFORMED_STATE, read_announcement, well_formed_state
 from kvtransport.runtime.handles import RECV, SEND, State, Transfer
@@ -50,7 +65,6 @@ from kvtransport.spi.plan import SMALL
 if TYPE_CHECKING:
     from kvtransport.negotiation.negotiate import Decision
     from kvtransport.runtime.config import Limits, Timeouts
-    from kvtransport.runtime.lane import Lane
     from kvtransport.runtime.planning import PairPlan
     from kvtransport.spi.memory import RegionSet
 
@@ -65,135 +79,6 @@ class Phase(enum.Enum):
     HANDSHAKE = "handshake"
     READY = "ready"
     CLOSED = "closed"
-
-
-# -- actions -----------------------------------------------------------------------------------
-
-#: An event fed back later (a timer's, or the continuation of one that needed a driver's answer).
-Event = Callable[[], "list[Action]"]
-
-
-@dataclass(frozen=True, slots=True)
-class Send:
-    """Send the peer message ``kind`` with ``fields``."""
-
-    kind: str
-    fields: dict[str, Any]
-
-
-@dataclass(frozen=True, slots=True)
-class FlushNotices:
-    """Send the driver notices queued for any peer first (they go before "done" and "drained")."""
-
-
-@dataclass(frozen=True, slots=True)
-class SetTimer:
-    """Cancel ``transfer``'s timer; then, unless ``seconds`` is ``None``, feed ``then`` back after
-    ``seconds`` (a transfer has one timer: its state's timeout, or when it is forgotten)."""
-
-    transfer: Transfer
-    seconds: float | None = None
-    then: Event | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Later:
-    """Feed ``then`` back after ``seconds`` (never cancelled)."""
-
-    seconds: float
-    then: Event
-
-
-@dataclass(frozen=True, slots=True)
-class Observe:
-    """Count ``transfer``, final now, in the metrics as moved by ``driver``."""
-
-    transfer: Transfer
-    driver: str
-
-
-@dataclass(frozen=True, slots=True)
-class Publish:
-    """Wake whoever waits for ``transfer``'s final state (after the actions before this one)."""
-
-    transfer: Transfer
-
-
-@dataclass(frozen=True, slots=True)
-class Arriving:
-    """One receive transfer more (+1) or fewer (-1) whose bytes may arrive: the endpoint drives
-    its drivers' inbound work while any does."""
-
-    delta: int
-
-
-@dataclass(frozen=True, slots=True)
-class Announce:
-    """Tell the two-sided drivers ``transfer`` is coming; then feed back
-    :meth:`PeerProtocol.arrivals_begin` and, when they heard (or a short wait passed),
-    :meth:`PeerProtocol.announcement_due` with ``fields``."""
-
-    transfer: Transfer
-    fields: dict[str, Any]
-
-
-@dataclass(frozen=True, slots=True)
-class StopWrites:
-    """Stop every batch of sending ``transfer`` on its lane (every lane before it picked one),
-    and feed back :meth:`PeerProtocol.writes_stopped` once none of them can write any more."""
-
-    transfer: Transfer
-
-
-@dataclass(frozen=True, slots=True)
-class CheckInbound:
-    """Ask every two-sided lane whether its inbound work from the peer is idle, and feed back
-    :meth:`PeerProtocol.inbound_checked` with the first error (``kind``: "inbound" before a
-    receive transfer's Success, "drained" after its failure)."""
-
-    transfer: Transfer
-    kind: str
-
-
-@dataclass(frozen=True, slots=True)
-class Calibrate:
-    """A one-chunk transfer on ``lane`` took ``measured_s`` against ``raw_s`` predicted."""
-
-    lane: Lane
-    raw_s: float
-    measured_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class EndSession:
-    """End the whole session with ``error`` (nothing from the peer can be trusted any more)."""
-
-    error: KVTransportError
-    notify: bool
-
-
-@dataclass(frozen=True, slots=True)
-class Next:
-    """Feed ``then`` back once the actions before this one ran."""
-
-    then: Event
-
-
-Action = (
-    Send
-    | FlushNotices
-    | SetTimer
-    | Later
-    | Observe
-    | Publish
-    | Arriving
-    | Announce
-    | StopWrites
-    | CheckInbound
-    | Calibrate
-    | EndSession
-    | Next
-)
 
 
 # -- what the machine reads of its session ------------------------------------------------------

@@ -1,6 +1,8 @@
 """How this side's KV maps onto one peer's: the shape of what moves each way (all of a page, a
 slice of its heads under unequal TP, or nothing), the byte runs of a chunk of pages and of the
-state items that go with the last chunk, and the bytes a complete receive transfer writes.
+state items that go with the last chunk (checked against what the receiver announced: a
+sending transfer's next chunk, ``chunk_runs``), and the bytes a complete receive transfer
+writes.
 
 A :class:`PairPlan` is made once per connection, after its handshake, from both sides' regions
 and layouts; nothing in it changes afterwards, so the callers' threads plan with it at once.
@@ -11,17 +13,20 @@ It does no I/O and keeps no per-transfer state: each call's errors are
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
-from kvtransport.runtime.checks import NO_ITEMS, state_items
+from kvtransport.runtime.checks import NO_ITEMS, check_aux, state_items
 from kvtransport.spi.errors import InvalidPages
 from kvtransport.spi.inbound import Claim
 from kvtransport.spi.memory import KVLayout, RegionSet
-from kvtransport.spi.plan import RegionPairs, Runs, as_pages, check_pages, plan, plan_heads
+from kvtransport.spi.plan import RegionPairs, Runs, as_pages, check_pages, few_pages, plan, plan_heads
 from kvtransport.spi.tp_map import EQUAL, PairShape, pair_shape
+
+if TYPE_CHECKING:
+    from kvtransport.runtime.handles import Transfer
 
 
 class PairPlan:
@@ -75,6 +80,47 @@ class PairPlan:
             check_pages(as_pages(src, "source"), self.regions.num_pages, "source")
             return Runs.empty()
         return self._kv_pairs.plan(src, dst, max_run_bytes=self.max_run_bytes)
+
+    def chunk_runs(
+        self, transfer: Transfer, src_pages: Any, last: bool, aux: int | None, state: Sequence[Any] | None
+    ) -> tuple[Runs, int]:
+        """The runs of sending transfer ``transfer``'s next chunk (this side's pages
+        ``src_pages`` onto the next of those the receiver announced; with ``last``, its aux slot
+        and state items too), and how many announced pages are covered after it. Reads what
+        the receiver announced and how far earlier chunks went; changes nothing."""
+        tag = transfer.tag
+        assert transfer.dst_pages is not None
+        few = few_pages(src_pages)
+        src = few if few is not None else as_pages(src_pages, f"transfer {tag!r} source")
+        start, stop = transfer.sent_pages, transfer.sent_pages + len(src)
+        announced = transfer.dst_pages.size
+        if stop > announced or (last and stop != announced):
+            raise InvalidPages(
+                f"transfer {tag!r}: the receiver announced {announced} pages; this chunk "
+                f"would make {stop}{' (the last chunk must complete them)' if last else ''}"
+            )
+        listed = transfer.dst_page_list
+        runs = self.kv_runs(
+            src, listed[start:stop] if few is not None and listed is not None else transfer.dst_pages[start:stop]
+        )
+        primary = self.sending.primary
+        if not primary:
+            # Another rank of this side sends the receiver's aux slot and state (unequal TP).
+            aux, state = None, None
+        elif last and aux is None and transfer.dst_aux >= 0:
+            raise InvalidPages(
+                f"transfer {tag!r}: the receiver announced aux slot {transfer.dst_aux}; the last chunk must carry one"
+            )
+        if last and aux is not None:
+            if transfer.dst_aux < 0:
+                raise InvalidPages(f"transfer {tag!r}: aux sent but the receiver announced no aux slot")
+            check_aux(aux, self.regions, f"transfer {tag!r} source aux")
+            runs = Runs.concat([runs, plan(self.regions.aux, self.peer_regions.aux, [aux], [transfer.dst_aux])])
+        if state is not None and not last:
+            raise InvalidPages(f"transfer {tag!r}: state items go with the last chunk")
+        if last and primary and (state or transfer.dst_state):
+            runs = Runs.concat([runs, self.state_runs(tag, state or (), transfer.dst_state)])
+        return runs, stop
 
     def state_runs(self, tag: str, state: Sequence[Any], dst_state: Sequence[npt.NDArray[np.int64]]) -> Runs:
         """Runs moving, per state group, the source items to the items the receiver announced

@@ -29,13 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from kvtransport.runtime.checks import check_aux, check_tag, state_items
-from kvtransport.runtime.driver_side import SessionDrivers
-from kvtransport.runtime.express_link import ORDERED_KINDS
-from kvtransport.runtime.handles import RECV, SEND, Connection, State, Transfer
-from kvtransport.runtime.lane import Lane
-from kvtransport.runtime.ordered import OrderedStream
-from kvtransport.runtime.peer_protocol import (
+from kvtransport.runtime.actions import (
     Action,
     Announce,
     Arriving,
@@ -46,12 +40,20 @@ from kvtransport.runtime.peer_protocol import (
     Later,
     Next,
     Observe,
-    PeerProtocol,
-    Phase,
     Publish,
     Send,
     SetTimer,
     StopWrites,
+)
+from kvtransport.runtime.checks import check_aux, check_tag, state_items
+from kvtransport.runtime.driver_side import SessionDrivers
+from kvtransport.runtime.express_link import ORDERED_KINDS
+from kvtransport.runtime.handles import RECV, SEND, Connection, State, Transfer
+from kvtransport.runtime.lane import Lane
+from kvtransport.runtime.ordered import OrderedStream
+from kvtransport.runtime.peer_protocol import (
+    PeerProtocol,
+    Phase,
     done_notices,
     wire_name,
 )
@@ -68,7 +70,7 @@ from kvtransport.spi.errors import (
 )
 from kvtransport.spi.inbound import Claim, InboundGuard
 from kvtransport.spi.memory import KVLayout, RegionSet
-from kvtransport.spi.plan import Runs, as_pages, check_pages, check_unique, few_pages, plan
+from kvtransport.spi.plan import as_pages, check_pages, check_unique
 from kvtransport.spi.tp_map import PairShape
 
 if TYPE_CHECKING:
@@ -341,39 +343,9 @@ class Session:
             )
         if transfer.last_planned:
             raise KVTransportError(f"transfer {transfer.tag!r}: the last chunk was already sent")
-        assert self.peer_regions is not None
         ep = self.endpoint
-        few = few_pages(src_pages)
-        src = few if few is not None else as_pages(src_pages, f"transfer {transfer.tag!r} source")
-        start, stop = transfer.sent_pages, transfer.sent_pages + len(src)
-        announced = transfer.dst_pages.size
-        if stop > announced or (last and stop != announced):
-            raise InvalidPages(
-                f"transfer {transfer.tag!r}: the receiver announced {announced} pages; this chunk "
-                f"would make {stop}{' (the last chunk must complete them)' if last else ''}"
-            )
-        shape = self.shape(sending=True)
-        listed = transfer.dst_page_list
-        runs = self.plan.kv_runs(
-            src, listed[start:stop] if few is not None and listed is not None else transfer.dst_pages[start:stop]
-        )
-        if not shape.primary:
-            # Another rank of this side sends the receiver's aux slot and state (unequal TP).
-            aux, state = None, None
-        elif last and aux is None and transfer.dst_aux >= 0:
-            raise InvalidPages(
-                f"transfer {transfer.tag!r}: the receiver announced aux slot {transfer.dst_aux}; the last chunk "
-                "must carry one"
-            )
-        if last and aux is not None:
-            if transfer.dst_aux < 0:
-                raise InvalidPages(f"transfer {transfer.tag!r}: aux sent but the receiver announced no aux slot")
-            check_aux(aux, ep.regions, f"transfer {transfer.tag!r} source aux")
-            runs = Runs.concat([runs, plan(ep.regions.aux, self.peer_regions.aux, [aux], [transfer.dst_aux])])
-        if state is not None and not last:
-            raise InvalidPages(f"transfer {transfer.tag!r}: state items go with the last chunk")
-        if last and shape.primary and (state or transfer.dst_state):
-            runs = Runs.concat([runs, self.plan.state_runs(transfer.tag, state or (), transfer.dst_state)])
+        start = transfer.sent_pages
+        runs, stop = self.plan.chunk_runs(transfer, src_pages, last, aux, state)
         transfer.sent_pages = stop
         transfer.last_planned = last
         bid = ep.next_batch_id() if len(runs) else 0
@@ -625,16 +597,6 @@ class Session:
     def ordered(self) -> ExpressLink | None:
         """The express stream that carries the ordered messages, once in ordered mode."""
         return self.order.link
-
-    @property
-    def order_lock(self) -> threading.Lock:
-        return self.order.lock
-
-    def send_ordered(self, data: bytes) -> bool:
-        return self.order.send(data)
-
-    def hold_notice(self, lane: str, payload: bytes) -> bool:
-        return self.order.hold_notice(lane, payload)
 
     def take_ordered_mode(self, link: ExpressLink) -> bool:
         """I/O thread, when ``link`` bound: whether the session sends its ordered messages on it."""
