@@ -5,6 +5,7 @@ safety rules checked after every step."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -263,6 +264,21 @@ def test_a_receivers_failed_transfer_waits_for_drained_and_its_drivers() -> None
     assert t.drained.is_set() and h.arriving == 0
 
 
+def test_a_refused_announcement_does_not_say_drained_while_writes_of_its_tag_settle() -> None:
+    """Found by the machine below: a sending transfer aborted with its writes still settling is
+    forgotten after retain_finished; the peer then announces the tag twice. The second is
+    refused; its "drained" must wait for the old writes, or the peer frees pages they may hit."""
+    h = Harness()
+    t = h.sender("a")
+    h.run(h.p.abort(t, "caller", notify=True, local=True))
+    h.fire(t)  # forgotten; its writes still settling
+    h.run(h.p.on_expect(expect_msg("a", [1])))
+    h.run(h.p.on_expect(expect_msg("a", [1])))
+    assert h.kinds() == ["abort", "abort"] and h.stops == {"a": 1}
+    h.answer_stop("a")
+    assert h.kinds() == ["abort", "abort", "drained"]
+
+
 def test_a_timeout_fails_the_transfer_with_transfer_timeout() -> None:
     h = Harness()
     t = h.sender("r1")
@@ -408,4 +424,7 @@ class ProtocolMachine(RuleBasedStateMachine):
 
 
 TestProtocolMachine = ProtocolMachine.TestCase
-TestProtocolMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+#: KVTRANSPORT_MACHINE_EXAMPLES runs a longer campaign (the fast tier's 1,000 take about 10 s here).
+TestProtocolMachine.settings = settings(
+    max_examples=int(os.environ.get("KVTRANSPORT_MACHINE_EXAMPLES", "1000")), stateful_step_count=50, deadline=None
+)

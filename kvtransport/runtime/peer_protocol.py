@@ -157,7 +157,12 @@ class PeerProtocol:
         self.error: KVTransportError | None = None
         self.transfers: dict[str, Transfer] = {}
         #: Sender: failed tags whose aborted batches may still be writing (``drained`` follows).
-        self.settling: set[str] = set()
+        #: (by tag, how many aborted transfers of it: a tag may be reused while an earlier
+        #: transfer under it still settles; "drained" waits for all of them). Bounded: one
+        #: entry per aborted sending transfer, each ended by its driver's answer or give-up.
+        self.settling: dict[str, int] = {}
+        #: Sender: settling tags one of whose aborts the driver could not confirm.
+        self._unconfirmed: set[str] = set()
         #: Receiver: failed transfers whose pages were announced and whose sender has not yet
         #: confirmed its writes stopped; kept past ``retain_finished`` (bounded like early aborts).
         self.awaiting_drain: collections.OrderedDict[str, Transfer] = collections.OrderedDict()
@@ -271,11 +276,18 @@ class PeerProtocol:
     def writes_stopped(self, tag: str, error: KVTransportError | None) -> list[Action]:
         """The aborted batches of ``tag`` can no longer write (or the driver could not say:
         then the receiver is not told, and falls back on its own timeout)."""
-        self.settling.discard(tag)
+        left = self.settling.get(tag, 1) - 1
+        if left > 0:
+            self.settling[tag] = left
+        else:
+            self.settling.pop(tag, None)
         if error is not None:
             log.warning("%s: cannot confirm that aborted writes of %r stopped: %s", self.peer_label, tag, error)
-        else:
+            self._unconfirmed.add(tag)
+        if left <= 0 and tag not in self._unconfirmed:
             self._send_drained(tag)
+        if left <= 0:
+            self._unconfirmed.discard(tag)
         return self._take()
 
     def confirm_drained(self, tag: str) -> list[Action]:
@@ -575,7 +587,7 @@ class PeerProtocol:
         # once). The driver thread decides what was submitted; "drained" waits for its word.
         stop = sending and bool(self._peer.lanes)
         if stop:
-            self.settling.add(tag)
+            self.settling[tag] = self.settling.get(tag, 0) + 1
         if error is None:
             error = TransferAborted(f"transfer {t.tag!r} aborted {'locally' if local else ''}: {reason}")
         self._set(t, State.FAILED, error)
@@ -619,8 +631,11 @@ class PeerProtocol:
         if isinstance(outcome, Refused):
             self._send("abort", {"tag": tag, "reason": outcome.reason})
             # Nothing was ever written for this announcement (a peer's transfer still running
-            # ignores it: only a failed one takes the confirmation).
-            self._send_drained(tag)
+            # ignores it: only a failed one takes the confirmation). Unless an aborted transfer
+            # of this side under the same tag may still be writing: its own "drained" follows
+            # once those writes stopped, and one now would tell the peer its pages are free.
+            if tag not in self.settling:
+                self._send_drained(tag)
         elif outcome.dropped is not None:
             log.warning(
                 "%s announced more than %d transfers nobody sends; forgetting the oldest (%r)",
