@@ -70,7 +70,7 @@ if TYPE_CHECKING:
     from kvtransport.runtime.fanin import FanIn, FanOut, PartialAnnouncement, expect_from
     from kvtransport.runtime.handles import Connection, State, Transfer
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 #: Names loaded on first use, and the module each comes from.
 _LAZY = {

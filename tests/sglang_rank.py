@@ -44,8 +44,10 @@ def kv_args(pool: KVPool, rank: int = 0, role: str = "prefill") -> KVArgs:
     return args
 
 
-def server_args(port: int, tp_size: int = 1) -> SimpleNamespace:
-    return SimpleNamespace(host="127.0.0.1", disaggregation_bootstrap_port=port, tp_size=tp_size, device="cpu")
+def server_args(port: int, tp_size: int = 1, dp_size: int = 1) -> SimpleNamespace:
+    return SimpleNamespace(
+        host="127.0.0.1", disaggregation_bootstrap_port=port, tp_size=tp_size, dp_size=dp_size, device="cpu"
+    )
 
 
 class ForwardDoneAfter:
@@ -121,11 +123,17 @@ def main() -> int:
     p.add_argument("--item", type=int, default=4096)
     p.add_argument("--aux-slots", type=int, default=16)
     p.add_argument("--tp-size", type=int, default=1)
+    # With KVTRANSPORT_DISCOVERY on etcd, nothing listens on the bootstrap port: it names the instance.
+    p.add_argument("--bootstrap-port", type=int, default=0)
+    p.add_argument("--dp-rank", type=int, default=0)
+    p.add_argument("--dp-size", type=int, default=1)
     args = p.parse_args()
     pool = KVPool(args.pages, args.layers, args.item, args.aux_slots, shared=False)
-    pool.fill(seed=99)
-    server = KVTransportKVBootstrapServer("127.0.0.1", 0)
-    mgr = KVTransportKVManager(kv_args(pool), "prefill", server_args(server.port, args.tp_size))
+    pool.fill(seed=99 + args.dp_rank)
+    server = KVTransportKVBootstrapServer("127.0.0.1", args.bootstrap_port)
+    kv = kv_args(pool)
+    kv.system_dp_rank = args.dp_rank
+    mgr = KVTransportKVManager(kv, "prefill", server_args(server.port, args.tp_size, args.dp_size))
     print(json.dumps({"address": f"127.0.0.1:{server.port}", "name": mgr.endpoint.name}), flush=True)
     try:
         for line in sys.stdin:

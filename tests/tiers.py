@@ -39,6 +39,9 @@ _CONFORMANCE_STAGED_CORE = [f"{name}[mooncake-default-ring]" for name in CONFORM
 FULL: dict[str, list[str]] = {
     # the SGLang scheduler clusters: SGLang's own prefill and decode schedulers in processes
     "test_sglang_scheduler": ["*"],
+    # discovery on etcd: the 1,000-route memory check (three rounds of register and expire);
+    # registration, expiry, restarts and forgeries stay in the fast tier
+    "test_discovery": ["test_a_thousand_routes_registered_and_expired_leave_the_client_flat"],
     # soaks: thousands of verified transfers with aborts (the fast tier keeps the soak's own check)
     "test_soak": ["test_soak_on_every_real_host_driver", "test_soak_of_a_connection_with_two_lanes"],
     # the hostile campaign (100,000 generated frames) and the slower single attacks; the

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from kvtransport.negotiation.registry import ENV_DRIVER, ENV_DRIVERS, ENV_EXCLUDE
 from kvtransport.runtime.auth import ENV_INSECURE, ENV_SECRET, ENV_SECRET_FILE
 from kvtransport.runtime.config import ENV_VARS as CONFIG_ENV_VARS
+from kvtransport.runtime.discovery_config import ENV_DISCOVERY, ENV_DISCOVERY_TTL
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,9 @@ CORE_ENV_VARS = frozenset(
         "KVTRANSPORT_CALIBRATION",
         # integrations.bootstrap's, named: importing it would pull an HTTP server into every process
         "KVTRANSPORT_BOOTSTRAP_ROUTE_TTL",
+        # the discovery backend (discovery_config)
+        ENV_DISCOVERY,
+        ENV_DISCOVERY_TTL,
         # the deployment secret (auth), read by the bootstrap registry
         ENV_SECRET,
         ENV_SECRET_FILE,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import http.client
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ from kvtransport.negotiation.hello import DriverHello, Hello, LoadedDrivers, bui
 from kvtransport.negotiation.negotiate import Decision, negotiate
 from kvtransport.negotiation.registry import DriverEntry, Policy, duplicates, list_drivers
 from kvtransport.runtime.auth import control_plane_report
+from kvtransport.runtime.discovery_config import discovery_from_env
 from kvtransport.runtime.environment import warn_unknown_env_vars
 from kvtransport.spi.errors import ConfigError, KVTransportError
 from kvtransport.spi.memory import KVLayout, MemoryKind
@@ -90,6 +92,9 @@ def doctor(args: argparse.Namespace) -> int:
     authenticated, control, control_problem = control_plane_report(args.listen)
     if control_problem:
         problems.append(control_problem)
+    discovery, discovery_problem = discovery_report()
+    if discovery_problem:
+        problems.append(discovery_problem)
     usable = [n for n, d in hello.drivers.items() if d.usable]
     if not usable:
         problems.append("no driver is usable on this host")
@@ -100,14 +105,47 @@ def doctor(args: argparse.Namespace) -> int:
             "problems": problems,
             "kvtransport": __version__,
             "control_plane": {"listen": args.listen, "authenticated": authenticated, "detail": control},
+            "discovery": {"detail": discovery, "problem": discovery_problem},
         }
         print(json.dumps(doc, indent=2, sort_keys=True))
     else:
-        print(render_doctor(hello, problems, control))
-    return 1 if (not usable or control_problem or any("No such driver" in p for p in problems)) else 0
+        print(render_doctor(hello, problems, control, discovery))
+    failed = not usable or control_problem or discovery_problem
+    return 1 if (failed or any("No such driver" in p for p in problems)) else 0
 
 
-def render_doctor(hello: Hello, problems: Sequence[str], control: str = "") -> str:
+def discovery_report(env: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """For ``doctor``: (the discovery backend in one line, the problem that stops it, or "").
+    An etcd backend is asked for its version on each endpoint (2 s each)."""
+    try:
+        config = discovery_from_env(env)
+    except ConfigError as exc:
+        return "misconfigured", str(exc)
+    if config is None:
+        return "built-in bootstrap registry (one per prefill instance; KVTRANSPORT_DISCOVERY unset)", ""
+    answers, failures = [], []
+    for host, port in config.endpoints:
+        conn = http.client.HTTPConnection(host, port, timeout=2)
+        try:
+            conn.request("GET", "/version")
+            reply = conn.getresponse()
+            body = reply.read(4096)
+            if reply.status != 200:
+                raise OSError(f"HTTP {reply.status}")
+            version = json.loads(body).get("etcdserver", "?")
+            answers.append(f"{host}:{port} etcd {version}")
+        except (OSError, ValueError, http.client.HTTPException) as exc:
+            failures.append(f"{host}:{port}: {type(exc).__name__}: {exc}")
+        finally:
+            conn.close()
+    where = config.describe()
+    if not answers:
+        return f"{where}: unreachable", f"discovery: no etcd endpoint of {where} answers ({'; '.join(failures)})"
+    note = f" (unreachable: {'; '.join(failures)})" if failures else ""
+    return f"{where}: reachable, {', '.join(answers)}{note}", ""
+
+
+def render_doctor(hello: Hello, problems: Sequence[str], control: str = "", discovery: str = "") -> str:
     host = hello.host
     lines = [f"kvtransport {__version__} on {host.hostname} (host id {host.host_id})", ""]
     if host.cuda_devices:
@@ -122,6 +160,8 @@ def render_doctor(hello: Hello, problems: Sequence[str], control: str = "") -> s
     lines.append(f"  engines: {versions or 'none installed'}")
     if control:
         lines.append(f"  control: {control}")
+    if discovery:
+        lines.append(f"  routes:  {discovery}")
     lines.append(f"  costs:   {_calibration_line(hello)}")
     lines += ["", f"  {'DRIVER':<18}{'STATUS':<13}{'MEMORY':<12}DETAIL"]
     for name in sorted(hello.drivers):

@@ -36,6 +36,9 @@ class BootstrapClient:
     Each instance is one owner: its random token binds the ranks it registers, so only this
     client can refresh or remove them. Writes are signed whenever a secret is configured."""
 
+    #: It also publishes which DP rank took each room (``register_room``).
+    serves_rooms = True
+
     def __init__(self, bootstrap_addr: str, timeout: float = 5.0, *, secret: Secret | None = None) -> None:
         self.base = "http://" + bootstrap_addr.removeprefix("http://")
         try:

@@ -14,7 +14,7 @@ import threading
 import uuid
 from typing import Any
 
-from kvtransport.integrations.bootstrap import BootstrapClient
+from kvtransport.integrations.discovery import Directory, directory_for
 from kvtransport.integrations.sglang.common import (
     BaseKVManager,
     KVArgs,
@@ -32,7 +32,7 @@ from kvtransport.runtime.auth import RateLimitedLog
 from kvtransport.runtime.bounded import put_newest
 from kvtransport.runtime.endpoint import Connection, Endpoint, Transfer
 from kvtransport.runtime.fanin import FanIn
-from kvtransport.spi.errors import ConnectError, KVTransportError, LayoutMismatch
+from kvtransport.spi.errors import ConfigError, ConnectError, KVTransportError, LayoutMismatch
 from kvtransport.spi.memory import KVLayout
 from kvtransport.spi.tp_map import sources, targets
 
@@ -177,7 +177,7 @@ class KVTransportKVManager(BaseKVManager):
         self._warnings = RateLimitedLog(log)
         self._closing = threading.Event()  # stops the workers' registry lookups at teardown
         self._workers = concurrent.futures.ThreadPoolExecutor(CONNECT_WORKERS, thread_name_prefix="kvtransport-sglang")
-        self._bootstrap: BootstrapClient | None = None
+        self._bootstrap: Directory | None = None
         log.info(
             "SGLang %s rank dp=%d/%d attn_tp=%d/%d (%s), DP routing %s, bootstrap %s:%d, endpoint %s",
             self.mode,
@@ -202,7 +202,16 @@ class KVTransportKVManager(BaseKVManager):
         """Prefill: publish this rank's endpoint under (dp, tp) at the instance's bootstrap server
         and keep refreshing it (the registry forgets a route its owner stopped refreshing)."""
         # One client for the rank's life: its owner token is what lets it refresh the route.
-        client = self._bootstrap or BootstrapClient(f"{self.bootstrap_host}:{self.bootstrap_port}")
+        client = self._bootstrap or directory_for(f"{self.bootstrap_host}:{self.bootstrap_port}")
+        topo = self.topology
+        by_room = topo.follow_bootstrap_room and not _env_flag("SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK")
+        if topo.dp_size > 1 and not by_room and not client.serves_rooms:
+            raise ConfigError(
+                f"{client.base} does not publish rooms: a prefill instance whose DP ranks decode must query per "
+                "room (not --load-balance-method follow_bootstrap_room, or "
+                "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK=1) needs the built-in bootstrap server "
+                "(unset KVTRANSPORT_DISCOVERY)"
+            )
         self._bootstrap = client
         client.keep_registered(
             {
@@ -244,7 +253,7 @@ class KVTransportKVManager(BaseKVManager):
         if route is None:
             # Bounded well below the bootstrap timeout: a dead registry must not hold one of the
             # few workers for minutes (the receiver fails, SGLang may retry the request).
-            route = BootstrapClient(bootstrap_addr).lookup(
+            route = directory_for(bootstrap_addr).lookup(
                 prefill_dp_rank, prefill_tp_rank, min(self.timeouts.bootstrap, ROUTE_LOOKUP_S), stop=self._closing
             )
             with self._peers_lock:
@@ -333,7 +342,7 @@ class KVTransportKVManager(BaseKVManager):
 
     def _fetch_prefill_info(self, bootstrap_addr: str) -> None:
         # Every prefill rank publishes its instance's DP and TP layout; rank (0, 0) always exists.
-        route = BootstrapClient(bootstrap_addr).lookup(0, 0, PARALLEL_INFO_LOOKUP_S, stop=self._closing)
+        route = directory_for(bootstrap_addr).lookup(0, 0, PARALLEL_INFO_LOOKUP_S, stop=self._closing)
         with self._peers_lock:
             _put(self._routes, (bootstrap_addr, 0, 0), route)
         info = PrefillInfo(int(route["dp_size"]), bool(route["follow_bootstrap_room"]), int(route["tp_size"]))
