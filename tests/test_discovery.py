@@ -32,8 +32,9 @@ from kvtransport.integrations.discovery import (
     encode_entry,
     parse_discovery,
 )
-from kvtransport.integrations.discovery.etcd import EtcdDirectory, check_policy, forged_entries
+from kvtransport.integrations.discovery.etcd import EtcdDirectory, forged_entries
 from kvtransport.runtime.auth import Secret, load_secret
+from kvtransport.runtime.discovery_config import check_policy
 from kvtransport.spi.errors import ConfigError, ConnectError, ProtocolError
 
 from .etcd_server import ETCD, EtcdServer
@@ -330,3 +331,58 @@ def test_doctor_says_which_backend_and_whether_it_answers(etcd: EtcdServer) -> N
     assert "unreachable" in line and "no etcd endpoint" in problem
     _, problem = discovery_report({"KVTRANSPORT_DISCOVERY": "zookeeper://x"})
     assert "KVTRANSPORT_DISCOVERY" in problem
+    # A remote etcd without a secret: every serving process would refuse it, so doctor says so.
+    _, problem = discovery_report({"KVTRANSPORT_DISCOVERY": "etcd://192.0.2.2:2379/kvt"})
+    assert "without a deployment secret" in problem
+
+
+def test_an_old_start_cannot_overwrite_a_newer_one_between_its_read_and_its_write(config: EtcdConfig) -> None:
+    """Found by review: the generation check and the put were two requests. The put is now a
+    transaction on the revision read, so the old start's write fails once the new one wrote."""
+    from etcd3gw.client import Etcd3Client
+
+    old = directory(config, generation=1000)
+    old.register(route(0, "tcp://10.0.0.1:1111"))
+    key = old.key(0, 0)
+    _, revision = old._read(key)  # the old start reads ...
+    new = directory(config, generation=2000)
+    new.register(route(0, "tcp://10.0.0.2:2222"))  # ... a new start writes ...
+    client = Etcd3Client(host=config.endpoints[0][0], port=config.endpoints[0][1])
+    value = encode_entry(SECRET, key, route(0, "tcp://10.0.0.1:1111"), 1000)
+    assert old._put_if(client, key=key, value=value, revision=revision) is False  # ... the old write fails
+    assert directory(config).lookup(0, 0, wait=1)["address"] == "tcp://10.0.0.2:2222"
+    new.unregister()
+    old.close()
+
+
+def test_a_restart_on_a_clock_behind_the_old_start_still_takes_the_key(config: EtcdConfig) -> None:
+    old = directory(config, ttl=2, generation=5000)
+    old.keep_registered(route(0, "tcp://10.0.0.1:1111"), interval=0.2)
+    new = directory(config, ttl=2, generation=10)  # its clock is behind the old start's
+    new.register(route(0, "tcp://10.0.0.2:2222"))
+    assert new.generation == 5001
+    found = directory(config).lookup(0, 0, wait=1)
+    assert found["address"] == "tcp://10.0.0.2:2222" and found["generation"] == 5001
+    deadline = time.monotonic() + 5
+    while not old.superseded:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    old.close()
+    new.unregister()
+
+
+def test_a_dead_etcd_does_not_hold_unregister_or_close_past_their_timeouts() -> None:
+    import socket
+
+    # A listener that accepts and never answers: every request waits for its timeout.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        cfg = EtcdConfig((("127.0.0.1", silent.getsockname()[1]),), f"/kvt-{secrets.token_hex(4)}")
+        d = directory(cfg, ttl=3)
+        t0 = time.monotonic()
+        assert d.keep_registered(route(0), first_wait=0.5) is False  # goes on in the background
+        assert time.monotonic() - t0 < 3.5
+        t0 = time.monotonic()
+        d.unregister(timeout=0.5)
+        assert time.monotonic() - t0 < 3.0, "unregister waited past its timeout"

@@ -279,6 +279,21 @@ def test_a_refused_announcement_does_not_say_drained_while_writes_of_its_tag_set
     assert h.kinds() == ["abort", "abort", "drained"]
 
 
+def test_an_applications_refusal_does_not_say_drained_while_writes_of_its_tag_settle() -> None:
+    """Found by review: ``Endpoint.refuse`` of a re-announced tag must wait for the aborted
+    writes of an earlier transfer under it, as the peer's own refusal does."""
+    h = Harness()
+    t = h.sender("a")
+    h.run(h.p.abort(t, "caller", notify=True, local=True))
+    h.fire(t)
+    h.run(h.p.on_expect(expect_msg("a", [1])))
+    assert h.tags.refuse("a", "no") == "session"
+    h.run(h.p.confirm_drained("a"))
+    assert h.kinds() == ["abort"] and h.stops == {"a": 1}
+    h.answer_stop("a")
+    assert h.kinds() == ["abort", "drained"]
+
+
 def test_a_timeout_fails_the_transfer_with_transfer_timeout() -> None:
     h = Harness()
     t = h.sender("r1")

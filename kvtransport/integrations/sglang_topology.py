@@ -22,6 +22,23 @@ log = logging.getLogger(__name__)
 DEFAULT_BOOTSTRAP_PORT = 8998
 #: The host a rank's endpoint listens on, when the default (below) is not what the network needs.
 ENV_LISTEN_HOST = "KVTRANSPORT_SGLANG_LISTEN_HOST"
+#: With discovery on etcd: the name (``host:port``) prefill ranks register their instance under,
+#: when it is not ``--host:--disaggregation-bootstrap-port`` (the address the router hands decode).
+ENV_DISCOVERY_INSTANCE = "KVTRANSPORT_DISCOVERY_INSTANCE"
+
+
+def discovery_instance(topology: RankTopology) -> str:
+    """The name a prefill instance's routes go under in etcd: what the router hands decode as
+    its bootstrap address. ``KVTRANSPORT_DISCOVERY_INSTANCE`` if set; this host's outward
+    address for a wildcard ``--host`` (the loopback stand-in names no host to another one);
+    else ``bootstrap_host:bootstrap_port``."""
+    chosen = os.environ.get(ENV_DISCOVERY_INSTANCE, "").strip()
+    if chosen:
+        return chosen
+    host = outward_ip() if topology.bootstrap_wildcard else topology.bootstrap_host
+    return f"{host}:{topology.bootstrap_port}"
+
+
 WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
 
 
@@ -52,6 +69,9 @@ class RankTopology:
     listen_host: str
     #: True when the values came from SGLang's published configuration.
     resolved: bool
+    #: True when ``bootstrap_host`` stands in for a wildcard ``--host`` (0.0.0.0, ::, empty):
+    #: right for the registry on this host, not a name other hosts know the instance by.
+    bootstrap_wildcard: bool = False
 
     @property
     def dp_routing(self) -> str:
@@ -81,6 +101,7 @@ def _published(kv_args: Any) -> RankTopology:
     dist_init_addr = parallel.dist_init_addr
     multi_node = bool(dist_init_addr) and int(parallel.nnodes or 1) > 1
     bootstrap_host = _host_of(str(dist_init_addr)) if dist_init_addr else WILDCARDS.get(host, host)
+    wildcard = not dist_init_addr and host in WILDCARDS
     return RankTopology(
         attn_tp_rank=int(parallel.attn_tp_rank),
         attn_tp_size=int(parallel.attn_tp_size),
@@ -93,6 +114,7 @@ def _published(kv_args: Any) -> RankTopology:
         bootstrap_port=int(get_disagg().disaggregation_bootstrap_port),
         listen_host=_listen_host(host, multi_node),
         resolved=True,
+        bootstrap_wildcard=wildcard,
     )
 
 
@@ -111,6 +133,7 @@ def _unpublished(kv_args: Any, server_args: Any) -> RankTopology:
         bootstrap_port=int(getattr(server_args, "disaggregation_bootstrap_port", DEFAULT_BOOTSTRAP_PORT)),
         listen_host=os.environ.get(ENV_LISTEN_HOST, "").strip() or host,
         resolved=False,
+        bootstrap_wildcard=host in WILDCARDS,
     )
 
 

@@ -18,6 +18,7 @@ import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from kvtransport.runtime.auth import ENV_INSECURE, ENV_SECRET, Secret, is_loopback
 from kvtransport.spi.errors import ConfigError
 
 ENV_DISCOVERY = "KVTRANSPORT_DISCOVERY"
@@ -87,3 +88,20 @@ def discovery_ttl(env: Mapping[str, str] | None = None) -> float:
     if not 2 <= ttl <= 3600:
         raise ConfigError(f"{ENV_DISCOVERY_TTL}={raw!r}: seconds between 2 and 3600")
     return ttl
+
+
+def check_policy(config: EtcdConfig, secret: Secret, env: Mapping[str, str] | None = None) -> str:
+    """Whether routes may be published to and read from ``config`` with ``secret``, in one line;
+    raises :class:`ConfigError` for an unauthenticated deployment on a non-loopback etcd."""
+    env = os.environ if env is None else env
+    if secret.authenticated:
+        return f"entries signed with the deployment secret from {secret.source}"
+    if all(is_loopback(f"tcp://{h}:{p}") for h, p in config.endpoints):
+        return "entries NOT signed (no secret): etcd on loopback only"
+    if env.get(ENV_INSECURE, "").strip() == "1":
+        return f"entries NOT signed: {ENV_INSECURE}=1; anyone who can write to etcd can redirect a prefill rank"
+    raise ConfigError(
+        f"refusing discovery on {config.describe()} without a deployment secret: anyone who can write to etcd "
+        f"could redirect decode ranks to an endpoint of their own. Set {ENV_SECRET} in every process of the "
+        f"deployment, or {ENV_INSECURE}=1 if the network is trusted"
+    )

@@ -37,6 +37,9 @@ CORE_ENV_VARS = frozenset(
         # the discovery backend (discovery_config)
         ENV_DISCOVERY,
         ENV_DISCOVERY_TTL,
+        # the SGLang adapter's (integrations.sglang_topology), named: importing it needs SGLang
+        "KVTRANSPORT_SGLANG_LISTEN_HOST",
+        "KVTRANSPORT_DISCOVERY_INSTANCE",
         # the deployment secret (auth), read by the bootstrap registry
         ENV_SECRET,
         ENV_SECRET_FILE,

@@ -291,8 +291,11 @@ class PeerProtocol:
         return self._take()
 
     def confirm_drained(self, tag: str) -> list[Action]:
-        """Tell the peer nothing of ``tag`` is written any more (the application refused it)."""
-        self._send_drained(tag)
+        """Tell the peer nothing of ``tag`` is written any more (the application refused it),
+        unless an aborted transfer under that tag may still be writing: its own "drained"
+        follows once those writes stopped."""
+        if tag not in self.settling:
+            self._send_drained(tag)
         return self._take()
 
     def inbound_checked(self, t: Transfer, kind: str, error: KVTransportError | None) -> list[Action]:

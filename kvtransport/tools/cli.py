@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import http.client
+import importlib.util
 import json
 import logging
 import os
@@ -24,8 +25,8 @@ from kvtransport.negotiation.calibration_cache import ENV_CALIBRATION, cache_pat
 from kvtransport.negotiation.hello import DriverHello, Hello, LoadedDrivers, build_hello, load_drivers
 from kvtransport.negotiation.negotiate import Decision, negotiate
 from kvtransport.negotiation.registry import DriverEntry, Policy, duplicates, list_drivers
-from kvtransport.runtime.auth import control_plane_report
-from kvtransport.runtime.discovery_config import discovery_from_env
+from kvtransport.runtime.auth import control_plane_report, load_secret
+from kvtransport.runtime.discovery_config import check_policy, discovery_from_env
 from kvtransport.runtime.environment import warn_unknown_env_vars
 from kvtransport.spi.errors import ConfigError, KVTransportError
 from kvtransport.spi.memory import KVLayout, MemoryKind
@@ -123,6 +124,13 @@ def discovery_report(env: Mapping[str, str] | None = None) -> tuple[str, str]:
         return "misconfigured", str(exc)
     if config is None:
         return "built-in bootstrap registry (one per prefill instance; KVTRANSPORT_DISCOVERY unset)", ""
+    where = config.describe()
+    try:
+        signed = check_policy(config, load_secret(env=env), env)
+    except ConfigError as exc:
+        return f"{where}: every serving process would refuse it", str(exc)
+    if importlib.util.find_spec("etcd3gw") is None:
+        return f"{where}: no client", "discovery on etcd needs the etcd3gw package: pip install 'kvtransport[etcd]'"
     answers, failures = [], []
     for host, port in config.endpoints:
         conn = http.client.HTTPConnection(host, port, timeout=2)
@@ -138,11 +146,10 @@ def discovery_report(env: Mapping[str, str] | None = None) -> tuple[str, str]:
             failures.append(f"{host}:{port}: {type(exc).__name__}: {exc}")
         finally:
             conn.close()
-    where = config.describe()
     if not answers:
         return f"{where}: unreachable", f"discovery: no etcd endpoint of {where} answers ({'; '.join(failures)})"
     note = f" (unreachable: {'; '.join(failures)})" if failures else ""
-    return f"{where}: reachable, {', '.join(answers)}{note}", ""
+    return f"{where}: reachable, {', '.join(answers)}{note}; {signed}", ""
 
 
 def render_doctor(hello: Hello, problems: Sequence[str], control: str = "", discovery: str = "") -> str:
