@@ -159,3 +159,28 @@ def test_a_prefill_instance_that_registers_rooms_is_refused_on_etcd(
             KVTransportKVManager(kv_args(pool), "prefill", server_args(unused_port(), dp_size=2))
     finally:
         pool.close()
+
+
+def test_prefill_registers_under_the_name_decode_is_handed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With etcd the instance's name is the key: a wildcard --host (registered at loopback by
+    the built-in registry) becomes this host's outward address; the variable overrides both."""
+    from kvtransport.integrations.sglang_topology import discovery_instance, outward_ip, rank_topology
+
+    monkeypatch.delenv("KVTRANSPORT_DISCOVERY_INSTANCE", raising=False)
+    pool = KVPool(4, 1, 64, 1, shared=False)
+    try:
+        kv = kv_args(pool)
+        named = rank_topology(kv, _args(8998, "10.9.8.7"))
+        assert discovery_instance(named) == "10.9.8.7:8998"
+        wildcard = rank_topology(kv, _args(8998, "0.0.0.0"))
+        assert wildcard.bootstrap_host == "127.0.0.1" and discovery_instance(wildcard) == f"{outward_ip()}:8998"
+        monkeypatch.setenv("KVTRANSPORT_DISCOVERY_INSTANCE", "prefill-0.svc:8998")
+        assert discovery_instance(wildcard) == "prefill-0.svc:8998"
+    finally:
+        pool.close()
+
+
+def _args(port: int, host: str) -> Any:
+    args = server_args(port)
+    args.host = host
+    return args
