@@ -320,7 +320,7 @@ def test_a_thousand_routes_registered_and_expired_leave_the_client_flat(config: 
 
 
 def test_doctor_says_which_backend_and_whether_it_answers(etcd: EtcdServer) -> None:
-    from kvtransport.tools.cli import discovery_report
+    from kvtransport.tools.doctor import discovery_report
 
     line, problem = discovery_report({})
     assert "built-in bootstrap registry" in line and problem == ""

@@ -36,8 +36,12 @@ LAYERS = {
 API_LAYER = 5
 #: Upward imports that are allowed, with the reason. The bench's decode peer loads the fake
 #: drivers only when asked for them by name (``--driver fake``), for fault injection; the CLI
-#: prints the package's version.
-ALLOWED_UPWARD = {("kvtransport.tools.peer", "kvtransport.testing.fake"), ("kvtransport.tools.cli", "kvtransport")}
+#: and its doctor print the package's version.
+ALLOWED_UPWARD = {
+    ("kvtransport.tools.peer", "kvtransport.testing.fake"),
+    ("kvtransport.tools.cli", "kvtransport"),
+    ("kvtransport.tools.doctor", "kvtransport"),
+}
 #: What a driver package may import: the public API and the SPI, and the staged path (staged
 #: drivers and the CUDA copy engine); nothing of the runtime, the negotiation or above.
 DRIVER_MAY_IMPORT = ("kvtransport.spi", "kvtransport.staging")
