@@ -44,6 +44,15 @@ def kv_args(pool: KVPool, rank: int = 0, role: str = "prefill") -> KVArgs:
     return args
 
 
+def poll_until(r: Any, states: set[int], timeout: float = 30.0) -> int:
+    """Poll a sender or receiver (as SGLang's scheduler does) until its state is in ``states``."""
+    deadline = time.monotonic() + timeout
+    while (state := r.poll()) not in states:
+        assert time.monotonic() < deadline, f"stuck in {state}"
+        time.sleep(0.002)
+    return int(state)
+
+
 def server_args(port: int, tp_size: int = 1, dp_size: int = 1) -> SimpleNamespace:
     return SimpleNamespace(
         host="127.0.0.1", disaggregation_bootstrap_port=port, tp_size=tp_size, dp_size=dp_size, device="cpu"

@@ -11,7 +11,6 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import pytest
@@ -31,7 +30,7 @@ from kvtransport.spi.errors import KVTransportError  # noqa: E402
 from kvtransport.tools.kv_pool import KVPool  # noqa: E402
 from kvtransport.tools.peer_process import PeerProcess  # noqa: E402
 
-from .sglang_rank import kv_args, server_args  # noqa: E402
+from .sglang_rank import kv_args, poll_until, server_args  # noqa: E402
 
 PAGES, LAYERS, ITEM, AUX = 256, 4, 4096, 16
 FAST = {"KVTRANSPORT_HEARTBEAT_INTERVAL": "0.2", "KVTRANSPORT_HEARTBEAT_TIMEOUT": "2"}
@@ -68,14 +67,6 @@ class Ranks:
         r = KVTransportKVReceiver(self.decode, self.bootstrap, room)
         r.init(0)
         return r
-
-
-def _until(r: Any, states: set[int], timeout: float = 30.0) -> int:
-    deadline = time.monotonic() + timeout
-    while (state := r.poll()) not in states:
-        assert time.monotonic() < deadline, f"stuck in {state}"
-        time.sleep(0.002)
-    return int(state)
 
 
 class _PrefillRank:
@@ -139,14 +130,14 @@ def _check_bytes(r: Ranks, src: list[int], dst: list[int]) -> None:
 
 def test_single_request_with_aux(ranks: Ranks) -> None:
     rx = ranks.receiver(7)
-    assert _until(rx, {KVPoll.WaitingForInput}) == KVPoll.WaitingForInput
+    assert poll_until(rx, {KVPoll.WaitingForInput}) == KVPoll.WaitingForInput
     assert rx.mgr.endpoint.connections  # one connection to the prefill rank
     dst, src = list(range(100, 140)), list(range(0, 40))
     rx.send_metadata(np.array(dst, dtype=np.int32), aux_index=3)
     out = ranks.prefill.call("send", requests=[{"room": 7, "chunks": [src], "aux": 11}])["states"]
     assert out["7"][0] == "SUCCESS", out
     assert out["7"][2] == 40 * LAYERS * ITEM + 64  # the transfer metric counts KV and aux bytes
-    assert _until(rx, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
+    assert poll_until(rx, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
     _check_bytes(ranks, src, dst)
     assert ranks.pool.aux_digest(3) == ranks.prefill.call("aux_digest", slot=11)["digest"]
 
@@ -162,7 +153,7 @@ def test_sixty_four_concurrent_requests_chunked_with_aux(ranks: Ranks) -> None:
         cut = sorted(rng.choice(range(1, n + 1), min(2, n), replace=False).tolist()) if n > 1 else [n]
         chunks = [src[a:b] for a, b in zip([0, *cut], [*cut, n], strict=False) if b > a] or [src]
         rx = ranks.receiver(room)
-        _until(rx, {KVPoll.WaitingForInput})
+        poll_until(rx, {KVPoll.WaitingForInput})
         aux = room % AUX
         rx.send_metadata(np.array(dst, dtype=np.int32), aux_index=aux)
         receivers[room] = rx
@@ -171,7 +162,7 @@ def test_sixty_four_concurrent_requests_chunked_with_aux(ranks: Ranks) -> None:
     out = ranks.prefill.call("send", requests=requests, timeout=90)["states"]
     assert all(v[0] == "SUCCESS" for v in out.values()), out
     for room, rx in receivers.items():
-        assert _until(rx, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
+        assert poll_until(rx, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
         src, dst, _, _ = expect[room]
         _check_bytes(ranks, src, dst)
     # Aux slots are shared by rooms here (64 rooms, 16 slots): the last writer wins; check one
@@ -183,7 +174,7 @@ def test_sixty_four_concurrent_requests_chunked_with_aux(ranks: Ranks) -> None:
 
 def test_abort_from_decode_reaches_prefill(ranks: Ranks) -> None:
     rx = ranks.receiver(21)
-    _until(rx, {KVPoll.WaitingForInput})
+    poll_until(rx, {KVPoll.WaitingForInput})
     rx.send_metadata(np.array([1, 2, 3], dtype=np.int32), aux_index=0)
     rx.abort()
     assert rx.poll() == KVPoll.Failed
@@ -195,11 +186,11 @@ def test_abort_from_decode_reaches_prefill(ranks: Ranks) -> None:
 
 def test_abort_from_prefill_reaches_decode(ranks: Ranks) -> None:
     rx = ranks.receiver(22)
-    _until(rx, {KVPoll.WaitingForInput})
+    poll_until(rx, {KVPoll.WaitingForInput})
     rx.send_metadata(np.array([1, 2, 3], dtype=np.int32), aux_index=0)
     out = ranks.prefill.call("send", requests=[{"room": 22, "chunks": [[4, 5, 6]], "abort": True}], timeout=10)
     assert out["states"]["22"][0] == "FAILED"
-    assert _until(rx, {KVPoll.Success, KVPoll.Failed}, 5) == KVPoll.Failed
+    assert poll_until(rx, {KVPoll.Success, KVPoll.Failed}, 5) == KVPoll.Failed
     with pytest.raises(KVTransferError, match=r"TransferAborted.*aborted by the prefill scheduler"):
         rx.failure_exception()
 
@@ -225,14 +216,14 @@ def _held_until_drained(rx: KVTransportKVReceiver, timeout: float = 10.0) -> boo
 def test_a_failed_room_is_held_until_prefill_confirms_its_writes_stopped(ranks: Ranks, who: str) -> None:
     room = 41 if who == "decode" else 42
     rx = ranks.receiver(room)
-    _until(rx, {KVPoll.WaitingForInput})
+    poll_until(rx, {KVPoll.WaitingForInput})
     rx.send_metadata(np.array([7, 8, 9], dtype=np.int32), aux_index=0)
     if who == "decode":
         rx.abort()  # before prefill created its sender: its endpoint answers the abort itself
     else:
         request = {"room": room, "chunks": [[4, 5, 6]], "abort": True}
         assert ranks.prefill.call("send", requests=[request], timeout=10)["states"][str(room)][0] == "FAILED"
-    assert _until(rx, {KVPoll.Success, KVPoll.Failed}, 5) == KVPoll.Failed
+    assert poll_until(rx, {KVPoll.Success, KVPoll.Failed}, 5) == KVPoll.Failed
     assert len(rx.bootstrap_infos) == 1
     assert _held_until_drained(rx)
     assert rx.transfer is not None and rx.transfer.drained.is_set()
@@ -240,7 +231,7 @@ def test_a_failed_room_is_held_until_prefill_confirms_its_writes_stopped(ranks: 
 
 def test_a_room_that_failed_before_its_metadata_is_not_held(ranks: Ranks) -> None:
     rx = ranks.receiver(43)
-    _until(rx, {KVPoll.WaitingForInput})
+    poll_until(rx, {KVPoll.WaitingForInput})
     rx.abort()
     assert rx.poll() == KVPoll.Failed
     assert rx.bootstrap_infos == [] and not _held_until_drained(rx)
@@ -261,10 +252,10 @@ def test_decode_waiting_timeout(ranks: Ranks, monkeypatch: pytest.MonkeyPatch) -
     try:
         rx = KVTransportKVReceiver(mgr, ranks.bootstrap, 40)
         rx.init(0)
-        _until(rx, {KVPoll.WaitingForInput})
+        poll_until(rx, {KVPoll.WaitingForInput})
         rx.send_metadata(np.array([5], dtype=np.int32), aux_index=0)
         start = time.monotonic()
-        assert _until(rx, {KVPoll.Success, KVPoll.Failed}, 10) == KVPoll.Failed
+        assert poll_until(rx, {KVPoll.Success, KVPoll.Failed}, 10) == KVPoll.Failed
         assert 0.9 <= time.monotonic() - start < 5
         with pytest.raises(KVTransferError, match="TransferTimeout"):
             rx.failure_exception()
@@ -282,7 +273,7 @@ def test_different_tp_sizes_without_the_models_heads_are_refused_clearly(ranks: 
     try:
         rx = KVTransportKVReceiver(mgr, ranks.bootstrap, 50)
         rx.init(0)  # returns at once: the lookup and connect run on the manager's workers
-        assert _until(rx, {KVPoll.Failed}, 30) == KVPoll.Failed
+        assert poll_until(rx, {KVPoll.Failed}, 30) == KVPoll.Failed
         with pytest.raises(KVTransferError, match=r"LayoutMismatch: .*tp_size: 2 .* 1 .*neither side states"):
             rx.failure_exception()
     finally:
@@ -325,11 +316,11 @@ def test_a_room_goes_only_to_the_decode_rank_the_registry_pairs_with_it(monkeypa
         assert pools[1].page_digests([1, 2]) != prefill.call("digests", pages=[3, 4])["digests"]
         rx = KVTransportKVReceiver(managers[0], prefill.address, 78)
         rx.init(0)
-        assert _until(rx, {KVPoll.WaitingForInput}) == KVPoll.WaitingForInput
+        assert poll_until(rx, {KVPoll.WaitingForInput}) == KVPoll.WaitingForInput
         rx.send_metadata(np.array([10, 11], dtype=np.int32))
         out = prefill.call("send", requests=[{"room": 78, "chunks": [[5, 6]]}])["states"]
         assert out["78"][0] == "SUCCESS", out
-        assert _until(rx, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
+        assert poll_until(rx, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
         assert pools[0].page_digests([10, 11]) == prefill.call("digests", pages=[5, 6])["digests"]
     finally:
         prefill.close()
@@ -346,12 +337,12 @@ def test_a_last_chunk_without_pages_still_ends_the_transfer(ranks: Ranks) -> Non
     before its last send), so the empty last chunk is what carries the aux row and ends the
     transfer: every byte and the aux row right."""
     rx = ranks.receiver(24)
-    assert _until(rx, {KVPoll.WaitingForInput}) == KVPoll.WaitingForInput
+    assert poll_until(rx, {KVPoll.WaitingForInput}) == KVPoll.WaitingForInput
     dst, src = list(range(60, 70)), list(range(10, 20))
     rx.send_metadata(np.array(dst, dtype=np.int32), aux_index=2)
     out = ranks.prefill.call("send", requests=[{"room": 24, "chunks": [src, []], "aux": 5}])["states"]
     assert out["24"][0] == "SUCCESS", out
-    assert _until(rx, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
+    assert poll_until(rx, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
     _check_bytes(ranks, src, dst)
     assert ranks.pool.aux_digest(2) == ranks.prefill.call("aux_digest", slot=5)["digest"]
 
@@ -361,14 +352,14 @@ def test_with_a_decode_side_prefix_only_the_pages_after_it_move(ranks: Ranks) ->
     after them with ``decode_prefix_len=32``; prefill reads the length (``pop_decode_prefix_len``,
     once), sends the suffix, and decode's cached pages stay as they were."""
     rx = ranks.receiver(51)
-    assert _until(rx, {KVPoll.WaitingForInput}) == KVPoll.WaitingForInput
+    assert poll_until(rx, {KVPoll.WaitingForInput}) == KVPoll.WaitingForInput
     cached = [200, 201]
     before = ranks.pool.page_digests(cached)
     dst, src = list(range(202, 208)), list(range(52, 58))
     rx.send_metadata(np.array(dst, dtype=np.int32), aux_index=6, decode_prefix_len=32)
     out = ranks.prefill.call("send", requests=[{"room": 51, "chunks": [src], "aux": 7}])["states"]
     assert out["51"][0] == "SUCCESS" and out["51"][3] == 32, out
-    assert _until(rx, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
+    assert poll_until(rx, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
     _check_bytes(ranks, src, dst)
     assert ranks.pool.page_digests(cached) == before
     assert ranks.pool.aux_digest(6) == ranks.prefill.call("aux_digest", slot=7)["digest"]
@@ -382,7 +373,7 @@ def test_pages_wait_for_the_forward_sglang_asked_the_sender_to_wait_for(ranks: R
 
     delay = 0.8
     rx = ranks.receiver(31)
-    assert _until(rx, {KVPoll.WaitingForInput}) == KVPoll.WaitingForInput
+    assert poll_until(rx, {KVPoll.WaitingForInput}) == KVPoll.WaitingForInput
     dst, src = list(range(150, 160)), list(range(30, 40))
     expected = ranks.prefill.call("digests", pages=src)["digests"]
     assert ranks.pool.page_digests(dst) != expected
@@ -407,7 +398,7 @@ def test_pages_wait_for_the_forward_sglang_asked_the_sender_to_wait_for(ranks: R
         stop.set()
         watcher.join(5)
     assert out["31"][0] == "SUCCESS", out
-    assert _until(rx, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
+    assert poll_until(rx, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
     assert landed and landed[0] - start >= delay * 0.75, f"pages landed {landed[0] - start:.3f} s in"
     _check_bytes(ranks, src, dst)
 
@@ -519,7 +510,7 @@ def test_prefill_killed_mid_transfer_fails_decode_with_peer_lost(ranks: Ranks) -
     receivers = {}
     for i, room in enumerate(rooms):
         rx = ranks.receiver(room)
-        _until(rx, {KVPoll.WaitingForInput})
+        poll_until(rx, {KVPoll.WaitingForInput})
         rx.send_metadata(np.arange(i * 32, i * 32 + 32, dtype=np.int32), aux_index=0)
         receivers[room] = rx
     # The prefill scheduler starts every request but only one is given chunks before it dies.
@@ -527,7 +518,7 @@ def test_prefill_killed_mid_transfer_fails_decode_with_peer_lost(ranks: Ranks) -
     start = time.monotonic()
     ranks.prefill.kill()
     for rx in receivers.values():
-        assert _until(rx, {KVPoll.Success, KVPoll.Failed}, 10) == KVPoll.Failed
+        assert poll_until(rx, {KVPoll.Success, KVPoll.Failed}, 10) == KVPoll.Failed
     assert time.monotonic() - start < 6
     with pytest.raises(KVTransferError, match="PeerLost"):
         receivers[rooms[-1]].failure_exception()

@@ -29,18 +29,10 @@ from kvtransport.spi.errors import ConfigError  # noqa: E402
 from kvtransport.tools.kv_pool import KVPool  # noqa: E402
 from kvtransport.tools.peer_process import PeerProcess  # noqa: E402
 
-from .sglang_rank import kv_args, server_args  # noqa: E402
+from .sglang_rank import kv_args, poll_until, server_args  # noqa: E402
 
 PAGES, LAYERS, ITEM, AUX = 64, 2, 4096, 8
 SECRET = "d" * 40
-
-
-def _until(r: Any, states: set[int], timeout: float = 30.0) -> int:
-    deadline = time.monotonic() + timeout
-    while (state := r.poll()) not in states:
-        assert time.monotonic() < deadline, f"stuck in {state}"
-        time.sleep(0.002)
-    return int(state)
 
 
 @pytest.fixture
@@ -96,12 +88,12 @@ def test_prefill_dp_ranks_and_decode_meet_through_etcd(
         def transfer(room: int, dst: list[int], src: list[int]) -> None:
             rx = KVTransportKVReceiver(mgr, instance, room)
             rx.init(room % 2)  # SGLang's decode: the prefill DP rank of the room (follow_bootstrap_room)
-            assert _until(rx, {KVPoll.WaitingForInput, KVPoll.Failed}) == KVPoll.WaitingForInput
+            assert poll_until(rx, {KVPoll.WaitingForInput, KVPoll.Failed}) == KVPoll.WaitingForInput
             rx.send_metadata(np.array(dst, dtype=np.int32), aux_index=room % AUX)
             prefill = ranks[room % 2]
             out = prefill.call("send", requests=[{"room": room, "chunks": [src], "aux": 1}], timeout=30)["states"]
             assert out[str(room)][0] == "SUCCESS", out
-            assert _until(rx, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
+            assert poll_until(rx, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
             assert pool.page_digests(dst) == prefill.call("digests", pages=src)["digests"]
 
         transfer(7, [1, 2, 3], [10, 11, 12])  # DP rank 1

@@ -155,6 +155,15 @@ def is_loopback(listen: str) -> bool:
         return False  # a wildcard, a name or an interface: reachable from elsewhere
 
 
+def insecure_opt_out(env: Mapping[str, str]) -> bool:
+    """Whether ``KVTRANSPORT_INSECURE=1`` says the network is trusted; raises
+    :class:`ConfigError` for any value but 1, 0 or unset (a typo must not decide security)."""
+    insecure = env.get(ENV_INSECURE, "").strip()
+    if insecure not in ("", "0", "1"):
+        raise ConfigError(f"{ENV_INSECURE}={insecure!r}: set it to 1 (trusted network) or unset it")
+    return insecure == "1"
+
+
 def control_plane_policy(listen: str, secret: Secret, env: Mapping[str, str] | None = None) -> str:
     """Whether an endpoint may listen on ``listen`` with ``secret``, and why, in one line.
 
@@ -165,11 +174,8 @@ def control_plane_policy(listen: str, secret: Secret, env: Mapping[str, str] | N
         return f"authenticated: deployment secret from {secret.source}"
     if is_loopback(listen):
         return "not authenticated: no secret, loopback only (any local user can connect; set KVTRANSPORT_SECRET)"
-    insecure = env.get(ENV_INSECURE, "").strip()
-    if insecure == "1":
+    if insecure_opt_out(env):
         return f"NOT AUTHENTICATED: {ENV_INSECURE}=1 on {listen}; anyone who reaches the port can read and write KV"
-    if insecure not in ("", "0"):
-        raise ConfigError(f"{ENV_INSECURE}={insecure!r}: set it to 1 (trusted network) or unset it")
     raise ConfigError(
         f"refusing to listen on {listen} without a deployment secret: anyone who reaches it could read and "
         f"overwrite this rank's KV. Set {ENV_SECRET} (or {ENV_SECRET_FILE}) to the same random value in every "

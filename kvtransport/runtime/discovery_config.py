@@ -18,7 +18,7 @@ import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kvtransport.runtime.auth import ENV_INSECURE, ENV_SECRET, Secret, is_loopback
+from kvtransport.runtime.auth import ENV_INSECURE, ENV_SECRET, Secret, insecure_opt_out, is_loopback
 from kvtransport.spi.errors import ConfigError
 
 ENV_DISCOVERY = "KVTRANSPORT_DISCOVERY"
@@ -98,7 +98,7 @@ def check_policy(config: EtcdConfig, secret: Secret, env: Mapping[str, str] | No
         return f"entries signed with the deployment secret from {secret.source}"
     if all(is_loopback(f"tcp://{h}:{p}") for h, p in config.endpoints):
         return "entries NOT signed (no secret): etcd on loopback only"
-    if env.get(ENV_INSECURE, "").strip() == "1":
+    if insecure_opt_out(env):
         return f"entries NOT signed: {ENV_INSECURE}=1; anyone who can write to etcd can redirect a prefill rank"
     raise ConfigError(
         f"refusing discovery on {config.describe()} without a deployment secret: anyone who can write to etcd "

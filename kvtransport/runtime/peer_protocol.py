@@ -28,7 +28,7 @@ import enum
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from kvtransport.runtime.actions import (
     Action,
@@ -106,9 +106,17 @@ class PeerFacts(Protocol):
     def plan(self) -> PairPlan: ...
 
 
-def primary_lane(lanes: Mapping[str, LaneFacts]) -> LaneFacts | None:
+LaneT = TypeVar("LaneT", bound=LaneFacts)
+
+
+def primary_lane(lanes: Mapping[str, LaneT]) -> LaneT | None:
     """The lane of the decision's chosen driver (lanes are kept in that order)."""
     return next(iter(lanes.values()), None)
+
+
+def lane_named(lanes: Mapping[str, LaneT], name: str) -> LaneT | None:
+    """The lane a peer's message names ("": the chosen driver's), or ``None``."""
+    return lanes.get(name) if name else primary_lane(lanes)
 
 
 def wire_name(lanes: Mapping[str, LaneFacts], driver: str) -> str:
@@ -178,11 +186,6 @@ class PeerProtocol:
     @property
     def two_sided(self) -> bool:
         return any(lane.two_sided for lane in self._peer.lanes.values())
-
-    def lane_named(self, name: str) -> LaneFacts | None:
-        """The lane a peer's message names ("": the chosen driver's), or ``None``."""
-        lanes = self._peer.lanes
-        return lanes.get(name) if name else primary_lane(lanes)
 
     def expected_bytes(self, t: Transfer) -> int:
         """What a complete transfer writes into the pages (aux slot, state items) ``t`` announced."""
@@ -375,7 +378,7 @@ class PeerProtocol:
             raise ProtocolError(f"done for transfer {msg['tag']!r}, which this side sends")
         if t.state.final or t.peer_done:
             return []
-        lane = self.lane_named(msg["lane"])
+        lane = lane_named(self._peer.lanes, msg["lane"])
         if lane is None:
             raise ProtocolError(f"done for {t.tag!r} names {msg['lane'][:64]!r}, not a driver of this connection")
         expected = self.expected_bytes(t)

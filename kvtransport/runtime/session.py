@@ -55,6 +55,8 @@ from kvtransport.runtime.peer_protocol import (
     PeerProtocol,
     Phase,
     done_notices,
+    lane_named,
+    primary_lane,
     wire_name,
 )
 from kvtransport.runtime.planning import PairPlan
@@ -241,11 +243,11 @@ class Session:
     @property
     def primary(self) -> Lane | None:
         """The lane of the decision's chosen driver."""
-        return next(iter(self.lanes.values()), None)
+        return primary_lane(self.lanes)
 
     def lane_named(self, name: str) -> Lane | None:
         """The lane a peer's message names ("": the chosen driver's), or ``None``."""
-        return self.lanes.get(name) if name else self.primary
+        return lane_named(self.lanes, name)
 
     def wire_name(self, driver: str) -> str:
         """How this side's messages name the lane of ``driver``."""

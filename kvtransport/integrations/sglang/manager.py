@@ -202,16 +202,17 @@ class KVTransportKVManager(BaseKVManager):
         """Prefill: publish this rank's endpoint under (dp, tp) at the instance's bootstrap server
         and keep refreshing it (the registry forgets a route its owner stopped refreshing)."""
         # One client for the rank's life: its owner token is what lets it refresh the route.
+        discovery = discovery_from_env()
         if self._bootstrap is not None:
             client = self._bootstrap
-        elif discovery_from_env() is None:
+        elif discovery is None:
             client = directory_for(f"{self.bootstrap_host}:{self.bootstrap_port}", None)
         else:
             # etcd: under the name the router hands decode, which may not be this rank's
             # registry address (a wildcard --host registers at loopback).
             instance = discovery_instance(self.topology)
             log.info("prefill rank dp=%d tp=%d registers as instance %s", self.dp_rank, self.tp_rank, instance)
-            client = directory_for(instance)
+            client = directory_for(instance, discovery)
         topo = self.topology
         by_room = topo.follow_bootstrap_room and not _env_flag("SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK")
         if topo.dp_size > 1 and not by_room and not client.serves_rooms:
