@@ -69,6 +69,8 @@ if TYPE_CHECKING:
     from kvtransport.runtime.endpoint import Endpoint
     from kvtransport.runtime.fanin import FanIn, FanOut, PartialAnnouncement, expect_from
     from kvtransport.runtime.handles import Connection, State, Transfer
+    from kvtransport.runtime.layer_groups import LayerwisePolicy
+    from kvtransport.runtime.layerwise import LayerStream
 
 __version__ = "0.3.0"
 
@@ -79,6 +81,8 @@ _LAZY = {
     "Transfer": "kvtransport.runtime.handles",
     "State": "kvtransport.runtime.handles",
     "Timeouts": "kvtransport.runtime.config",
+    "LayerStream": "kvtransport.runtime.layerwise",
+    "LayerwisePolicy": "kvtransport.runtime.layer_groups",
     "Limits": "kvtransport.runtime.config",
     "FanIn": "kvtransport.runtime.fanin",
     "FanOut": "kvtransport.runtime.fanin",
@@ -112,6 +116,8 @@ __all__ = [
     "Endpoint",
     "FanIn",
     "FanOut",
+    "LayerStream",
+    "LayerwisePolicy",
     "Limits",
     "Policy",
     "Secret",

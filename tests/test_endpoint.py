@@ -40,10 +40,11 @@ def endpoints(
     drivers: dict[str, type[KVTransport]] = FAKE,
     receiver_options: dict[str, str] | None = None,
     pages: int = 64,
+    layers: int = 2,
 ):  # type: ignore[no-untyped-def]
     """A connected prefill -> decode pair in this process; everything is closed on exit.
     ``options`` go to the prefill side's driver, ``receiver_options`` to the decode side's."""
-    a_pool, b_pool = KVPool(pages, 2, 512, 4), KVPool(pages, 2, 512, 4)
+    a_pool, b_pool = KVPool(pages, layers, 512, 4), KVPool(pages, layers, 512, 4)
     a_pool.fill(1)
     prefill = decode = None
     try:

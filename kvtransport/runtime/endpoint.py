@@ -53,6 +53,7 @@ from kvtransport.runtime.environment import warn_unknown_env_vars
 from kvtransport.runtime.express import ExpressPort
 from kvtransport.runtime.handles import Connection, State, Transfer
 from kvtransport.runtime.metrics import Metrics
+from kvtransport.runtime.readiness import ReadinessWatcher
 from kvtransport.runtime.routing import Router
 from kvtransport.runtime.runner import DriverRunner
 from kvtransport.runtime.session import Phase, Session
@@ -180,6 +181,9 @@ class Endpoint:
         self.max_message_bytes = max_message_bytes()
         self._closed = False
         self._down: KVTransportError | None = None
+        #: Waits for layer-wise senders' readiness signals (``runtime.readiness``), made on first use.
+        self._readiness: ReadinessWatcher | None = None
+        self._readiness_lock = threading.Lock()
         self._hellos: dict[str, DriverHello] = {}
         try:
             self._hellos = open_drivers(self, hellos, driver_options or {}, self.drivers)
@@ -344,6 +348,18 @@ class Endpoint:
         if self.express is not None and not self.channel.running:
             self.express.close()  # the loop stopped before it ran ``final`` (or died)
         close_drivers(self.runners, self.drivers)
+        with self._readiness_lock:
+            watcher = self._readiness
+        if watcher is not None:
+            watcher.close()
+
+    def readiness(self) -> ReadinessWatcher:
+        """Any thread: the watcher of layer-wise senders' readiness signals (started on first use)."""
+        with self._readiness_lock:
+            self.check_running()
+            if self._readiness is None:
+                self._readiness = ReadinessWatcher(self.name)
+            return self._readiness
 
     def _wake_acceptors(self) -> None:
         """Callers waiting in :meth:`accept` look again (the endpoint closed or went down)."""

@@ -17,6 +17,7 @@ from kvtransport.negotiation.registry import ENV_DRIVER, ENV_DRIVERS, ENV_EXCLUD
 from kvtransport.runtime.auth import ENV_INSECURE, ENV_SECRET, ENV_SECRET_FILE
 from kvtransport.runtime.config import ENV_VARS as CONFIG_ENV_VARS
 from kvtransport.runtime.discovery_config import ENV_DISCOVERY, ENV_DISCOVERY_TTL
+from kvtransport.runtime.layer_groups import ENV_VARS as LAYERWISE_ENV_VARS
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,9 @@ CORE_ENV_VARS = frozenset(
         ENV_SECRET,
         ENV_SECRET_FILE,
         ENV_INSECURE,
+        # layer-wise sends (layer_groups), and the SGLang adapter's switch for them
+        *LAYERWISE_ENV_VARS,
+        "KVTRANSPORT_LAYERWISE",
         *CONFIG_ENV_VARS,
     }
 )

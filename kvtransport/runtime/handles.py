@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from kvtransport.negotiation.hello import Hello
     from kvtransport.negotiation.negotiate import Decision
     from kvtransport.runtime.lane import Lane
+    from kvtransport.runtime.layer_groups import LayerwisePolicy
+    from kvtransport.runtime.layerwise import LayerStream
     from kvtransport.runtime.timers import Timer
     from kvtransport.spi.inbound import Claim
     from kvtransport.spi.memory import KVLayout, RegionSet
@@ -88,6 +90,16 @@ class HandleOwner(Protocol):
     def send_chunk(
         self, transfer: Transfer, src_pages: Any, last: bool, aux: int | None, state: Sequence[Any] | None = None
     ) -> None: ...
+    def send_layerwise(
+        self,
+        transfer: Transfer,
+        src_pages: Any,
+        last: bool,
+        aux: int | None,
+        state: Sequence[Any] | None,
+        policy: LayerwisePolicy | None,
+        region_layers: Sequence[int] | None,
+    ) -> LayerStream: ...
     def abort_from_caller(self, transfer: Transfer, reason: str) -> None: ...
 
 
@@ -112,6 +124,13 @@ class Transfer:
         self.dst_state: tuple[npt.NDArray[np.int64], ...] = ()  # per state group
         self.sent_pages = 0  # caller thread: pages planned so far
         self.last_planned = False  # caller thread: the last chunk was planned
+        #: Caller threads: held while a chunk or a layer group is planned and handed to its
+        #: driver, so the transfer's parts reach the driver in the order they were counted.
+        self.plan_lock = threading.Lock()
+        #: Layer-wise sends of this transfer with groups still to post (``runtime.layerwise``):
+        #: the transfer's last part is the one that leaves none.
+        self.open_streams = 0
+        self.parts = 0  # chunks and layer groups planned so far
         # I/O thread
         self.last_sent = False  # the last chunk was handed to the driver
         self.batches: set[int] = set()  # batch ids in the driver, not finished yet
@@ -182,6 +201,27 @@ class Transfer:
         if self.role != SEND:
             raise KVTransportError("send() on a receiving transfer")
         self._session.send_chunk(self, src_pages, last, aux, state)
+
+    def send_layerwise(
+        self,
+        src_pages: Any,
+        *,
+        last: bool = True,
+        aux: int | None = None,
+        state: Sequence[Any] | None = None,
+        policy: LayerwisePolicy | None = None,
+        region_layers: Sequence[int] | None = None,
+    ) -> LayerStream:
+        """Send the next chunk of source pages layer group by layer group, as prefill computes
+        them (sender; docs/layerwise.md). The pages, ``last``, ``aux`` and ``state`` mean what
+        they mean for :meth:`send`, and are checked here; the returned stream's
+        :meth:`~kvtransport.runtime.layerwise.LayerStream.layer_ready` marks each layer, and
+        the stream posts groups of ready layers as they fill. ``policy``: how layers are
+        grouped (default: ``LayerwisePolicy.from_env()``); ``region_layers``: the layer of each
+        KV region, when the layout does not tell (``layer_groups.region_layers``)."""
+        if self.role != SEND:
+            raise KVTransportError("send_layerwise() on a receiving transfer")
+        return self._session.send_layerwise(self, src_pages, last, aux, state, policy, region_layers)
 
     def abort(self, reason: str = "aborted by the caller") -> None:
         """Fail this transfer here and at the peer."""

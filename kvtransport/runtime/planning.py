@@ -13,6 +13,7 @@ It does no I/O and keeps no per-transfer state: each call's errors are
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -27,6 +28,19 @@ from kvtransport.spi.tp_map import EQUAL, PairShape, pair_shape
 
 if TYPE_CHECKING:
     from kvtransport.runtime.handles import Transfer
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A sending transfer's chunk, checked: its source pages, the receiver's pages they land
+    on (announced pages ``start`` to ``stop``), and the runs of its aux slot and state items
+    (empty unless it is the last chunk)."""
+
+    src: Any
+    dst: Any
+    start: int
+    stop: int
+    tail: Runs
 
 
 class PairPlan:
@@ -56,14 +70,17 @@ class PairPlan:
     def shape(self, *, sending: bool) -> PairShape:
         return self.sending if sending else self.receiving
 
-    def kv_runs(self, src: Any, dst: Any) -> Runs:
-        """The runs that move this side's pages ``src`` into the peer's pages ``dst``."""
+    def kv_runs(self, src: Any, dst: Any, kv: Sequence[int] | None = None) -> Runs:
+        """The runs that move this side's pages ``src`` into the peer's pages ``dst``, in every
+        KV region or, with ``kv``, in those regions only (a layer group's: ``runtime.layerwise``)."""
         shape = self.sending
+        mine = self.regions.kv if kv is None else tuple(self.regions.kv[i] for i in kv)
+        theirs = self.peer_regions.kv if kv is None else tuple(self.peer_regions.kv[i] for i in kv)
         if shape.kind == "heads":
             assert shape.slice is not None
             return plan_heads(
-                self.regions.kv,
-                self.peer_regions.kv,
+                mine,
+                theirs,
                 src,
                 dst,
                 page_tokens=shape.page_tokens,
@@ -79,7 +96,8 @@ class PairPlan:
             # Nothing of these pages is this side's to write; the caller's indices still must be right.
             check_pages(as_pages(src, "source"), self.regions.num_pages, "source")
             return Runs.empty()
-        return self._kv_pairs.plan(src, dst, max_run_bytes=self.max_run_bytes)
+        pairs = self._kv_pairs if kv is None else RegionPairs(mine, theirs)
+        return pairs.plan(src, dst, max_run_bytes=self.max_run_bytes)
 
     def chunk_runs(
         self, transfer: Transfer, src_pages: Any, last: bool, aux: int | None, state: Sequence[Any] | None
@@ -88,6 +106,13 @@ class PairPlan:
         ``src_pages`` onto the next of those the receiver announced; with ``last``, its aux slot
         and state items too), and how many announced pages are covered after it. Reads what
         the receiver announced and how far earlier chunks went; changes nothing."""
+        chunk = self.chunk(transfer, src_pages, last, aux, state)
+        return self.part_runs(chunk, None, tail=last), chunk.stop
+
+    def chunk(
+        self, transfer: Transfer, src_pages: Any, last: bool, aux: int | None, state: Sequence[Any] | None
+    ) -> Chunk:
+        """Sending transfer ``transfer``'s next chunk, checked (as ``chunk_runs``) but not planned."""
         tag = transfer.tag
         assert transfer.dst_pages is not None
         few = few_pages(src_pages)
@@ -100,9 +125,7 @@ class PairPlan:
                 f"would make {stop}{' (the last chunk must complete them)' if last else ''}"
             )
         listed = transfer.dst_page_list
-        runs = self.kv_runs(
-            src, listed[start:stop] if few is not None and listed is not None else transfer.dst_pages[start:stop]
-        )
+        dst = listed[start:stop] if few is not None and listed is not None else transfer.dst_pages[start:stop]
         primary = self.sending.primary
         if not primary:
             # Another rank of this side sends the receiver's aux slot and state (unequal TP).
@@ -111,16 +134,23 @@ class PairPlan:
             raise InvalidPages(
                 f"transfer {tag!r}: the receiver announced aux slot {transfer.dst_aux}; the last chunk must carry one"
             )
+        tail: list[Runs] = []
         if last and aux is not None:
             if transfer.dst_aux < 0:
                 raise InvalidPages(f"transfer {tag!r}: aux sent but the receiver announced no aux slot")
             check_aux(aux, self.regions, f"transfer {tag!r} source aux")
-            runs = Runs.concat([runs, plan(self.regions.aux, self.peer_regions.aux, [aux], [transfer.dst_aux])])
+            tail.append(plan(self.regions.aux, self.peer_regions.aux, [aux], [transfer.dst_aux]))
         if state is not None and not last:
             raise InvalidPages(f"transfer {tag!r}: state items go with the last chunk")
         if last and primary and (state or transfer.dst_state):
-            runs = Runs.concat([runs, self.state_runs(tag, state or (), transfer.dst_state)])
-        return runs, stop
+            tail.append(self.state_runs(tag, state or (), transfer.dst_state))
+        return Chunk(src, dst, start, stop, Runs.concat(tail) if tail else Runs.empty())
+
+    def part_runs(self, chunk: Chunk, kv: Sequence[int] | None, *, tail: bool) -> Runs:
+        """The runs of ``chunk``'s pages in KV regions ``kv`` (``None``: all), with its aux
+        slot and state items when ``tail``."""
+        runs = self.kv_runs(chunk.src, chunk.dst, kv)
+        return Runs.concat([runs, chunk.tail]) if tail and len(chunk.tail) else runs
 
     def state_runs(self, tag: str, state: Sequence[Any], dst_state: Sequence[npt.NDArray[np.int64]]) -> Runs:
         """Runs moving, per state group, the source items to the items the receiver announced

@@ -50,6 +50,9 @@ from kvtransport.runtime.driver_side import SessionDrivers
 from kvtransport.runtime.express_link import ORDERED_KINDS
 from kvtransport.runtime.handles import RECV, SEND, Connection, State, Transfer
 from kvtransport.runtime.lane import Lane
+from kvtransport.runtime.layer_groups import Grouper, LayerwisePolicy
+from kvtransport.runtime.layer_groups import region_layers as region_layers_of
+from kvtransport.runtime.layerwise import LayerStream
 from kvtransport.runtime.ordered import OrderedStream
 from kvtransport.runtime.peer_protocol import (
     PeerProtocol,
@@ -59,7 +62,7 @@ from kvtransport.runtime.peer_protocol import (
     primary_lane,
     wire_name,
 )
-from kvtransport.runtime.planning import PairPlan
+from kvtransport.runtime.planning import Chunk, PairPlan
 from kvtransport.runtime.tags import TagBook
 from kvtransport.runtime.wire import MAX_INT, Message, encode
 from kvtransport.spi.errors import (
@@ -72,7 +75,7 @@ from kvtransport.spi.errors import (
 )
 from kvtransport.spi.inbound import Claim, InboundGuard
 from kvtransport.spi.memory import KVLayout, RegionSet
-from kvtransport.spi.plan import as_pages, check_pages, check_unique
+from kvtransport.spi.plan import Runs, as_pages, check_pages, check_unique
 from kvtransport.spi.tp_map import PairShape
 
 if TYPE_CHECKING:
@@ -86,6 +89,7 @@ if TYPE_CHECKING:
     from kvtransport.runtime.control import ControlChannel, Route
     from kvtransport.runtime.express_link import ExpressLink
     from kvtransport.runtime.metrics import Metrics
+    from kvtransport.runtime.readiness import ReadinessWatcher
     from kvtransport.runtime.timers import Timer, TimerHeap
 
 __all__ = ["Phase", "Session", "SessionHost"]
@@ -133,6 +137,9 @@ class SessionHost(Protocol):
         """Count a receive transfer of ``session`` in (+1) or out (-1) of those arriving."""
 
     def end_session(self, session: Session, error: KVTransportError, *, notify: bool) -> None: ...
+
+    def readiness(self) -> ReadinessWatcher:
+        """The endpoint's watcher of senders' readiness signals (started on first use)."""
 
 
 class Session:
@@ -336,6 +343,60 @@ class Session:
     def send_chunk(
         self, transfer: Transfer, src_pages: Any, last: bool, aux: int | None, state: Sequence[Any] | None = None
     ) -> None:
+        self._check_sendable(transfer)
+        with transfer.plan_lock:
+            if transfer.last_planned:
+                raise KVTransportError(f"transfer {transfer.tag!r}: the last chunk was already sent")
+            runs, stop = self.plan.chunk_runs(transfer, src_pages, last, aux, state)
+            transfer.sent_pages = stop
+            transfer.last_planned = last
+            transfer.parts += 1
+            # With a layer-wise send still posting, its last group is the transfer's last part.
+            self._submit(transfer, runs, last and not transfer.open_streams)
+
+    def send_layerwise(
+        self,
+        transfer: Transfer,
+        src_pages: Any,
+        last: bool,
+        aux: int | None,
+        state: Sequence[Any] | None,
+        policy: LayerwisePolicy | None,
+        region_layers: Sequence[int] | None,
+    ) -> LayerStream:
+        """Caller's thread (``Transfer.send_layerwise``): check the chunk and reserve its
+        pages; its layer groups are posted by the stream (``runtime.layerwise``)."""
+        self._check_sendable(transfer)
+        ep = self.endpoint
+        policy = policy if policy is not None else LayerwisePolicy.from_env()
+        layers = region_layers_of(ep.layout, ep.regions, region_layers)
+        with transfer.plan_lock:
+            if transfer.last_planned:
+                raise KVTransportError(f"transfer {transfer.tag!r}: the last chunk was already sent")
+            chunk = self.plan.chunk(transfer, src_pages, last, aux, state)
+            check_pages(as_pages(chunk.src, f"transfer {transfer.tag!r} source"), ep.regions.num_pages, "source")
+            transfer.sent_pages = chunk.stop
+            transfer.last_planned = last
+            transfer.open_streams += 1
+        tokens = (chunk.stop - chunk.start) * max(1, ep.layout.page_size)
+        return LayerStream(self, transfer, chunk, last, layers, Grouper(ep.layout.num_layers, tokens, policy))
+
+    def send_group(self, transfer: Transfer, chunk: Chunk, kv: Sequence[int], tail: bool, closes: bool) -> int:
+        """Any thread (a layer-wise stream's): plan chunk ``chunk``'s pages in KV regions ``kv``
+        (with its aux slot and state items when ``tail``) and hand them to the driver;
+        ``closes``: the stream's last group. Returns the batch id (0: nothing to write)."""
+        self._check_sendable(transfer)
+        with transfer.plan_lock:
+            runs = self.plan.part_runs(chunk, kv, tail=tail)
+            transfer.parts += 1
+            if closes:
+                transfer.open_streams -= 1
+            return self._submit(transfer, runs, closes and transfer.last_planned and not transfer.open_streams)
+
+    def readiness(self) -> ReadinessWatcher:
+        return self.endpoint.readiness()
+
+    def _check_sendable(self, transfer: Transfer) -> None:
         if transfer.state.final:
             raise transfer.error or KVTransportError(f"transfer {transfer.tag!r} already finished")
         if transfer.dst_pages is None:
@@ -343,17 +404,15 @@ class Session:
                 f"transfer {transfer.tag!r} is {transfer.state.name}: the receiver has not announced "
                 "its pages yet; poll until WAITING_FOR_INPUT"
             )
-        if transfer.last_planned:
-            raise KVTransportError(f"transfer {transfer.tag!r}: the last chunk was already sent")
+
+    def _submit(self, transfer: Transfer, runs: Runs, last: bool) -> int:
+        """Hand one part of ``transfer`` (a chunk, a layer group) to its lane's driver;
+        ``last``: nothing of the transfer follows. Under the transfer's ``plan_lock``."""
         ep = self.endpoint
-        start = transfer.sent_pages
-        runs, stop = self.plan.chunk_runs(transfer, src_pages, last, aux, state)
-        transfer.sent_pages = stop
-        transfer.last_planned = last
         bid = ep.next_batch_id() if len(runs) else 0
         lane = transfer.lane
         if lane is None:
-            # The first chunk picks the transfer's driver; later chunks follow it.
+            # The first part picks the transfer's driver; later parts follow it.
             lane = self.pick_lane(len(runs), runs.total_bytes)
             raw = lane.raw_prediction(len(runs), runs.total_bytes)
             transfer.driver = lane.name
@@ -376,7 +435,7 @@ class Session:
             self.submitted(transfer, bid, runs.total_bytes, last)
 
         # A transfer of one batch: the thread that sees it finish may send "done" itself.
-        express = bool(bid) and last and start == 0 and self.express_done_possible()
+        express = bool(bid) and last and transfer.parts == 1 and self.express_done_possible()
         drivers = self.drivers
 
         ep.check_running()
@@ -409,6 +468,7 @@ class Session:
             # Run here, and the I/O thread would not take the batch (stopped, or backed up for
             # longer than a caller waits): the driver let go of it; the caller hears so now.
             raise EndpointDown(f"endpoint {ep.name}: {refused[0]}") from refused[0]
+        return bid
 
     def express_done_possible(self) -> bool:
         """Whether the thread that sees a one-batch transfer finish may send its "done": on a

@@ -280,6 +280,16 @@ def _add_bench(sub: Any) -> None:
         metavar="N",
         help="instead: rounds of N requests sent at once against rounds of one (aggregate bandwidth)",
     )
+    lw = p.add_argument_group("layer-wise", "--layerwise: whole-request against layer-wise sends (docs/layerwise.md)")
+    lw.add_argument(
+        "--layerwise", action="store_true", help="instead: compute layers here and send whole and layer-wise"
+    )
+    lw.add_argument(
+        "--compute-ms-per-layer", type=float, default=10.0, help="simulated prefill compute per layer (default 10)"
+    )
+    lw.add_argument(
+        "--compute", choices=("busy", "matmul"), default="busy", help="how compute is simulated (default busy)"
+    )
     sweep = p.add_argument_group("sweep", "--sweep: a grid of workloads, every path side by side (docs/performance.md)")
     sweep.add_argument("--sweep", action="store_true", help="instead: run the grid (full size unless --quick)")
     sweep.add_argument("--quick", action="store_true", help="the sweep's small grid (a few minutes)")
@@ -459,6 +469,22 @@ def bench_cmd(args: argparse.Namespace) -> int:
                 "--in-flight runs between one prefill and one decode rank, not with --prefill-tp/--decode-tp"
             )
         return _bench_tp(args, workload)
+    if args.layerwise:
+        from kvtransport.tools import bench_layerwise
+
+        if args.in_flight is not None or args.compare:
+            raise KVTransportError("--layerwise runs alone: not with --in-flight or --compare")
+        with native_stdout_to_stderr():
+            doc = bench_layerwise.run(
+                workload,
+                args.compute_ms_per_layer,
+                compute=args.compute,
+                driver=args.driver,
+                timeout=args.timeout,
+                progress=sys.stderr,
+            )
+        print(json.dumps(doc, indent=2) if args.json else bench_layerwise.render(doc))
+        return 0 if doc["integrity"]["ok"] else 1
     if args.in_flight is not None:
         from kvtransport.tools.bench import in_flight, render_in_flight
 

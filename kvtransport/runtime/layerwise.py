@@ -1,0 +1,182 @@
+"""A layer-wise send: one chunk of a sending transfer's pages, posted layer group by layer group
+as prefill computes the layers (``Transfer.send_layerwise``; docs/layerwise.md).
+
+The caller marks each layer ready with :meth:`LayerStream.layer_ready`: at once (host KV, or a
+layer whose kernels already finished), or once a readiness signal fires (``after``: a CUDA
+event recorded after the layer's last kernel, or any ``() -> bool``), which the endpoint's
+readiness watcher (``runtime.readiness``) waits for off the caller's thread. The stream's
+:class:`~kvtransport.runtime.layer_groups.Grouper` decides when the ready layers go out as a
+group; each group is planned over its layers' KV regions only and handed to the transfer's
+driver as a batch of its own, so every driver (one-sided, staged, local) takes part with no
+change: a group is just a batch.
+
+The receiver sees nothing new: its Success still comes once every byte of every group (and
+the aux slot and state items, which ride with the stream's last group) is in its pool. Aborts
+and timeouts are the transfer's: a group marked after the transfer failed raises its error and
+posts nothing; the Transferring timeout restarts at each group, so a sender that never marks
+its last layer fails after ``Timeouts.transfer``; an abort stops the groups already posted
+before the receiver hears "drained", as for any chunk.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from kvtransport.runtime.layer_groups import Grouper
+from kvtransport.spi.errors import KVTransportError
+
+if TYPE_CHECKING:
+    from kvtransport.runtime.planning import Chunk
+    from kvtransport.runtime.readiness import ReadinessWatcher
+
+log = logging.getLogger(__name__)
+
+#: Weight of the newest sample in the stream's running averages (mark interval, post time).
+EWMA = 0.5
+
+
+class StreamTransfer(Protocol):
+    """What the stream reads of its transfer (``runtime.handles.Transfer``)."""
+
+    tag: str
+    error: KVTransportError | None
+    batches: set[int]
+
+    @property
+    def state(self) -> Any: ...
+    def abort(self, reason: str = ...) -> None: ...
+
+
+class StreamOwner(Protocol):
+    """What the stream needs of its session (``runtime.session.Session``)."""
+
+    def send_group(self, transfer: Any, chunk: Chunk, kv: Sequence[int], tail: bool, closes: bool) -> int: ...
+    def readiness(self) -> ReadinessWatcher: ...
+
+
+@dataclass(frozen=True)
+class PostedGroup:
+    """A group the stream handed to the driver: its layers, batch id (0: nothing of it was this
+    side's to write), and when it was posted (``time.perf_counter``)."""
+
+    layers: tuple[int, ...]
+    batch: int
+    posted_at: float
+
+
+class LayerStream:
+    """One chunk of a sending transfer, layer by layer (module docstring). Any thread may mark
+    layers; marks are taken one at a time."""
+
+    def __init__(
+        self,
+        owner: StreamOwner,
+        transfer: StreamTransfer,
+        chunk: Chunk,
+        last: bool,
+        region_layers: Sequence[int],
+        grouper: Grouper,
+    ) -> None:
+        self._owner = owner
+        self._transfer = transfer
+        self._chunk = chunk
+        self._last = last
+        layers = range(grouper.num_layers)
+        self._regions_of = [[i for i, x in enumerate(region_layers) if x == layer] for layer in layers]
+        self._grouper = grouper
+        self._lock = threading.Lock()
+        self._last_mark = 0.0
+        self._interval = 0.0
+        self._post_s = 0.0
+        self.groups: list[PostedGroup] = []
+
+    @property
+    def num_layers(self) -> int:
+        return self._grouper.num_layers
+
+    @property
+    def whole(self) -> bool:
+        """Below the policy's minimum length: one batch, once every layer is ready."""
+        return self._grouper.whole
+
+    @property
+    def complete(self) -> bool:
+        """Every layer was posted."""
+        return self._grouper.complete
+
+    def layer_ready(self, layer: int, after: Any = None) -> None:
+        """Layer ``layer``'s KV of this chunk is in place: now, or (``after``) once that signal
+        fires: an object with ``query() -> bool`` (a CUDA event recorded after the layer's last
+        kernel) or a ``() -> bool``. Raises the transfer's error once it failed (nothing more
+        is posted then), and :class:`~kvtransport.spi.errors.ConfigError` for a layer that is
+        not one of the layout's or was marked before."""
+        if after is None:
+            self._mark(layer)
+            return
+        ready = _signal(after)
+        self._check(layer)
+        transfer = self._transfer
+
+        def fired() -> None:
+            try:
+                self._mark(layer)
+            except KVTransportError as exc:
+                if not transfer.state.final:
+                    transfer.abort(f"layer {layer} could not be sent: {exc}")
+
+        self._owner.readiness().watch(ready, fired, lambda: bool(transfer.state.final))
+
+    def layers_ready(self, layers: Iterable[int], after: Any = None) -> None:
+        """:meth:`layer_ready` for each of ``layers`` (``after``: one signal for all of them)."""
+        for layer in layers:
+            self.layer_ready(layer, after)
+
+    def _check(self, layer: int) -> None:
+        transfer = self._transfer
+        if transfer.state.final:
+            raise transfer.error or KVTransportError(f"transfer {transfer.tag!r} already finished")
+        g = self._grouper
+        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < g.num_layers:
+            from kvtransport.spi.errors import ConfigError
+
+            raise ConfigError(f"layer {layer!r} is not one of this send's layers [0, {g.num_layers})")
+
+    def _mark(self, layer: int) -> None:
+        self._check(layer)
+        transfer = self._transfer
+        with self._lock:
+            now = time.perf_counter()
+            if self._last_mark:
+                gap = now - self._last_mark
+                self._interval = gap if not self._interval else EWMA * gap + (1 - EWMA) * self._interval
+            self._last_mark = now
+            in_flight = transfer.batches
+            backlog = sum(1 for g in self.groups if g.batch and g.batch in in_flight)
+            share = self._post_s / self._interval if self._interval > 0 else 0.0
+            group = self._grouper.mark(layer, backlog=backlog, post_share=share)
+            if group is None:
+                return
+            kv = sorted(i for x in group for i in self._regions_of[x])
+            closes = self._grouper.complete
+            start = time.perf_counter()
+            bid = self._owner.send_group(transfer, self._chunk, kv, closes and self._last, closes)
+            took = time.perf_counter() - start
+            self._post_s = took if not self._post_s else EWMA * took + (1 - EWMA) * self._post_s
+            self.groups.append(PostedGroup(group, bid, start))
+            log.debug("transfer %r: layers %s posted (batch %d, %.3g ms to post)", transfer.tag, group, bid, took * 1e3)
+
+
+def _signal(after: Any) -> Callable[[], bool]:
+    query = getattr(after, "query", None)
+    if callable(query):
+        return lambda: bool(query())
+    if callable(after):
+        return lambda: bool(after())
+    raise KVTransportError(
+        f"after={after!r}: give a CUDA event (anything with query()) or a callable returning True once ready"
+    )
