@@ -20,9 +20,11 @@ import re
 
 #: The conformance tests a driver's first variant runs in the fast tier: a verified write, a
 #: chunked send with its aux slot, an abort with writes in flight confirmed drained, and
-#: nothing written for bad pages. Every test, on every variant, runs in the full tier.
+#: nothing written for bad pages, and a layer-wise send. Every test, on every variant, runs in
+#: the full tier.
 CONFORMANCE_CORE = (
     "test_write_and_verify_bytes",
+    "test_layerwise_groups_out_of_order_and_in_flight",
     "test_chunked_send_with_aux",
     "test_an_abort_with_writes_in_flight_is_confirmed_drained",
     "test_bad_pages_submit_nothing",

@@ -131,6 +131,9 @@ class Transfer:
         #: the transfer's last part is the one that leaves none.
         self.open_streams = 0
         self.parts = 0  # chunks and layer groups planned so far
+        #: Caller threads: the reason the caller aborted it, set before the abort is queued,
+        #: so that nothing is planned or posted after :meth:`abort` returned.
+        self.aborted_by_caller = ""
         # I/O thread
         self.last_sent = False  # the last chunk was handed to the driver
         self.batches: set[int] = set()  # batch ids in the driver, not finished yet
@@ -224,7 +227,10 @@ class Transfer:
         return self._session.send_layerwise(self, src_pages, last, aux, state, policy, region_layers)
 
     def abort(self, reason: str = "aborted by the caller") -> None:
-        """Fail this transfer here and at the peer."""
+        """Fail this transfer here and at the peer. Once it returns, nothing more of it is
+        sent: a later :meth:`send` (or a layer-wise send's next group) raises
+        :class:`~kvtransport.spi.errors.TransferAborted`."""
+        self.aborted_by_caller = reason or "aborted by the caller"
         self._session.abort_from_caller(self, reason)
 
     # -- I/O thread ------------------------------------------------------------------------

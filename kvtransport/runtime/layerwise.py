@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvtransport.runtime.layer_groups import Grouper
-from kvtransport.spi.errors import KVTransportError
+from kvtransport.spi.errors import ConfigError, KVTransportError, TransferAborted
 
 if TYPE_CHECKING:
     from kvtransport.runtime.planning import Chunk
@@ -46,6 +46,7 @@ class StreamTransfer(Protocol):
     tag: str
     error: KVTransportError | None
     batches: set[int]
+    aborted_by_caller: str
 
     @property
     def state(self) -> Any: ...
@@ -129,7 +130,7 @@ class LayerStream:
                 if not transfer.state.final:
                     transfer.abort(f"layer {layer} could not be sent: {exc}")
 
-        self._owner.readiness().watch(ready, fired, lambda: bool(transfer.state.final))
+        self._owner.readiness().watch(ready, fired, lambda: bool(transfer.state.final or transfer.aborted_by_caller))
 
     def layers_ready(self, layers: Iterable[int], after: Any = None) -> None:
         """:meth:`layer_ready` for each of ``layers`` (``after``: one signal for all of them)."""
@@ -140,10 +141,10 @@ class LayerStream:
         transfer = self._transfer
         if transfer.state.final:
             raise transfer.error or KVTransportError(f"transfer {transfer.tag!r} already finished")
+        if transfer.aborted_by_caller:
+            raise TransferAborted(f"transfer {transfer.tag!r} was aborted: {transfer.aborted_by_caller}")
         g = self._grouper
         if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < g.num_layers:
-            from kvtransport.spi.errors import ConfigError
-
             raise ConfigError(f"layer {layer!r} is not one of this send's layers [0, {g.num_layers})")
 
     def _mark(self, layer: int) -> None:

@@ -399,6 +399,8 @@ class Session:
     def _check_sendable(self, transfer: Transfer) -> None:
         if transfer.state.final:
             raise transfer.error or KVTransportError(f"transfer {transfer.tag!r} already finished")
+        if transfer.aborted_by_caller:
+            raise TransferAborted(f"transfer {transfer.tag!r} was aborted: {transfer.aborted_by_caller}")
         if transfer.dst_pages is None:
             raise KVTransportError(
                 f"transfer {transfer.tag!r} is {transfer.state.name}: the receiver has not announced "

@@ -31,8 +31,9 @@ import pytest
 
 from kvtransport.negotiation.registry import load_driver
 from kvtransport.runtime.endpoint import Connection, Endpoint, State, Timeouts
+from kvtransport.runtime.layer_groups import LayerwisePolicy
 from kvtransport.spi.driver import KVTransport
-from kvtransport.spi.errors import InvalidPages, PeerLost, TransferAborted
+from kvtransport.spi.errors import InvalidPages, PeerLost, TransferAborted, TransferTimeout
 from kvtransport.testing.fake import FakeDriver
 from kvtransport.tools.kv_pool import KVPool
 from kvtransport.tools.peer_process import PeerProcess
@@ -54,6 +55,9 @@ __all__ = [
     "test_no_handle_left_after_finish_or_abort",
     "test_writes_touch_only_the_announced_pages",
     "test_close_is_idempotent_and_never_raises",
+    "test_layerwise_groups_out_of_order_and_in_flight",
+    "test_layerwise_abort_between_groups",
+    "test_layerwise_sender_that_never_marks_its_last_layer_times_out",
     "pair",
 ]
 
@@ -88,6 +92,7 @@ class Pair:
     pool: KVPool
     conn: Connection
     peer: PeerProcess
+    driver: DriverUnderTest | None = None
 
 
 @pytest.fixture
@@ -132,7 +137,7 @@ def pair(conformance_driver: DriverUnderTest) -> Iterator[Pair]:
         decision = peer.call("connect", address=local.address)["decision"]
         assert decision["driver"] == conformance_driver.name
         conn = local.accept(10)
-        yield Pair(local, pool, conn, peer)
+        yield Pair(local, pool, conn, peer, conformance_driver)
     finally:
         peer.close()
         local.close()
@@ -414,3 +419,104 @@ def test_close_is_idempotent_and_never_raises(pair: Pair) -> None:
     for driver in drivers:
         driver.close()  # a second close of every driver instance
         assert driver.pending() == 0
+
+
+#: Layer-wise sends in the suite: every layer its own group, whatever the request's length,
+#: so that each layer is a batch of its own.
+EVERY_LAYER = LayerwisePolicy(min_tokens=0, first_group=1, adaptive=False)
+
+
+def _layer_regions(p: Pair, layers: list[int]) -> list[int]:
+    """The KV regions of ``layers`` in the suite's pools (every layer's K, then every V)."""
+    n = p.pool.layout.num_layers
+    return [i for i in range(LAYERS) if i % n in layers]
+
+
+def test_layerwise_groups_out_of_order_and_in_flight(pair: Pair) -> None:
+    """A layer-wise send (``Transfer.send_layerwise``): the last layer marked first, the first
+    while the last's batch is likely still in flight; each is a batch of its own, the aux
+    slot rides with the last group, and every byte of every region lands."""
+    src, dst = list(range(0, 256)), list(range(256, 512))
+    pair.peer.call("poison", pages=dst)
+    pair.peer.call("expect", transfers={"lw": dst}, aux={"lw": 3})
+    t = pair.conn.sender("lw")
+    while t.state is State.BOOTSTRAPPING:
+        time.sleep(0.001)
+    stream = t.send_layerwise(src, aux=6, policy=EVERY_LAYER)
+    n = stream.num_layers
+    assert n == pair.pool.layout.num_layers >= 2
+    for layer in reversed(range(n)):
+        stream.layer_ready(layer)
+    assert [g.layers for g in stream.groups] == [(layer,) for layer in reversed(range(n))]
+    assert all(g.batch for g in stream.groups), "each group is a batch of its own"
+    assert t.wait(30) is State.SUCCESS
+    assert pair.peer.call("wait", tags=["lw"], timeout=30)["states"]["lw"][0] == "SUCCESS"
+    assert pair.peer.call("digests", pages=dst)["digests"] == pair.pool.page_digests(src)
+    assert pair.peer.call("aux_digest", slot=3)["digest"] == pair.pool.aux_digest(6)
+
+
+def test_layerwise_abort_between_groups(pair: Pair) -> None:
+    """An abort after the first group: the receiver fails and hears "drained"; the next
+    layer's mark raises the abort and posts nothing, so the layers not yet sent keep the
+    receiver's bytes, then and later."""
+    src, dst = list(range(0, 128)), list(range(300, 428))
+    pair.peer.call("poison", pages=dst)
+    later = _layer_regions(pair, [1])
+    untouched = pair.peer.call("digests", pages=dst, regions=later)["digests"]
+    pair.peer.call("expect", transfers={"lw-abort": dst})
+    t = pair.conn.sender("lw-abort")
+    while t.state is State.BOOTSTRAPPING:
+        time.sleep(0.001)
+    stream = t.send_layerwise(src, policy=EVERY_LAYER)
+    stream.layer_ready(0)
+    t.abort("conformance: aborted between layer groups")
+    with pytest.raises(TransferAborted):
+        stream.layer_ready(1)
+    assert len(stream.groups) == 1
+    deadline = time.monotonic() + 30
+    while not (state := pair.peer.call("state", tags=["lw-abort"])["states"]["lw-abort"])[3]:
+        assert state[0] in ("FAILED", "WAITING_FOR_INPUT", "TRANSFERRING"), state
+        assert time.monotonic() < deadline, f"the receiver was never told the writes stopped: {state}"
+        time.sleep(0.01)
+    assert state[0] == "FAILED", state
+    assert pair.peer.call("digests", pages=dst, regions=later)["digests"] == untouched
+    time.sleep(0.2)
+    assert pair.peer.call("digests", pages=dst, regions=later)["digests"] == untouched
+    mine, _ = _settled(pair)
+    assert mine["handles"] == 0, mine
+
+
+def test_layerwise_sender_that_never_marks_its_last_layer_times_out(pair: Pair) -> None:
+    """A layer-wise sender that marks all but its last layer fails with the Transferring
+    timeout, and so does its receiver; nothing hangs."""
+    assert pair.driver is not None
+    pair.local.close()  # one prefill endpoint over this pool at a time (a driver may key peers by it)
+    short = Endpoint(
+        pair.pool.regions,
+        pair.pool.layout,
+        drivers=pair.driver.classes(),
+        name="prefill-short",
+        driver_options=pair.driver.options,
+        timeouts=Timeouts(transfer=1.0, heartbeat_interval=0.2, heartbeat_timeout=2.0),
+    )
+    try:
+        pair.peer.call("connect", address=short.address)
+        conn = short.accept(10)
+        dst = list(range(40, 72))
+        pair.peer.call("expect", transfers={"lw-stuck": dst})  # on the newest connection
+        t = conn.sender("lw-stuck")
+        while t.state is State.BOOTSTRAPPING:
+            time.sleep(0.001)
+        stream = t.send_layerwise(list(range(32)), policy=EVERY_LAYER)
+        for layer in range(stream.num_layers - 1):
+            stream.layer_ready(layer)
+        start = time.monotonic()
+        with pytest.raises(TransferTimeout):
+            t.wait(10)
+        assert time.monotonic() - start < 5
+        state = pair.peer.call("wait", tags=["lw-stuck"], timeout=10)["states"]["lw-stuck"]
+        assert state[0] == "FAILED", state
+        with pytest.raises(TransferTimeout):
+            stream.layer_ready(stream.num_layers - 1)
+    finally:
+        short.close()

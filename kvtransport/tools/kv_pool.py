@@ -144,12 +144,14 @@ class KVPool:
         for b in self.state_buffers[group]:
             b.array.reshape(-1, item_len)[idx] = 0x5A
 
-    def page_digests(self, pages: list[int]) -> list[int]:
-        """crc32 of each page across every layer (order matters)."""
+    def page_digests(self, pages: list[int], regions: list[int] | None = None) -> list[int]:
+        """crc32 of each page across every layer (order matters); ``regions``: across those
+        KV regions only (a layer-wise send's groups)."""
         out = []
+        buffers = self.buffers if regions is None else [self.buffers[i] for i in regions]
         for p in pages:
             crc = 0
-            for b in self.buffers:
+            for b in buffers:
                 start = p * self.item_len
                 if isinstance(b, DeviceBuffer):
                     crc = zlib.crc32(b.read(start, self.item_len), crc)

@@ -205,7 +205,7 @@ def _run(cmd: dict[str, Any], session: _Session) -> dict[str, Any]:
     if op == "cpus":
         return {"cpus": process_cpus()}
     if op == "digests":
-        return {"digests": pool.page_digests(cmd["pages"])}
+        return {"digests": pool.page_digests(cmd["pages"], cmd.get("regions"))}
     if op == "aux_digest":
         return {"digest": pool.aux_digest(cmd["slot"])}
     if op == "state_digests":
