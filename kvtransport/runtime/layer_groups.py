@@ -30,7 +30,7 @@ from kvtransport.spi.errors import ConfigError
 from kvtransport.spi.memory import KVLayout, RegionSet
 
 #: Below this many tokens a request goes in one batch (measured: docs/layerwise.md).
-DEFAULT_MIN_TOKENS = 512
+DEFAULT_MIN_TOKENS = 128
 #: A group is merged with the next when posting it took more than this share of the time
 #: between two layers' marks.
 POST_SHARE = 0.25

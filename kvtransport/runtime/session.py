@@ -391,7 +391,10 @@ class Session:
             transfer.parts += 1
             if closes:
                 transfer.open_streams -= 1
-            return self._submit(transfer, runs, closes and transfer.last_planned and not transfer.open_streams)
+            last = closes and transfer.last_planned and not transfer.open_streams
+            # Never on the marking thread: it is the one that computes (or launches) the next
+            # layer, and an engine may copy inside submit (UCX's shared memory does).
+            return self._submit(transfer, runs, last, inline=False)
 
     def readiness(self) -> ReadinessWatcher:
         return self.endpoint.readiness()
@@ -407,9 +410,10 @@ class Session:
                 "its pages yet; poll until WAITING_FOR_INPUT"
             )
 
-    def _submit(self, transfer: Transfer, runs: Runs, last: bool) -> int:
+    def _submit(self, transfer: Transfer, runs: Runs, last: bool, *, inline: bool = True) -> int:
         """Hand one part of ``transfer`` (a chunk, a layer group) to its lane's driver;
-        ``last``: nothing of the transfer follows. Under the transfer's ``plan_lock``."""
+        ``last``: nothing of the transfer follows; ``inline``: a small part may be submitted
+        on this thread. Under the transfer's ``plan_lock``."""
         ep = self.endpoint
         bid = ep.next_batch_id() if len(runs) else 0
         lane = transfer.lane
@@ -460,7 +464,7 @@ class Session:
             if error is not None and bid:
                 self.run(self.protocol.batch_failed(transfer, bid, error))
 
-        if runs.total_bytes <= ep.limits.inline_submit_bytes:
+        if inline and runs.total_bytes <= ep.limits.inline_submit_bytes:
             # On this thread when the driver allows it and its thread is idle: a small request
             # then reaches the engine with no thread hop.
             lane.runner.call_here(submit, failed)
