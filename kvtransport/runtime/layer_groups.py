@@ -123,6 +123,14 @@ def region_layers(layout: KVLayout, regions: RegionSet, stated: Sequence[int] | 
     return layers
 
 
+def regions_by_layer(layers: Sequence[int], num_layers: int) -> tuple[tuple[int, ...], ...]:
+    """The KV regions of each layer, from the layer of each region (``region_layers``)."""
+    out: list[list[int]] = [[] for _ in range(num_layers)]
+    for region, layer in enumerate(layers):
+        out[layer].append(region)
+    return tuple(tuple(r) for r in out)
+
+
 class Grouper:
     """The grouping of one layer-wise send of ``tokens`` tokens over ``num_layers`` layers
     (module docstring). Not thread-safe: its stream calls it under its own lock."""

@@ -56,7 +56,9 @@ class StreamTransfer(Protocol):
 class StreamOwner(Protocol):
     """What the stream needs of its session (``runtime.session.Session``)."""
 
-    def send_group(self, transfer: Any, chunk: Chunk, kv: Sequence[int], tail: bool, closes: bool) -> int: ...
+    def send_group(
+        self, transfer: Any, chunk: Chunk, kv: Sequence[int] | None, tail: bool, closes: bool, *, whole: bool = False
+    ) -> int: ...
     def readiness(self) -> ReadinessWatcher: ...
 
 
@@ -80,15 +82,15 @@ class LayerStream:
         transfer: StreamTransfer,
         chunk: Chunk,
         last: bool,
-        region_layers: Sequence[int],
+        regions_of: Sequence[Sequence[int]],
         grouper: Grouper,
     ) -> None:
         self._owner = owner
         self._transfer = transfer
         self._chunk = chunk
         self._last = last
-        layers = range(grouper.num_layers)
-        self._regions_of = [[i for i, x in enumerate(region_layers) if x == layer] for layer in layers]
+        #: The KV regions of each layer (``layer_groups.regions_by_layer``).
+        self._regions_of = regions_of
         self._grouper = grouper
         self._lock = threading.Lock()
         self._last_mark = 0.0
@@ -116,60 +118,74 @@ class LayerStream:
         kernel) or a ``() -> bool``. Raises the transfer's error once it failed (nothing more
         is posted then), and :class:`~kvtransport.spi.errors.ConfigError` for a layer that is
         not one of the layout's or was marked before."""
+        self._ready((layer,), after)
+
+    def layers_ready(self, layers: Iterable[int], after: Any = None) -> None:
+        """:meth:`layer_ready` for each of ``layers``, taken as one mark (``after``: one signal
+        for all of them): cheaper than a call per layer when several are ready at once."""
+        self._ready(tuple(layers), after)
+
+    def _ready(self, layers: tuple[int, ...], after: Any) -> None:
         if after is None:
-            self._mark(layer)
+            self._mark(layers)
             return
         ready = _signal(after)
-        self._check(layer)
+        self._check(layers)
         transfer = self._transfer
 
         def fired() -> None:
             try:
-                self._mark(layer)
+                self._mark(layers)
             except KVTransportError as exc:
                 if not transfer.state.final:
-                    transfer.abort(f"layer {layer} could not be sent: {exc}")
+                    transfer.abort(f"layers {list(layers)[:8]} could not be sent: {exc}")
 
         self._owner.readiness().watch(ready, fired, lambda: bool(transfer.state.final or transfer.aborted_by_caller))
 
-    def layers_ready(self, layers: Iterable[int], after: Any = None) -> None:
-        """:meth:`layer_ready` for each of ``layers`` (``after``: one signal for all of them)."""
-        for layer in layers:
-            self.layer_ready(layer, after)
-
-    def _check(self, layer: int) -> None:
+    def _check(self, layers: tuple[int, ...]) -> None:
         transfer = self._transfer
         if transfer.state.final:
             raise transfer.error or KVTransportError(f"transfer {transfer.tag!r} already finished")
         if transfer.aborted_by_caller:
             raise TransferAborted(f"transfer {transfer.tag!r} was aborted: {transfer.aborted_by_caller}")
-        g = self._grouper
-        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < g.num_layers:
-            raise ConfigError(f"layer {layer!r} is not one of this send's layers [0, {g.num_layers})")
+        n = self._grouper.num_layers
+        for layer in layers:
+            if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < n:
+                raise ConfigError(f"layer {layer!r} is not one of this send's layers [0, {n})")
 
-    def _mark(self, layer: int) -> None:
-        self._check(layer)
+    def _mark(self, layers: tuple[int, ...]) -> None:
+        self._check(layers)
         transfer = self._transfer
+        grouper = self._grouper
         with self._lock:
             now = time.perf_counter()
             if self._last_mark:
                 gap = now - self._last_mark
                 self._interval = gap if not self._interval else EWMA * gap + (1 - EWMA) * self._interval
             self._last_mark = now
-            in_flight = transfer.batches
-            backlog = sum(1 for g in self.groups if g.batch and g.batch in in_flight)
-            share = self._post_s / self._interval if self._interval > 0 else 0.0
-            group = self._grouper.mark(layer, backlog=backlog, post_share=share)
-            if group is None:
-                return
-            kv = sorted(i for x in group for i in self._regions_of[x])
-            closes = self._grouper.complete
-            start = time.perf_counter()
-            bid = self._owner.send_group(transfer, self._chunk, kv, closes and self._last, closes)
-            took = time.perf_counter() - start
-            self._post_s = took if not self._post_s else EWMA * took + (1 - EWMA) * self._post_s
-            self.groups.append(PostedGroup(group, bid, start))
-            log.debug("transfer %r: layers %s posted (batch %d, %.3g ms to post)", transfer.tag, group, bid, took * 1e3)
+            for layer in layers:
+                if grouper.whole:
+                    group = grouper.mark(layer)  # one batch at the end: nothing to measure
+                else:
+                    in_flight = transfer.batches
+                    backlog = sum(1 for g in self.groups if g.batch and g.batch in in_flight)
+                    share = self._post_s / self._interval if self._interval > 0 else 0.0
+                    group = grouper.mark(layer, backlog=backlog, post_share=share)
+                if group is not None:
+                    self._post(group)
+
+    def _post(self, group: tuple[int, ...]) -> None:
+        grouper, transfer = self._grouper, self._transfer
+        # Every layer at once (a short request): the session's plan of all regions.
+        every = len(group) == grouper.num_layers
+        kv = None if every else sorted(i for x in group for i in self._regions_of[x])
+        closes = grouper.complete
+        start = time.perf_counter()
+        bid = self._owner.send_group(transfer, self._chunk, kv, closes and self._last, closes, whole=grouper.whole)
+        took = time.perf_counter() - start
+        self._post_s = took if not self._post_s else EWMA * took + (1 - EWMA) * self._post_s
+        self.groups.append(PostedGroup(group, bid, start))
+        log.debug("transfer %r: layers %s posted (batch %d, %.3g ms to post)", transfer.tag, group, bid, took * 1e3)
 
 
 def _signal(after: Any) -> Callable[[], bool]:

@@ -50,7 +50,7 @@ from kvtransport.runtime.driver_side import SessionDrivers
 from kvtransport.runtime.express_link import ORDERED_KINDS
 from kvtransport.runtime.handles import RECV, SEND, Connection, State, Transfer
 from kvtransport.runtime.lane import Lane
-from kvtransport.runtime.layer_groups import Grouper, LayerwisePolicy
+from kvtransport.runtime.layer_groups import Grouper, LayerwisePolicy, regions_by_layer
 from kvtransport.runtime.layer_groups import region_layers as region_layers_of
 from kvtransport.runtime.layerwise import LayerStream
 from kvtransport.runtime.ordered import OrderedStream
@@ -159,6 +159,8 @@ class Session:
         #: This side's KV paired with the peer's, for planning (made at its first use, after
         #: the handshake set the peer's regions and hello).
         self._plan: PairPlan | None = None
+        #: The KV regions of each layer, for layer-wise sends (made at the first one).
+        self._regions_of: tuple[tuple[int, ...], ...] | None = None
         self.peer_hello: Hello | None = None
         #: One per driver of the decision's lanes, the chosen driver's first (set at handshake).
         self.lanes: dict[str, Lane] = {}
@@ -369,7 +371,13 @@ class Session:
         self._check_sendable(transfer)
         ep = self.endpoint
         policy = policy if policy is not None else LayerwisePolicy.from_env()
-        layers = region_layers_of(ep.layout, ep.regions, region_layers)
+        if region_layers is None:
+            regions_of = self._regions_of
+            if regions_of is None:  # once per connection: the layout does not change
+                layers = region_layers_of(ep.layout, ep.regions)
+                regions_of = self._regions_of = regions_by_layer(layers, ep.layout.num_layers)
+        else:
+            regions_of = regions_by_layer(region_layers_of(ep.layout, ep.regions, region_layers), ep.layout.num_layers)
         with transfer.plan_lock:
             if transfer.last_planned:
                 raise KVTransportError(f"transfer {transfer.tag!r}: the last chunk was already sent")
@@ -379,12 +387,23 @@ class Session:
             transfer.last_planned = last
             transfer.open_streams += 1
         tokens = (chunk.stop - chunk.start) * max(1, ep.layout.page_size)
-        return LayerStream(self, transfer, chunk, last, layers, Grouper(ep.layout.num_layers, tokens, policy))
+        return LayerStream(self, transfer, chunk, last, regions_of, Grouper(ep.layout.num_layers, tokens, policy))
 
-    def send_group(self, transfer: Transfer, chunk: Chunk, kv: Sequence[int], tail: bool, closes: bool) -> int:
+    def send_group(
+        self,
+        transfer: Transfer,
+        chunk: Chunk,
+        kv: Sequence[int] | None,
+        tail: bool,
+        closes: bool,
+        *,
+        whole: bool = False,
+    ) -> int:
         """Any thread (a layer-wise stream's): plan chunk ``chunk``'s pages in KV regions ``kv``
         (with its aux slot and state items when ``tail``) and hand them to the driver;
-        ``closes``: the stream's last group. Returns the batch id (0: nothing to write)."""
+        ``closes``: the stream's last group; ``whole``: the stream's only group (a request
+        below the minimum length), sent as a whole-request send would be. Returns the batch
+        id (0: nothing to write)."""
         self._check_sendable(transfer)
         with transfer.plan_lock:
             runs = self.plan.part_runs(chunk, kv, tail=tail)
@@ -392,9 +411,10 @@ class Session:
             if closes:
                 transfer.open_streams -= 1
             last = closes and transfer.last_planned and not transfer.open_streams
-            # Never on the marking thread: it is the one that computes (or launches) the next
-            # layer, and an engine may copy inside submit (UCX's shared memory does).
-            return self._submit(transfer, runs, last, inline=False)
+            # Never on the marking thread while layers are still to come: it is the one that
+            # computes (or launches) them, and an engine may copy inside submit (UCX's shared
+            # memory does). A request in one group goes as a whole-request send does.
+            return self._submit(transfer, runs, last, inline=whole)
 
     def readiness(self) -> ReadinessWatcher:
         return self.endpoint.readiness()

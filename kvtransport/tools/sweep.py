@@ -149,6 +149,10 @@ PeerFactory = Callable[[list[str]], Peer]
 PATH_ERRORS = (KVTransportError, RuntimeError, TimeoutError, OSError)
 
 
+#: The path of the negotiated choice sent layer-wise (``Grid.layerwise``).
+LAYERWISE = "layerwise:choice"
+
+
 @dataclass
 class Sweep:
     grid: Grid
@@ -346,6 +350,8 @@ class Sweep:
         grid, n, k = self.grid, point.pages(), point.in_flight
         round_bytes = k * layout.request_bytes(n)
         results: dict[str, PathResult] = {p.label: PathResult("kvtransport") for p in pairs}
+        if grid.layerwise and "choice" in {p.label for p in pairs}:
+            results[LAYERWISE] = PathResult("layerwise")
         for engine in raws:
             results[f"raw:{engine}"] = PathResult("raw")
             results[f"naive:{engine}"] = PathResult("naive")
@@ -382,6 +388,12 @@ class Sweep:
                     if result.kind == "kvtransport":
                         assert pair is not None
                         self._kvtransport_round(pair, work, result, idle_here, timed=timed)
+                    elif result.kind == "layerwise":
+                        pair = by_label["choice"]
+                        if pair.broken:
+                            result.error = pair.broken
+                            continue
+                        self._kvtransport_round(pair, work, result, idle_here, timed=timed, layerwise=True)
                     elif result.kind in ("raw", "naive"):
                         raw, pair = raws[label.partition(":")[2]]
                         if pair.broken:
@@ -404,7 +416,7 @@ class Sweep:
         return doc
 
     def _kvtransport_round(
-        self, pair: Pair, work: _Round, result: PathResult, idle_here: float, *, timed: bool
+        self, pair: Pair, work: _Round, result: PathResult, idle_here: float, *, timed: bool, layerwise: bool = False
     ) -> None:
         peer, conn, timeout = pair.peer, pair.conn, self.timeout
         self._rounds += 1
@@ -419,7 +431,12 @@ class Sweep:
         before = time.process_time()
         start = time.monotonic()
         for j, s in enumerate(senders):
-            s.send(work.src[j], last=True, state=work.state_of(work.src_slots, j) if work.groups else None)
+            items = work.state_of(work.src_slots, j) if work.groups else None
+            if layerwise:
+                stream = s.send_layerwise(work.src[j], state=items)
+                stream.layers_ready(range(stream.num_layers))
+            else:
+                s.send(work.src[j], last=True, state=items)
         # Our side first, with the whole timeout: the peer's own wait is short (its default),
         # and a transfer still running when a round gives up would write into the pages the
         # next round poisons and checks.

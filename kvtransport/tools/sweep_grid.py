@@ -39,6 +39,10 @@ class Grid:
     drivers: tuple[str, ...] | None = None
     #: Raw engines on kvtransport's descriptors and on one descriptor per page.
     baselines: bool = True
+    #: The negotiated choice again, each request sent layer-wise (``Transfer.send_layerwise``,
+    #: the default policy) with every layer marked at once: what layer-wise posting costs when
+    #: there is no compute to overlap (``bench --layerwise`` measures the overlap).
+    layerwise: bool = True
     #: The most KV and state memory one process's pool may take at a layout (``None``: a share
     #: of this host's available memory, :func:`auto_pool_cap`).
     max_pool_bytes: int | None = None

@@ -46,6 +46,8 @@ def verdicts(paths: dict[str, dict[str, Any]]) -> dict[str, Any]:
         out["best_forced"] = best
         if gbps(best) and gbps("choice"):
             out["ratio_choice_best"] = round(gbps("choice") / gbps(best), 3)
+    if gbps("layerwise:choice") and gbps("choice"):
+        out["ratio_layerwise_choice"] = round(gbps("layerwise:choice") / gbps("choice"), 3)
     moving = [label for label, f in paths.items() if f["kind"] != "memcpy" and label in sound]
     if moving and gbps("memcpy"):
         best_any = max(moving, key=gbps)
