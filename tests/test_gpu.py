@@ -11,7 +11,7 @@ from kvtransport.negotiation.registry import load_driver
 from kvtransport.spi.memory import MemoryKind
 from kvtransport.spi.probe import probe_host
 from kvtransport.testing.conformance import *  # noqa: F403
-from kvtransport.testing.conformance import DriverUnderTest
+from kvtransport.testing.conformance import DriverUnderTest, Pair
 
 pytestmark = pytest.mark.skipif(not probe_host().cuda_devices, reason="no CUDA device on this host")
 
@@ -77,3 +77,41 @@ def test_the_cuda_copy_engine_copies_head_slices_as_one_memmove_per_piece_would(
     finally:
         engine.cuda.free(dev)
         engine.close()
+
+
+def test_layers_marked_after_cuda_events_go_once_the_kernels_finished(pair: Pair) -> None:
+    """A layer-wise send on a GPU: each layer marked ready with a CUDA event recorded behind a
+    kernel that runs for a while (``torch.cuda._sleep``), as prefill would record one behind
+    each layer's last kernel. No group is posted before its event completed, the caller's
+    thread never waits for one, and every byte lands."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    import time
+
+    from kvtransport.runtime.endpoint import State
+    from kvtransport.runtime.layer_groups import LayerwisePolicy
+
+    src, dst = list(range(0, 64)), list(range(200, 264))
+    pair.peer.call("expect", transfers={"gpu-lw": dst})
+    t = pair.conn.sender("gpu-lw")
+    while t.state is State.BOOTSTRAPPING:
+        time.sleep(0.001)
+    stream = t.send_layerwise(src, policy=LayerwisePolicy(min_tokens=0, first_group=1, adaptive=False))
+    events = []
+    start = time.perf_counter()
+    for layer in range(stream.num_layers):
+        torch.cuda._sleep(50_000_000)  # tens of ms of GPU time per "layer"
+        event = torch.cuda.Event()
+        event.record()
+        events.append(event)
+        stream.layer_ready(layer, after=event)
+    marked = time.perf_counter() - start
+    assert not all(e.query() for e in events), "the caller went on while the kernels ran"
+    assert len(stream.groups) < stream.num_layers
+    assert t.wait(60) is State.SUCCESS
+    assert marked < 0.05 * stream.num_layers, "marking must not wait for the events"
+    # The first event completes after its kernel's tens of ms, well after every mark returned.
+    assert stream.groups[0].posted_at - start > marked
+    assert pair.peer.call("wait", tags=["gpu-lw"], timeout=30)["states"]["gpu-lw"][0] == "SUCCESS"
+    assert pair.peer.call("digests", pages=dst)["digests"] == pair.pool.page_digests(src)

@@ -45,9 +45,8 @@ CORE_ENV_VARS = frozenset(
         ENV_SECRET,
         ENV_SECRET_FILE,
         ENV_INSECURE,
-        # layer-wise sends (layer_groups), and the SGLang adapter's switch for them
+        # layer-wise sends (layer_groups)
         *LAYERWISE_ENV_VARS,
-        "KVTRANSPORT_LAYERWISE",
         *CONFIG_ENV_VARS,
     }
 )
