@@ -31,7 +31,7 @@ from kvtransport.runtime.layer_groups import Grouper
 from kvtransport.spi.errors import ConfigError, KVTransportError, TransferAborted
 
 if TYPE_CHECKING:
-    from kvtransport.runtime.planning import Chunk
+    from kvtransport.runtime.chunk import Chunk
     from kvtransport.runtime.readiness import ReadinessWatcher
 
 log = logging.getLogger(__name__)

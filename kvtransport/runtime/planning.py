@@ -13,13 +13,13 @@ It does no I/O and keeps no per-transfer state: each call's errors are
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
 from kvtransport.runtime.checks import NO_ITEMS, check_aux, state_items
+from kvtransport.runtime.chunk import Chunk
 from kvtransport.spi.errors import InvalidPages
 from kvtransport.spi.inbound import Claim
 from kvtransport.spi.memory import KVLayout, RegionSet
@@ -28,19 +28,6 @@ from kvtransport.spi.tp_map import EQUAL, PairShape, pair_shape
 
 if TYPE_CHECKING:
     from kvtransport.runtime.handles import Transfer
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """A sending transfer's chunk, checked: its source pages, the receiver's pages they land
-    on (announced pages ``start`` to ``stop``), and the runs of its aux slot and state items
-    (empty unless it is the last chunk)."""
-
-    src: Any
-    dst: Any
-    start: int
-    stop: int
-    tail: Runs
 
 
 class PairPlan:

@@ -46,6 +46,7 @@ from kvtransport.runtime.actions import (
     StopWrites,
 )
 from kvtransport.runtime.checks import check_aux, check_tag, state_items
+from kvtransport.runtime.chunk import Chunk
 from kvtransport.runtime.driver_side import SessionDrivers
 from kvtransport.runtime.express_link import ORDERED_KINDS
 from kvtransport.runtime.handles import RECV, SEND, Connection, State, Transfer
@@ -62,7 +63,7 @@ from kvtransport.runtime.peer_protocol import (
     primary_lane,
     wire_name,
 )
-from kvtransport.runtime.planning import Chunk, PairPlan
+from kvtransport.runtime.planning import PairPlan
 from kvtransport.runtime.tags import TagBook
 from kvtransport.runtime.wire import MAX_INT, Message, encode
 from kvtransport.spi.errors import (
