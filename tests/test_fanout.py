@@ -13,6 +13,7 @@ import pytest
 
 from kvtransport.runtime.endpoint import Connection, Endpoint, State, Timeouts
 from kvtransport.runtime.fanin import FanOut
+from kvtransport.runtime.layer_groups import LayerwisePolicy
 from kvtransport.spi.errors import TransferAborted
 from kvtransport.spi.tp_map import sources, targets
 from kvtransport.testing.fake import FakeDriver
@@ -71,6 +72,37 @@ def test_each_chunk_reaches_every_decode_rank_with_its_heads() -> None:
             assert pools[1 + d].check_heads([5, 6, 11], dst[d]) == ""
         # Each decode rank holds half the heads: the fan-out moved each page's bytes once.
         assert fan.bytes == 3 * 4 * PAGE_TOKENS * HEADS * HEAD_BYTES
+
+
+def test_a_layer_wise_send_reaches_every_decode_rank_with_its_heads() -> None:
+    """``FanOut.send_layerwise``: each mark reaches the stream to every decode rank; each rank
+    gets its heads of every layer, in groups."""
+    with one_to_two() as (pools, send, recv):
+        dst = [[3, 9, 4], [20, 1, 7]]
+        parts = [recv[d].expect(f"lw@{d}", dst[d]) for d in (0, 1)]
+        fan = FanOut("lw", [send[d].sender(f"lw@{d}") for d in (0, 1)])
+        _announced(fan)
+        streams = fan.send_layerwise([5, 6, 11], policy=LayerwisePolicy(min_tokens=0, adaptive=False))
+        assert streams.num_layers == 2
+        streams.layer_ready(1)
+        streams.layer_ready(0)
+        for part in parts:
+            assert part.wait(5) is State.SUCCESS
+        assert fan.wait(5) is State.SUCCESS and streams.complete
+        assert [[g.layers for g in s.groups] for s in streams.streams] == [[(1,), (0,)]] * 2
+        for d in (0, 1):
+            assert pools[1 + d].check_heads([5, 6, 11], dst[d]) == ""
+        # A failed part: the next mark still reaches the other stream, then raises.
+        parts2 = [recv[d].expect(f"lw2@{d}", dst[d]) for d in (0, 1)]
+        fan2 = FanOut("lw2", [send[d].sender(f"lw2@{d}") for d in (0, 1)])
+        _announced(fan2)
+        streams2 = fan2.send_layerwise([5, 6, 11], policy=LayerwisePolicy(min_tokens=0, adaptive=False))
+        fan2.parts[0].abort("one decode rank went away")
+        with pytest.raises(TransferAborted):
+            streams2.layer_ready(0)
+        assert len(streams2.streams[1].groups) == 1
+        with pytest.raises(TransferAborted):
+            parts2[0].wait(5)
 
 
 def test_an_abort_of_one_decode_rank_fails_the_fan_out_and_its_other_part() -> None:

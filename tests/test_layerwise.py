@@ -265,3 +265,18 @@ def test_the_readiness_watcher_is_bounded_and_stops_with_its_endpoint() -> None:
         w.watch(lambda: False, lambda: None, lambda: False)
         thread = w._thread
     assert thread is not None and not thread.is_alive(), "the endpoint's close stops its watcher"
+
+
+def test_aborting_the_tag_on_the_connection_refuses_further_groups_at_once() -> None:
+    with endpoints(layers=2 * LAYERS) as (_, _, send_conn, recv_conn, _, _):
+        r = recv_conn.expect("by-tag", [1, 2])
+        t = send_conn.sender("by-tag")
+        ready(t)
+        stream = t.send_layerwise([3, 4], policy=EVERY_LAYER)
+        stream.layer_ready(0)
+        send_conn.abort("by-tag", "the request was cancelled")
+        with pytest.raises(TransferAborted, match="cancelled"):
+            stream.layer_ready(1)
+        with pytest.raises(TransferAborted):
+            r.wait(5)
+        assert len(stream.groups) == 1

@@ -16,11 +16,15 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtransport.runtime.handles import Connection, State, Transfer
+from kvtransport.runtime.layerwise import StreamGroup
 from kvtransport.spi.errors import KVTransportError, TransferError, TransferTimeout
 from kvtransport.spi.tp_map import sources
+
+if TYPE_CHECKING:
+    from kvtransport.runtime.layer_groups import LayerwisePolicy
 
 
 class PartialAnnouncement(TransferError):
@@ -132,6 +136,27 @@ class FanOut(FanIn):
         drops the aux slot and state items for a part whose receiver gets them elsewhere)."""
         for part in self.parts:
             part.send(src_pages, last=last, aux=aux, state=state)
+
+    def send_layerwise(
+        self,
+        src_pages: Any,
+        *,
+        last: bool = True,
+        aux: int | None = None,
+        state: Sequence[Any] | None = None,
+        policy: LayerwisePolicy | None = None,
+        region_layers: Sequence[int] | None = None,
+    ) -> StreamGroup:
+        """:meth:`Transfer.send_layerwise <kvtransport.runtime.handles.Transfer.send_layerwise>`
+        on every part: one stream per receiver, marked together."""
+        return StreamGroup(
+            [
+                part.send_layerwise(
+                    src_pages, last=last, aux=aux, state=state, policy=policy, region_layers=region_layers
+                )
+                for part in self.parts
+            ]
+        )
 
     @property
     def peer_prefix(self) -> int:

@@ -188,6 +188,38 @@ class LayerStream:
         log.debug("transfer %r: layers %s posted (batch %d, %.3g ms to post)", transfer.tag, group, bid, took * 1e3)
 
 
+class StreamGroup:
+    """Several layer-wise streams of one chunk marked together: a prefill rank's chunk to each
+    decode rank of a wider decode TP (``FanOut.send_layerwise``). Each mark reaches every
+    stream; a stream whose transfer failed raises after the others were marked (the fan-out
+    fails as one)."""
+
+    def __init__(self, streams: Sequence[LayerStream]) -> None:
+        self.streams = list(streams)
+
+    @property
+    def num_layers(self) -> int:
+        return self.streams[0].num_layers
+
+    @property
+    def complete(self) -> bool:
+        return all(s.complete for s in self.streams)
+
+    def layer_ready(self, layer: int, after: Any = None) -> None:
+        self.layers_ready((layer,), after)
+
+    def layers_ready(self, layers: Iterable[int], after: Any = None) -> None:
+        marked = tuple(layers)
+        error: KVTransportError | None = None
+        for s in self.streams:
+            try:
+                s.layers_ready(marked, after)
+            except KVTransportError as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+
+
 def _signal(after: Any) -> Callable[[], bool]:
     query = getattr(after, "query", None)
     if callable(query):

@@ -511,6 +511,9 @@ class Session:
     def abort_tag_from_caller(self, tag: str, reason: str) -> None:
         """Caller's thread (``Connection.abort``): fail ``tag`` here, or tell the peer nothing of it is wanted."""
         check_tag(tag)
+        t = self.protocol.transfers.get(tag)
+        if t is not None and t.role == SEND:
+            t.aborted_by_caller = reason or "aborted by the caller"  # nothing more of it is sent
         self.endpoint.call(lambda: self.run(self.protocol.abort_tag(tag, reason)))
 
     def close_from_caller(self, reason: str) -> None:
