@@ -335,11 +335,16 @@ def test_sweep_cli_json_and_text(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(proc.stdout)
     (point,) = doc["points"]
-    assert set(point["paths"]) == {"choice", "nixl-ucx", "memcpy"}  # --no-baseline: no raw, no naive
+    # --no-baseline: no raw, no naive; the choice sent layer-wise too
+    assert set(point["paths"]) == {"choice", "nixl-ucx", "layerwise:choice", "memcpy"}
+    assert point["paths"]["layerwise:choice"]["verified"] == 1 and "ratio_layerwise_choice" in point
     assert "1/1 rounds" in proc.stderr
     text = run_cli(*args, timeout=240)
     assert text.returncode == 0, text.stderr[-3000:]
-    assert "deepseek-v3-mla" in text.stdout and "integrity   OK: 2 requests" in text.stdout
+    assert "deepseek-v3-mla" in text.stdout and "integrity   OK: 3 requests" in text.stdout
+    without = run_cli(*args, "--no-layerwise", "--json", timeout=240)
+    assert without.returncode == 0, without.stderr[-3000:]
+    assert "layerwise:choice" not in json.loads(without.stdout)["points"][0]["paths"]
     ignored = run_cli("bench", "--sweep", "--driver", "nixl-ucx", timeout=60)
     assert ignored.returncode == 2 and "--drivers" in ignored.stderr
     listed = run_cli("bench", "--list-models", timeout=60)

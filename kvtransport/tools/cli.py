@@ -301,6 +301,9 @@ def _add_bench(sub: Any) -> None:
     sweep.add_argument("--concurrency", type=_ints, help="requests in flight, comma-separated")
     sweep.add_argument("--reps", type=int, help="timed rounds per point and path")
     sweep.add_argument("--drivers", type=_names, help="drivers to force (default: every usable one)")
+    sweep.add_argument(
+        "--no-layerwise", action="store_true", help="without the layerwise:choice path (docs/layerwise.md)"
+    )
     sweep.add_argument("--max-pool-mib", type=int, help="skip points whose pools need more (MiB per process)")
     sweep.add_argument(
         "--listen",
@@ -343,6 +346,7 @@ def _sweep(args: argparse.Namespace) -> int:
         drivers=args.drivers,
         max_pool_bytes=args.max_pool_mib << 20 if args.max_pool_mib is not None else None,
         baselines=False if args.no_baseline else None,
+        layerwise=False if args.no_layerwise else None,
         seed=args.seed,
         warmup=max(0, args.warmup),
     )
@@ -371,7 +375,18 @@ def _sweep(args: argparse.Namespace) -> int:
 
 #: Flags of the single bench that a sweep (or --connect) would silently ignore.
 _NOT_WITH_SWEEP = {"driver": "--drivers", "compare": "--drivers", "in_flight": "--concurrency", "device": None}
-_SWEEP_ONLY = ("quick", "models", "tokens", "page_sizes", "placements", "concurrency", "reps", "drivers", "plot")
+_SWEEP_ONLY = (
+    "quick",
+    "models",
+    "tokens",
+    "page_sizes",
+    "placements",
+    "concurrency",
+    "reps",
+    "drivers",
+    "plot",
+    "no_layerwise",
+)
 
 
 def _check_bench_flags(args: argparse.Namespace) -> None:
