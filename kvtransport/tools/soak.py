@@ -25,6 +25,7 @@ import numpy as np
 
 from kvtransport.negotiation.registry import load_driver
 from kvtransport.runtime.endpoint import Endpoint, State, Timeouts
+from kvtransport.runtime.layer_groups import LayerwisePolicy
 from kvtransport.spi.errors import KVTransportError
 from kvtransport.tools.kv_pool import KVPool
 from kvtransport.tools.peer_process import PeerProcess
@@ -160,6 +161,11 @@ def run_soak(
     return result
 
 
+#: Every this many requests of a wave (of more than one page) ends with a layer-wise send.
+LAYERWISE_EVERY = 3
+SOAK_LAYERWISE = LayerwisePolicy(min_tokens=0, first_group=1, adaptive=False)
+
+
 def _wave(
     result: DriverSoak,
     wave: int,
@@ -189,7 +195,7 @@ def _wave(
         if plan[t][2] == "receiver-abort":
             peer.call("abort", tag=t, reason="soak: receiver abort", timeout=timeout)
     deadline = time.monotonic() + timeout
-    for t in tags:
+    for k, t in enumerate(tags):
         src, _, fate = plan[t]
         s = senders[t]
         while s.state is State.BOOTSTRAPPING and time.monotonic() < deadline:
@@ -200,7 +206,13 @@ def _wave(
                 if fate == "sender-abort":
                     s.abort("soak: sender abort")
                     continue
-                s.send(src[len(src) // 2 :], last=True)
+                if k % LAYERWISE_EVERY == 0:
+                    # Every third multi-page request ends layer-wise, its layers marked last
+                    # first: each layer a batch (the streams' bounds soak with the rest).
+                    stream = s.send_layerwise(src[len(src) // 2 :], policy=SOAK_LAYERWISE)
+                    stream.layers_ready(reversed(range(stream.num_layers)))
+                else:
+                    s.send(src[len(src) // 2 :], last=True)
             elif fate == "sender-abort":
                 s.abort("soak: sender abort")
             else:
