@@ -280,3 +280,16 @@ def test_aborting_the_tag_on_the_connection_refuses_further_groups_at_once() -> 
         with pytest.raises(TransferAborted):
             r.wait(5)
         assert len(stream.groups) == 1
+
+
+def test_layers_marked_in_one_call_leave_in_one_batch() -> None:
+    with endpoints(layers=2 * LAYERS) as (_, _, send_conn, recv_conn, a, b):
+        r = recv_conn.expect("together", [1, 2])
+        t = send_conn.sender("together")
+        ready(t)
+        stream = t.send_layerwise([3, 4], policy=EVERY_LAYER)
+        stream.layer_ready(2)
+        stream.layers_ready([0, 3, 1])
+        assert [g.layers for g in stream.groups] == [(2,), (0, 3, 1)]
+        assert t.wait(5) is State.SUCCESS and r.wait(5) is State.SUCCESS
+        assert b.page_digests([1, 2]) == a.page_digests([3, 4])

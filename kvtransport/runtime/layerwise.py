@@ -163,6 +163,7 @@ class LayerStream:
                 gap = now - self._last_mark
                 self._interval = gap if not self._interval else EWMA * gap + (1 - EWMA) * self._interval
             self._last_mark = now
+            due: list[int] = []
             for layer in layers:
                 if grouper.whole:
                     group = grouper.mark(layer)  # one batch at the end: nothing to measure
@@ -172,7 +173,11 @@ class LayerStream:
                     share = self._post_s / self._interval if self._interval > 0 else 0.0
                     group = grouper.mark(layer, backlog=backlog, post_share=share)
                 if group is not None:
-                    self._post(group)
+                    due.extend(group)
+            if due:
+                # Layers marked together leave together: the groups that fell due in one
+                # call are ready at the same moment, and one batch carries less overhead.
+                self._post(tuple(due))
 
     def _post(self, group: tuple[int, ...]) -> None:
         grouper, transfer = self._grouper, self._transfer

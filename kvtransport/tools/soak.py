@@ -210,7 +210,8 @@ def _wave(
                     # Every third multi-page request ends layer-wise, its layers marked last
                     # first: each layer a batch (the streams' bounds soak with the rest).
                     stream = s.send_layerwise(src[len(src) // 2 :], policy=SOAK_LAYERWISE)
-                    stream.layers_ready(reversed(range(stream.num_layers)))
+                    for layer in reversed(range(stream.num_layers)):
+                        stream.layer_ready(layer)
                 else:
                     s.send(src[len(src) // 2 :], last=True)
             elif fate == "sender-abort":
