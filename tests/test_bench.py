@@ -220,6 +220,24 @@ def test_bench_in_flight_sends_rounds_of_concurrent_requests_and_checks_every_pa
     assert report["ratio"] > 0
 
 
+def test_bench_layerwise_compares_whole_and_layer_wise_sends_with_every_page_checked() -> None:
+    """``--layerwise``: each request computed layer by layer here and sent whole and layer-wise
+    (a batch per layer group), plus its last group's pages alone; every page checked."""
+    require_engines()
+    args = ["bench", "--driver", "nixl-ucx", "--layerwise", "--requests", "2", "--prompt-tokens", "256"]
+    proc = run_cli(*args, "--layers", "4", "--compute-ms-per-layer", "1", "--json", timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    assert doc["driver"] == "nixl-ucx" and doc["integrity"] == {"ok": True, "mismatches": []}
+    whole, layered = doc["figures"]["whole"], doc["figures"]["layerwise"]
+    assert whole["groups_p50"] == 1 and layered["groups_p50"] > 1
+    assert doc["policy"]["min_tokens"] == 128 and not doc["below_min_tokens"]
+    assert doc["one_group_alone_ms"] > 0 and doc["tail_ratio"] > 0 and doc["e2e_ratio"] > 0
+    assert isinstance(doc["target_met"], bool)
+    text = run_cli(*args, "--layers", "4", "--compute-ms-per-layer", "1", timeout=240)
+    assert text.returncode == 0 and "integrity   OK" in text.stdout and "layer-wise  tail" in text.stdout
+
+
 def test_the_bench_and_its_peer_do_not_import_the_test_kit() -> None:
     """The bench is the product's main job: its pools and decode peer live in the library, and
     only the fakes (fault injection) load ``kvtransport.testing``."""

@@ -8,12 +8,11 @@ environment should stop at start-up, not run with a default nobody chose.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
-from kvtransport.spi.env import env_int, env_number
+from kvtransport.spi.env import env_flag, env_int, env_number
 from kvtransport.spi.errors import ConfigError
 
 
@@ -138,12 +137,7 @@ ENV_EXPRESS = "KVTRANSPORT_EXPRESS"
 def express_from_env(env: Mapping[str, str] | None = None) -> bool:
     """Whether sessions open an express stream for "done" (``KVTRANSPORT_EXPRESS``: 1, the
     default, or 0; docs/architecture.md says what it is)."""
-    raw = (os.environ if env is None else env).get(ENV_EXPRESS, "").strip().lower()
-    if raw in ("", "1", "on", "true", "yes"):
-        return True
-    if raw in ("0", "off", "false", "no"):
-        return False
-    raise ConfigError(f"{ENV_EXPRESS}={raw!r} must be 1 or 0; unset it for the default (1)")
+    return env_flag(ENV_EXPRESS, True, env)
 
 
 #: Every variable this module reads (the registry's unknown-variable warning knows them).

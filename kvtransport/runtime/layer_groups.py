@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
-from kvtransport.spi.env import env_int
+from kvtransport.spi.env import env_flag, env_int
 from kvtransport.spi.errors import ConfigError
 from kvtransport.spi.memory import KVLayout, RegionSet
 
@@ -74,22 +74,12 @@ class LayerwisePolicy:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> LayerwisePolicy:
-        import os
-
-        env = os.environ if env is None else env
         d = cls()
-        raw = env.get(cls.ENV["adaptive"], "").strip().lower()
-        if raw in ("", "1", "on", "true", "yes"):
-            adaptive = True
-        elif raw in ("0", "off", "false", "no"):
-            adaptive = False
-        else:
-            raise ConfigError(f"{cls.ENV['adaptive']}={raw!r} must be 1 or 0; unset it for the default (1)")
         return cls(
             min_tokens=env_int(cls.ENV["min_tokens"], d.min_tokens, env, zero=True),
             first_group=env_int(cls.ENV["first_group"], d.first_group, env),
             max_group=env_int(cls.ENV["max_group"], d.max_group, env, zero=True),
-            adaptive=adaptive,
+            adaptive=env_flag(cls.ENV["adaptive"], d.adaptive, env),
         )
 
 
@@ -153,12 +143,16 @@ class Grouper:
         """Every layer was posted in some group."""
         return len(self.ready) == self.num_layers and not self.pending
 
+    def check_layer(self, layer: int) -> None:
+        """:class:`ConfigError` unless ``layer`` is one of this send's layers."""
+        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self.num_layers:
+            raise ConfigError(f"layer {layer!r} is not one of this send's layers [0, {self.num_layers})")
+
     def mark(self, layer: int, *, backlog: int = 0, post_share: float = 0.0) -> tuple[int, ...] | None:
         """Layer ``layer`` is ready; the group to post now, if one is due. ``backlog``: the
         stream's batches still in flight; ``post_share``: the last group's posting time over the
         time between two marks (both 0 when unknown)."""
-        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self.num_layers:
-            raise ConfigError(f"layer {layer!r} is not one of this send's layers [0, {self.num_layers})")
+        self.check_layer(layer)
         if layer in self.ready:
             raise ConfigError(f"layer {layer} was already marked ready")
         self.ready.add(layer)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvtransport.runtime.layer_groups import Grouper
-from kvtransport.spi.errors import ConfigError, KVTransportError, TransferAborted
+from kvtransport.spi.errors import KVTransportError
 
 if TYPE_CHECKING:
     from kvtransport.runtime.chunk import Chunk
@@ -44,7 +44,6 @@ class StreamTransfer(Protocol):
     """What the stream reads of its transfer (``runtime.handles.Transfer``)."""
 
     tag: str
-    error: KVTransportError | None
     batches: set[int]
     aborted_by_caller: str
 
@@ -60,6 +59,8 @@ class StreamOwner(Protocol):
         self, transfer: Any, chunk: Chunk, kv: Sequence[int] | None, tail: bool, closes: bool, *, whole: bool = False
     ) -> int: ...
     def readiness(self) -> ReadinessWatcher: ...
+    def check_sendable(self, transfer: Any) -> None:
+        """Raise why nothing more of ``transfer`` may be sent (it failed, or was aborted)."""
 
 
 @dataclass(frozen=True)
@@ -143,15 +144,9 @@ class LayerStream:
         self._owner.readiness().watch(ready, fired, lambda: bool(transfer.state.final or transfer.aborted_by_caller))
 
     def _check(self, layers: tuple[int, ...]) -> None:
-        transfer = self._transfer
-        if transfer.state.final:
-            raise transfer.error or KVTransportError(f"transfer {transfer.tag!r} already finished")
-        if transfer.aborted_by_caller:
-            raise TransferAborted(f"transfer {transfer.tag!r} was aborted: {transfer.aborted_by_caller}")
-        n = self._grouper.num_layers
+        self._owner.check_sendable(self._transfer)  # failed, or aborted by the caller: raises why
         for layer in layers:
-            if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < n:
-                raise ConfigError(f"layer {layer!r} is not one of this send's layers [0, {n})")
+            self._grouper.check_layer(layer)
 
     def _mark(self, layers: tuple[int, ...]) -> None:
         self._check(layers)

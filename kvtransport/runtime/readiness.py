@@ -89,17 +89,17 @@ class ReadinessWatcher:
                     return
                 watches = list(self._watches)
             fired: list[_Watch] = []
+            broken: list[_Watch] = []
             for w in watches:
                 try:
                     if w.give_up() or w.ready():
                         fired.append(w)
                 except Exception:
                     log.exception("endpoint %s: a readiness signal raised; dropping it", self.name)
-                    fired.append(w)
-                    w.then = _nothing
-            if fired:
+                    broken.append(w)
+            if fired or broken:
                 with self._cv:
-                    gone = set(map(id, fired))
+                    gone = {id(w) for w in (*fired, *broken)}
                     self._watches = [w for w in self._watches if id(w) not in gone]
                 for w in fired:
                     if w.give_up():
@@ -112,7 +112,3 @@ class ReadinessWatcher:
             else:
                 time.sleep(pause)
                 pause = min(pause * 2, SWEEP_MAX_S)
-
-
-def _nothing() -> None:
-    return None

@@ -346,7 +346,7 @@ class Session:
     def send_chunk(
         self, transfer: Transfer, src_pages: Any, last: bool, aux: int | None, state: Sequence[Any] | None = None
     ) -> None:
-        self._check_sendable(transfer)
+        self.check_sendable(transfer)
         with transfer.plan_lock:
             if transfer.last_planned:
                 raise KVTransportError(f"transfer {transfer.tag!r}: the last chunk was already sent")
@@ -369,7 +369,7 @@ class Session:
     ) -> LayerStream:
         """Caller's thread (``Transfer.send_layerwise``): check the chunk and reserve its
         pages; its layer groups are posted by the stream (``runtime.layerwise``)."""
-        self._check_sendable(transfer)
+        self.check_sendable(transfer)
         ep = self.endpoint
         policy = policy if policy is not None else LayerwisePolicy.from_env()
         if region_layers is None:
@@ -405,7 +405,7 @@ class Session:
         ``closes``: the stream's last group; ``whole``: the stream's only group (a request
         below the minimum length), sent as a whole-request send would be. Returns the batch
         id (0: nothing to write)."""
-        self._check_sendable(transfer)
+        self.check_sendable(transfer)
         with transfer.plan_lock:
             runs = self.plan.part_runs(chunk, kv, tail=tail)
             transfer.parts += 1
@@ -420,7 +420,8 @@ class Session:
     def readiness(self) -> ReadinessWatcher:
         return self.endpoint.readiness()
 
-    def _check_sendable(self, transfer: Transfer) -> None:
+    def check_sendable(self, transfer: Transfer) -> None:
+        """Any thread: raise why nothing more of ``transfer`` may be sent now."""
         if transfer.state.final:
             raise transfer.error or KVTransportError(f"transfer {transfer.tag!r} already finished")
         if transfer.aborted_by_caller:

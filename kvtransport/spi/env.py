@@ -32,5 +32,18 @@ def env_number(
     return value
 
 
+def env_flag(name: str, default: bool, env: Mapping[str, str] | None = None) -> bool:
+    """The switch in environment variable ``name``: 1 or 0 (also on/off, true/false, yes/no);
+    ``default`` when unset or empty."""
+    raw = (os.environ if env is None else env).get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("1", "on", "true", "yes"):
+        return True
+    if raw in ("0", "off", "false", "no"):
+        return False
+    raise ConfigError(f"{name}={raw!r} must be 1 or 0; unset it for the default ({int(default)})")
+
+
 def env_int(name: str, default: int, env: Mapping[str, str] | None = None, *, zero: bool = False) -> int:
     return int(env_number(name, default, integer=True, env=env, zero=zero))

@@ -410,10 +410,7 @@ def _run(
     finally:
         if raw is not None:
             raw.close()
-        for ep, peer_process in pairs:
-            if peer_process is not None:
-                peer_process.close()
-            ep.close()
+        close_pairs(pairs)
         pool.close()
 
 
@@ -423,6 +420,14 @@ def _cpu_sets(sets: list[list[int]]) -> str:
 
 def _sample_ok(s: Sample) -> bool:
     return s.ok and s.raw_ok is not False and s.compare_ok is not False
+
+
+def close_pairs(pairs: list[tuple[Endpoint, PeerProcess | None]]) -> None:
+    """Close each decode process, then its prefill endpoint (what :func:`_open_pair` opened)."""
+    for ep, peer_process in pairs:
+        if peer_process is not None:
+            peer_process.close()
+        ep.close()
 
 
 def _open_pair(
@@ -645,10 +650,7 @@ def in_flight(
             "integrity": {"ok": not wrong, "mismatches": wrong},
         }
     finally:
-        for ep, peer_process in pairs:
-            if peer_process is not None:
-                peer_process.close()
-            ep.close()
+        close_pairs(pairs)
         pool.close()
 
 

@@ -12,13 +12,14 @@ computed). For each it reports, as medians:
 - *end to end*: from the start of the first layer's compute to the decode side's Success;
 
 and the ratio whole / layer-wise of each, every page of every request checked on both ends.
-It also reports the time to move one layer on this link (the whole-request send's transfer
-time over the layers), the yardstick of the target: a layer-wise tail of at most one layer
-group's move plus 0.5 ms, when compute per layer is at least that move.
+It also sends one layer group's worth of each request's pages (of every layer) whole and alone,
+the yardstick of the target: a layer-wise tail of at most that move plus 0.5 ms, when compute
+per layer is at least that move.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from typing import Any, TextIO
@@ -28,11 +29,13 @@ import numpy as np
 from kvtransport.runtime.endpoint import Endpoint, State
 from kvtransport.runtime.layer_groups import LayerwisePolicy
 from kvtransport.spi.errors import KVTransportError
-from kvtransport.tools.bench import Workload, _open_pair, await_announced
+from kvtransport.tools.bench import Sample, Workload, _open_pair, await_announced, close_pairs, timed_transfer
 from kvtransport.tools.kv_pool import KVPool
 from kvtransport.tools.peer_process import PeerProcess
 
 MODES = ("whole", "layerwise")
+#: Request numbers of the yardstick's transfers (``timed_transfer`` tags them ``bench-<n>``).
+ALONE_TAGS = 1_000_000
 COMPUTE = ("busy", "matmul")
 
 
@@ -113,13 +116,15 @@ def run(
                     samples[mode]["e2e"].append(finished - start)
                     samples[mode]["groups"].append(groups)
                 if mode == "layerwise":
-                    # The yardstick: one group's worth of pages (all layers), sent alone.
+                    # The yardstick: one group's worth of pages (all layers), sent whole alone
+                    # (its tag ``bench-<n>``, unique beside these modes' ``lw-`` tags).
                     k = max(1, -(-len(src) // groups))
-                    alone = _send_alone(conn, peer, f"lw-{i}-alone", src[:k], dst[:k], timeout)
-                    if alone is None or peer.call("digests", pages=dst[:k], timeout=timeout)["digests"] != expected[:k]:
+                    alone = Sample(ALONE_TAGS + i, 0)
+                    timed_transfer(alone, conn, peer, src[:k], dst[:k], expected[:k], timeout)
+                    if not alone.ok:
                         wrong.append(f"lw-{i}-alone")
                     elif i >= 0:
-                        samples["alone"]["e2e"].append(alone)
+                        samples["alone"]["e2e"].append(alone.end_to_end_s)
             if progress is not None and i >= 0:
                 progress.write(f"\r  request {i + 1}/{workload.requests}")
                 progress.flush()
@@ -127,26 +132,8 @@ def run(
             progress.write("\n")
         return _document(workload, conn.decision.driver, compute_ms, compute, policy, samples, wrong)
     finally:
-        for ep, peer_process in pairs:
-            if peer_process is not None:
-                peer_process.close()
-            ep.close()
+        close_pairs(pairs)
         pool.close()
-
-
-def _send_alone(conn: Any, peer: PeerProcess, tag: str, src: list[int], dst: list[int], timeout: float) -> float | None:
-    """Seconds from send() to decode Success of pages ``src`` sent whole, with no compute."""
-    peer.call("poison", pages=dst, timeout=timeout)
-    peer.call("expect", transfers={tag: dst}, timeout=timeout)
-    t = conn.sender(tag)
-    await_announced([t], timeout)
-    start = time.monotonic()
-    t.send(src, last=True)
-    t.wait(timeout)
-    answer = peer.call("wait", tags=[tag], timeout=timeout + 5)
-    if answer["states"][tag][0] != "SUCCESS":
-        return None
-    return float(answer["finished"][tag]) - start
 
 
 def _document(
@@ -174,12 +161,7 @@ def _document(
         "workload": workload.describe(),
         "compute_ms_per_layer": compute_ms,
         "compute": compute,
-        "policy": {
-            "min_tokens": policy.min_tokens,
-            "first_group": policy.first_group,
-            "max_group": policy.max_group,
-            "adaptive": policy.adaptive,
-        },
+        "policy": dataclasses.asdict(policy),
         "below_min_tokens": workload.prompt_tokens < policy.min_tokens,
         "requests": workload.requests,
         "figures": figures,
