@@ -354,6 +354,25 @@ class LoadedModel:
         return lambda *args, **kwargs: attr(self, *args, **kwargs)
 
 
+class ModelWorker:
+    """Stands in for the TP worker's forward (no model): the KV writes its attention layers
+    make, layer by layer, each through the pool's own ``set_kv_buffer`` as SGLang's attention
+    backends call it, and the mamba state. It samples nothing (finish_prefill does)."""
+
+    def __init__(self, inst: Instance) -> None:
+        self.inst = inst
+
+    def forward_batch_generation(self, batch: Any, **kwargs: Any) -> SimpleNamespace:
+        for req, start, end, corrupt in batch.writes:
+            keys = token_keys(req.origin_input_ids)
+            self.inst.write_kv(keys, batch.out_cache_loc, start, end, corrupt)
+            if self.inst.is_hybrid_ssm:
+                self.inst.write_mamba(keys, self.inst.mamba_slot(req), end, corrupt)
+        return SimpleNamespace(
+            has_sampled_token_ids=False, logits_output=None, copy_done=None, extra_keep_alive_refs=None
+        )
+
+
 class _Noop:
     def __getattr__(self, name: str) -> Callable[..., None]:
         return lambda *args, **kwargs: None
@@ -476,7 +495,27 @@ class _SchedulerBase:
 
 
 class PrefillScheduler(_SchedulerBase, SchedulerDisaggregationPrefillMixin):
-    pass
+    #: SGLang's own: the early send of a cached prefix, then the forward (the model worker
+    #: below), with whatever hooks the plugins installed around it (KVTRANSPORT_LAYERWISE).
+    run_batch = Scheduler.run_batch
+    update_cache_from_scheduler = Scheduler.update_cache_from_scheduler
+    _copy_auxiliary_output_to_cpu = Scheduler._copy_auxiliary_output_to_cpu
+    _maybe_report_active_ranks = Scheduler._maybe_report_active_ranks
+
+    def __init__(self, inst: Instance) -> None:
+        super().__init__(inst)
+        # What run_batch reads that the constructor sets; the profiler is off.
+        self.forward_ct = 0
+        self._sched_idled = False
+        self.scripted_scheduler_hook = None
+        self.profiler_manager = _Noop()
+        self.forward_sleep_time = None
+        self.is_generation = True
+        self.enable_pdmux = False
+        self.enable_unified_cache_external_linker = False
+        self.attn_dp_enabled = False
+        self.metrics_reporter.record_scheduler_active = lambda *args: None
+        self.model_worker = ModelWorker(inst)
 
 
 class DecodeScheduler(_SchedulerBase, SchedulerDisaggregationDecodeMixin):
@@ -835,20 +874,36 @@ class Instance:
         "state" another prompt's into one state buffer, for the tests that show the checks bite)."""
         positions = torch.arange(start, end)
         keys = keys[start:end]
+        # One write per full-attention layer through the pool's set_kv_buffer, as an attention
+        # backend makes it (its layer object: the id; a SWA or hybrid pool routes it itself).
+        # With ``direct_kv_writes`` the writes go straight into the buffers, as a pool that
+        # overrides set_kv_buffer (FP4) or a CUDA graph replay makes them: no hook sees them.
+        direct = bool(self.cfg.get("direct_kv_writes"))
         for layer in self.kv_layers:
-            if self.mla:
-                dim = KV_LORA_RANK + QK_ROPE_HEAD_DIM
-                self.kv_pool.get_key_buffer(layer)[locs] = kv_content(
-                    keys, layer, positions, self.heads, dim, 2, self.dtype
-                )
-            else:
-                self.kv_pool.get_key_buffer(layer)[locs] = kv_content(
-                    keys, layer, positions, self.heads, self.head_dim, 0, self.dtype
-                )
+            attn = SimpleNamespace(layer_id=layer, is_cross_attention=False)
+            if direct:
                 bad = int(corrupt == "kv" and layer == 1)
-                self.kv_pool.get_value_buffer(layer)[locs] = kv_content(
-                    keys + bad, layer, positions, self.heads, self.head_dim, 1, self.dtype
+                kind, dim = (2, KV_LORA_RANK + QK_ROPE_HEAD_DIM) if self.mla else (0, self.head_dim)
+                self.kv_pool.get_key_buffer(layer)[locs] = kv_content(
+                    keys, layer, positions, self.heads, dim, kind, self.dtype
                 )
+                if not self.mla:
+                    self.kv_pool.get_value_buffer(layer)[locs] = kv_content(
+                        keys + bad, layer, positions, self.heads, self.head_dim, 1, self.dtype
+                    )
+            elif self.mla:
+                dim = KV_LORA_RANK + QK_ROPE_HEAD_DIM
+                latent = kv_content(keys, layer, positions, self.heads, dim, 2, self.dtype)
+                self.kv_pool.set_kv_buffer(attn, locs, latent, latent)
+            else:
+                bad = int(corrupt == "kv" and layer == 1)
+                self.kv_pool.set_kv_buffer(
+                    attn,
+                    locs,
+                    kv_content(keys, layer, positions, self.heads, self.head_dim, 0, self.dtype),
+                    kv_content(keys + bad, layer, positions, self.heads, self.head_dim, 1, self.dtype),
+                )
+            time.sleep(float(self.cfg.get("layer_compute_s", 0)))  # the rest of the layer's compute
         if self.swa_layers:
             swa_locs = self.allocator.translate_loc_from_full_to_swa(locs.to(torch.int64))
             swa = self.kv_pool.swa_kv_pool
@@ -1214,6 +1269,8 @@ def run_prefill(inst: Instance, specs: list[dict[str, Any]], timeout: float) -> 
         results[rid]["decode_prefix_len"] = int(req.disagg_decode_prefix_len)
         metric = sender.get_transfer_metric() if sender is not None else None
         results[rid]["sent_bytes"] = metric.transfer_total_bytes if metric is not None else None
+        # KVTRANSPORT_LAYERWISE: the chunks that left layer by layer, and their layer groups.
+        results[rid]["layerwise"] = [getattr(sender, "layerwise_chunks", 0), getattr(sender, "layerwise_groups", 0)]
     return {"outcomes": results, "leaks": leaks(inst), "t0": t0, "longest_step_s": longest_step}
 
 
@@ -1252,10 +1309,17 @@ def forward_chunk(inst: Instance, req: Req, start: int, end: int, corrupt: str =
     batch._swa_eviction_trigger = lambda *args: ScheduleBatch._swa_eviction_trigger(batch, *args)
     batch._evict_swa = lambda *args, **kwargs: ScheduleBatch._evict_swa(batch, *args, **kwargs)
     out_cache_loc, _, _ = alloc_for_extend(batch)
-    keys = token_keys(req.origin_input_ids)
-    inst.write_kv(keys, out_cache_loc, start, end, corrupt)
-    if inst.is_hybrid_ssm:
-        inst.write_mamba(keys, inst.mamba_slot(req), end, corrupt)
+    # What run_batch reads of the batch (prepare_for_extend sets it), then SGLang's run_batch
+    # itself: the early send of a cached prefix, the forward (ModelWorker's KV writes).
+    batch.out_cache_loc = out_cache_loc
+    batch.writes = [(req, start, end, corrupt)]
+    batch.prefill_input_ids_cpu = torch.tensor(req.origin_input_ids[start:end], dtype=torch.int64)
+    batch.mix_running_indices = None
+    batch.input_ids = None
+    batch.hicache_consumer_index = -1
+    batch.spec_algorithm = SpeculativeAlgorithm.NONE
+    batch.return_logprob = batch.return_hidden_states = False
+    inst.sched.run_batch(batch)
 
 
 def finish_prefill(inst: Instance, req: Req) -> None:

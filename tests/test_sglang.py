@@ -195,6 +195,22 @@ def test_abort_from_prefill_reaches_decode(ranks: Ranks) -> None:
         rx.failure_exception()
 
 
+def test_a_retracted_request_sglang_bootstraps_again_fails_with_the_reason(ranks: Ranks) -> None:
+    """SGLang's decode asks the manager to have prefill recompute a retracted request
+    (decode.py, _submit_prefill_recompute, with Req.build_rebootstrap_payload()). The backend
+    does not serve that yet: the room fails at once with the reason, and prefill hears of it,
+    rather than decode waiting for KV that never comes."""
+    rx = ranks.receiver(23)
+    poll_until(rx, {KVPoll.WaitingForInput})
+    rx.send_metadata(np.array([1, 2, 3], dtype=np.int32), aux_index=0)
+    ranks.decode.submit_prefill_recompute(rx, {"rid": "r23", "bootstrap_room": 23})
+    assert rx.poll() == KVPoll.Failed
+    with pytest.raises(KVTransferError, match="cannot have prefill recompute a retracted request"):
+        rx.failure_exception()
+    out = ranks.prefill.call("send", requests=[{"room": 23, "chunks": [[4, 5, 6]], "aux": 1}], timeout=10)["states"]
+    assert out["23"][0] == "FAILED" and "retracted" in out["23"][1], out
+
+
 def _held_until_drained(rx: KVTransportKVReceiver, timeout: float = 10.0) -> bool:
     """SGLang's deferred release, as decode.py drives it on a Failed room: notify, then ask the
     manager every loop whether the pages may be freed."""
@@ -500,6 +516,43 @@ def test_pipeline_parallelism_is_refused_at_start_up() -> None:
         args.pp_size = 2
         with pytest.raises(KVTransportError, match=r"pipeline parallelism \(pp_size 2\)"):
             KVTransportKVManager(kv_args(pool, role="decode"), "decode", args)
+    finally:
+        pool.close()
+
+
+def test_the_prefill_complete_allocation_policy_is_refused_at_start_up() -> None:
+    """--disaggregation-decode-allocation-policy prefill_complete (decode reads the receiver's
+    conclude_state, prefill calls mark_prefill_complete): SGLang's own argument check refuses it
+    for backends other than Mooncake (test_sglang_plugin); a server-args object that skipped
+    that check is refused when the manager starts, naming the flag, on either side."""
+    pool = KVPool(PAGES, LAYERS, ITEM, AUX, shared=False)
+    try:
+        for role in ("prefill", "decode"):
+            args = server_args(0)
+            args.disaggregation_decode_allocation_policy = "prefill_complete"
+            with pytest.raises(KVTransportError, match="--disaggregation-decode-allocation-policy prefill_complete"):
+                KVTransportKVManager(kv_args(pool, role=role), role, args)
+    finally:
+        pool.close()
+
+
+def test_dp_attention_without_sglangs_published_configuration_is_refused() -> None:
+    """Outside SGLang's scheduler (nothing published), KVArgs' engine_rank is the global TP
+    rank on prefill and the attention-TP rank on decode, and neither says the attention-DP
+    rank: under DP attention the backend refuses rather than pair the wrong ranks. Without DP
+    attention engine_rank is the attention-TP rank on both sides."""
+    from kvtransport.integrations.sglang_topology import rank_topology
+    from kvtransport.spi.errors import ConfigError
+
+    pool = KVPool(PAGES, LAYERS, ITEM, AUX, shared=False)
+    try:
+        args = server_args(0, tp_size=4, dp_size=2)
+        args.enable_dp_attention = True
+        with pytest.raises(ConfigError, match="DP attention is on"):
+            rank_topology(kv_args(pool, rank=3), args)
+        args.enable_dp_attention = False
+        topo = rank_topology(kv_args(pool, rank=3), args)
+        assert (topo.attn_tp_rank, topo.attn_tp_size, topo.resolved) == (3, 4, False)
     finally:
         pool.close()
 

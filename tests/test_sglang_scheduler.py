@@ -260,8 +260,9 @@ class Cluster:
     """A prefill instance and a decode instance, one process per rank; each side its own
     topology (``decode`` defaults to ``prefill``'s)."""
 
-    def __init__(self, tmp: Path, prefill: Topo, decode: Topo | None = None) -> None:
+    def __init__(self, tmp: Path, prefill: Topo, decode: Topo | None = None, env: dict[str, str] | None = None) -> None:
         self.topo = {"prefill": prefill, "decode": decode or prefill}
+        self.env = dict(env or {})  # the ranks' KVTRANSPORT_* settings (the plugin reads them at start)
         self.tmp = tmp
         self.models: dict[str, Path] = {}
         for name, config in MODELS.items():
@@ -282,7 +283,7 @@ class Cluster:
         self.spawns += 1
         clean = {k: v for k, v in os.environ.items() if not k.startswith(("KVTRANSPORT_", "SGLANG_"))}
         path = os.pathsep.join([*(str(p) for p in CHILD_PATH), clean.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        env = {**clean, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+        env = {**clean, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **self.env}
         logs = self.tmp / f"spawn{self.spawns}"
         logs.mkdir()
         self.ranks = []
@@ -325,13 +326,18 @@ class Cluster:
         registry_delay: float = 0,
         decode_radix_cache: bool = False,
         disable_overlap_schedule: bool = False,
+        layer_compute_s: float = 0,
+        direct_kv_writes: bool = False,
         **env: str,
     ) -> None:
         """``model``: "llama" (MHA, or MLA with ``mla``), "swa" (hybrid sliding-window
         attention) or "mamba" (hybrid linear attention). ``decode_radix_cache``: the decode
         instance runs with ``--disaggregation-decode-enable-radix-cache``;
-        ``disable_overlap_schedule``: both with ``--disable-overlap-schedule``. The other
-        keywords are environment variables of every rank."""
+        ``disable_overlap_schedule``: both with ``--disable-overlap-schedule``;
+        ``layer_compute_s``: the prefill forward's compute time per layer (after each layer's
+        KV write); ``direct_kv_writes``: the forward writes the KV buffers itself, not through
+        the pools' set_kv_buffer (as an FP4 pool or a CUDA graph replay). The other keywords
+        are environment variables of every rank."""
         want = {
             "page_size": page_size,
             "mla": mla,
@@ -340,6 +346,8 @@ class Cluster:
             "registry_delay": registry_delay,
             "decode_radix_cache": decode_radix_cache,
             "disable_overlap_schedule": disable_overlap_schedule,
+            "layer_compute_s": layer_compute_s,
+            "direct_kv_writes": direct_kv_writes,
             "env": {"KVTRANSPORT_DRIVER": driver, **FAST, **env},
         }
         if any(r.proc.poll() is not None for r in self.ranks):
@@ -431,10 +439,10 @@ class Cluster:
             r.close()
 
 
-def spawn(name: str, prefill: Topo, decode: Topo | None = None) -> Iterator[Cluster]:
+def spawn(name: str, prefill: Topo, decode: Topo | None = None, env: dict[str, str] | None = None) -> Iterator[Cluster]:
     require_engines()
     with tempfile.TemporaryDirectory(prefix=f"sglang-{name}-") as tmp:
-        cluster = Cluster(Path(tmp), prefill, decode)
+        cluster = Cluster(Path(tmp), prefill, decode, env)
         try:
             yield cluster
         finally:
@@ -1397,6 +1405,146 @@ def test_sglang_bootstrap_timeout_fails_an_unannounced_prefill_request(tp1: Clus
         assert p["state"] == "failed" and "bootstrap" in p["error"].lower(), show(p)
         assert SHORT_S - 0.5 <= p["at"] - p["created"] < SHORT_S + PROMPT_S, show(p)
     assert_no_leaks(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layer-wise sends (KVTRANSPORT_LAYERWISE=1): each chunk leaves layer by layer as SGLang's
+# run_batch writes it through the pools' set_kv_buffer
+# ---------------------------------------------------------------------------------------------
+
+#: Chunks of at least 16 tokens go layer-wise here (the default minimum, 128, would leave most of
+#: these prompts whole).
+LAYERWISE_MIN = 16
+#: And each layer takes 5 ms to compute after its KV is written: a layer sent before its write
+#: would reach decode with the pool's old bytes, which decode's checks catch.
+LAYERWISE: dict[str, Any] = {"KVTRANSPORT_LAYERWISE_MIN_TOKENS": str(LAYERWISE_MIN), "layer_compute_s": 0.005}
+
+
+@pytest.fixture(scope="module")
+def tp1_layerwise() -> Iterator[Cluster]:
+    """TP 1 with KVTRANSPORT_LAYERWISE=1 in every rank's environment from its start: SGLang's
+    load_plugins runs the plugin, which installs the hooks around Scheduler.run_batch and the
+    pools' writes."""
+    yield from spawn("tp1-layerwise", Topo(tp=1), env={"KVTRANSPORT_LAYERWISE": "1"})
+
+
+def chunk_tokens(req: dict[str, Any], page_size: int, prefix: int = 0) -> list[int]:
+    """The tokens each of a request's sends carries, as SGLang's _send_kv_chunk cuts them: a
+    middle chunk up to its last whole page, the last one to the end of the prompt."""
+    n, out, start = req["prompt_len"], [], prefix
+    for end in req.get("chunks", [n]):
+        stop = end if end >= n else end - end % page_size
+        if stop > start:
+            out.append(stop - start)
+            start = stop
+    return out
+
+
+def assert_went_layerwise(cluster: Cluster, out: Outcome, reqs: list[dict[str, Any]], prefix: int = 0) -> None:
+    """Each chunk of at least LAYERWISE_MIN tokens left layer by layer: one stream each, in at
+    least as many groups as the model has layers (the policy starts one layer a group, and the
+    writes here are far apart); shorter chunks went whole, after the forward."""
+    with cluster.explain():
+        for req in reqs:
+            if req.get("prefill_abort") or req.get("decode_abort"):
+                continue
+            want = sum(1 for t in chunk_tokens(req, cluster.page_size, prefix) if t >= LAYERWISE_MIN)
+            for o in out.prefill[req["rid"]]:
+                chunks, groups = o["layerwise"]
+                assert chunks == want, show(req, o, want)
+                assert groups >= 2 * chunks, show(req, o)
+
+
+@pytest.mark.parametrize("driver", ["nixl-ucx", "mooncake-gdr", "mooncake-staged"])
+def test_layerwise_requests_arrive_byte_for_byte(tp1_layerwise: Cluster, driver: str) -> None:
+    """Whole prompts, chunked ones (boundaries on and off pages: a middle chunk's partial page
+    goes again with the next), and one whose pages all went before its last send: every chunk
+    of at least the minimum length leaves layer by layer, the shorter ones whole, and every byte
+    arrives."""
+    c = tp1_layerwise
+    c.configure(driver=driver, **LAYERWISE)
+    reqs = [
+        *requests(c, [1, 15, 16, 17, 40, 129]),
+        chunked(c, 100, [16, 40, 64, 100]),
+        chunked(c, 200, [60, 61, 130, 200]),
+        chunked(c, 64, [32, 64], zero_page_last=True),
+    ]
+    out = c.run(reqs)
+    assert_all_delivered(c, out, reqs)
+    assert_went_layerwise(c, out, reqs)
+
+
+@pytest.mark.parametrize("case", ["mla", "page-size-1", "page-size-64"])
+def test_layerwise_mla_and_page_sizes(tp1_layerwise: Cluster, case: str) -> None:
+    """MLA's latent (one buffer a layer, written with MLATokenToKVPool.set_kv_buffer), and
+    pages of 1 and 64 tokens."""
+    c = tp1_layerwise
+    c.configure(mla=case == "mla", page_size={"page-size-1": 1, "page-size-64": 64}.get(case, 16), **LAYERWISE)
+    reqs = [*requests(c, [17, 64, 65, 200]), chunked(c, 150, [20, 100, 150])]
+    out = c.run(reqs)
+    assert_all_delivered(c, out, reqs, mla=case == "mla")
+    assert_went_layerwise(c, out, reqs)
+
+
+@pytest.mark.parametrize("model", ["swa", "mamba"])
+def test_layerwise_with_state(tp1_layerwise: Cluster, model: str) -> None:
+    """Models with state: the full-attention layers go layer by layer (SWAKVPool and
+    HybridLinearKVPool hand their writes to the MHA pool the hook wraps), the sliding-window
+    layers' writes are not this rank's KV regions and mark nothing, and the state goes with the
+    last send, byte for byte."""
+    c = tp1_layerwise
+    c.configure(model=model, **LAYERWISE)
+    reqs = state_requests(c, [16, 40, 130])
+    out = c.run(reqs)
+    assert_all_delivered(c, out, reqs)
+    assert_went_layerwise(c, out, reqs)
+
+
+def test_layerwise_decode_radix_cache_prefix(tp1_layerwise: Cluster) -> None:
+    """Decode holds a prefix (decode_prefix_len): prefill's sends start after it
+    (finalize_bootstrap -> start_send_idx), and so do its streams; the wire carries only the
+    pages after the prefix."""
+    c = tp1_layerwise
+    c.configure(decode_radix_cache=True, **LAYERWISE)
+    first, followers = prefix_requests(c, CACHED_LEN, [(200, 160), (140, 100), (230, 160)])
+    followers[-1]["chunks"] = [60, 170, 230]
+    out = c.run([first, *followers])
+    assert_prefix_reused(c, out, first, followers, [160, 96, 160])
+    with c.explain():
+        assert all(o["layerwise"][0] >= 1 for r in followers for o in out.prefill[r["rid"]]), show(out.prefill)
+
+
+def test_layerwise_forward_whose_writes_no_hook_sees(tp1_layerwise: Cluster) -> None:
+    """A forward that writes the KV buffers without the pools' set_kv_buffer (an FP4 pool's own
+    write, a CUDA graph replay): its streams open when run_batch returns and every layer is
+    marked then, in one group a chunk; every byte arrives."""
+    c = tp1_layerwise
+    c.configure(direct_kv_writes=True, **LAYERWISE)
+    reqs = [*requests(c, [17, 130]), chunked(c, 100, [40, 100])]
+    out = c.run(reqs)
+    assert_all_delivered(c, out, reqs)
+    with c.explain():
+        for req in reqs:
+            want = sum(1 for t in chunk_tokens(req, c.page_size) if t >= LAYERWISE_MIN)
+            (p,) = out.prefill[req["rid"]]
+            assert p["layerwise"] == [want, want], show(req, p)
+
+
+def test_layerwise_aborts_from_both_sides(tp1_layerwise: Cluster) -> None:
+    """Aborts among layer-wise requests: decode's in its transfer queue, prefill's of a
+    bootstrapped request, and prefill's of a chunked request with a chunk already gone layer by
+    layer. The aborted ones fail on both sides; the others arrive byte for byte; nothing leaks."""
+    c = tp1_layerwise
+    c.configure(**ABORT_ENV, **LAYERWISE)
+    reqs = [*requests(c, [20, 60, 130, 90]), chunked(c, 200, [70, 140, 200], prefill_abort="chunking")]
+    reqs[1].update(ABORTS["decode-transfer-queue"])
+    reqs[2].update(ABORTS["prefill-waiting-queue"])
+    out = c.run(reqs, timeout=ABORT_TIMEOUT_S + 15)
+    assert_all_delivered(c, out, reqs, failed=frozenset(reqs[i]["rid"] for i in (1, 2, 4)))
+    with c.explain():
+        (p,) = out.prefill[reqs[4]["rid"]]
+        assert p["layerwise"][0] >= 1, show(p)  # its first chunk had gone layer by layer
+    assert_went_layerwise(c, out, [reqs[0], reqs[3]])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,7 +12,11 @@ hooks they registered with its ``HookRegistry``. The core distribution registers
   plus ``KVTRANSPORT`` (a class REPLACE hook, which SGLang propagates to every module that
   imported the enum by name);
 - wraps ``get_kv_class`` so that backend resolves to :mod:`kvtransport.integrations.sglang`'s
-  manager, sender, receiver and bootstrap server (every other backend is untouched).
+  manager, sender, receiver and bootstrap server (every other backend is untouched);
+- with ``KVTRANSPORT_LAYERWISE=1`` only, wraps ``Scheduler.run_batch`` and the KV pools'
+  writes so that prefill chunks leave layer by layer
+  (:mod:`kvtransport.integrations.sglang.layerwise`; without the flag SGLang's forward runs
+  untouched).
 
 Nothing here imports SGLang until SGLang calls :func:`register`; importing this module never
 fails. ``SGLANG_PLUGINS``, when set, must name ``kvtransport`` for the plugin to load.
@@ -24,10 +28,15 @@ import enum
 import logging
 from typing import Any
 
+from kvtransport.spi.env import env_flag
+
 log = logging.getLogger(__name__)
 
 BACKEND = "kvtransport"
 _UTILS = "sglang.srt.disaggregation.utils"
+#: kvtransport.integrations.sglang.layerwise.ENV_LAYERWISE, named: importing that module here
+#: would import SGLang's disaggregation classes in every process SGLang starts.
+LAYERWISE_ENV = "KVTRANSPORT_LAYERWISE"
 
 
 def register() -> None:
@@ -49,6 +58,10 @@ def register() -> None:
     )
     HookRegistry.register(f"{_UTILS}.TransferBackend", extended, HookType.REPLACE)
     HookRegistry.register(f"{_UTILS}.get_kv_class", _get_kv_class, HookType.AROUND)
+    if env_flag(LAYERWISE_ENV, False):
+        from kvtransport.integrations.sglang.layerwise import register_hooks
+
+        register_hooks(HookRegistry, HookType)
     log.debug("kvtransport registered as SGLang transfer backend %r", BACKEND)
 
 

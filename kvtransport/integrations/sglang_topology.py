@@ -17,6 +17,8 @@ import os
 import socket
 from typing import Any
 
+from kvtransport.spi.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 DEFAULT_BOOTSTRAP_PORT = 8998
@@ -121,11 +123,22 @@ def _published(kv_args: Any) -> RankTopology:
 def _unpublished(kv_args: Any, server_args: Any) -> RankTopology:
     host = str(getattr(server_args, "host", "") or "127.0.0.1")
     tp_size = int(getattr(server_args, "tp_size", 1) or 1)
+    dp_size = int(getattr(server_args, "dp_size", 1) or 1)
+    if getattr(server_args, "enable_dp_attention", False) and dp_size > 1:
+        # KVArgs cannot say where the rank stands then: SGLang's prefill sets engine_rank to
+        # the global TP rank, its decode to the attention-TP rank, and neither carries the
+        # attention-DP rank. Reading engine_rank as the attention-TP rank would pair the wrong
+        # ranks; SGLang's scheduler always publishes the real values.
+        raise ConfigError(
+            "SGLang's runtime context is not published and DP attention is on (--enable-dp-attention, "
+            f"--dp-size {dp_size}): this rank's attention-TP and DP ranks cannot be told from KVArgs. Create the "
+            "backend inside SGLang's scheduler (which publishes them with sglang.srt.runtime_context.publish)"
+        )
     return RankTopology(
         attn_tp_rank=int(kv_args.engine_rank),
         attn_tp_size=tp_size,
         dp_rank=int(getattr(kv_args, "system_dp_rank", 0) or 0),
-        dp_size=int(getattr(server_args, "dp_size", 1) or 1),
+        dp_size=dp_size,
         follow_bootstrap_room=True,
         pp_size=int(getattr(server_args, "pp_size", 1) or 1),
         attn_cp_size=1,

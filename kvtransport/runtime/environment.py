@@ -40,6 +40,7 @@ CORE_ENV_VARS = frozenset(
         ENV_DISCOVERY_TTL,
         # the SGLang adapter's (integrations.sglang_topology), named: importing it needs SGLang
         "KVTRANSPORT_SGLANG_LISTEN_HOST",
+        "KVTRANSPORT_LAYERWISE",  # and integrations.sglang.layerwise's switch
         "KVTRANSPORT_DISCOVERY_INSTANCE",
         # the deployment secret (auth), read by the bootstrap registry
         ENV_SECRET,

@@ -113,6 +113,15 @@ class LayerStream:
         """Every layer was posted."""
         return self._grouper.complete
 
+    @property
+    def settled(self) -> bool:
+        """Every layer was posted and no group is in the driver any more (each landed, or the
+        transfer failed): nothing of the chunk's source pages is still being read."""
+        if not self.complete:
+            return False
+        in_flight = self._transfer.batches
+        return not any(g.batch and g.batch in in_flight for g in self.groups)
+
     def layer_ready(self, layer: int, after: Any = None) -> None:
         """Layer ``layer``'s KV of this chunk is in place: now, or (``after``) once that signal
         fires: an object with ``query() -> bool`` (a CUDA event recorded after the layer's last
@@ -204,6 +213,10 @@ class StreamGroup:
     @property
     def complete(self) -> bool:
         return all(s.complete for s in self.streams)
+
+    @property
+    def settled(self) -> bool:
+        return all(s.settled for s in self.streams)
 
     def layer_ready(self, layer: int, after: Any = None) -> None:
         self.layers_ready((layer,), after)

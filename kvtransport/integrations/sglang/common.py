@@ -118,6 +118,17 @@ def state_types_of(args: KVArgs) -> tuple[str, ...]:
     return types
 
 
+def decode_allocation_policy(server_args: Any) -> str:
+    """``--disaggregation-decode-allocation-policy`` as the scheduler runs with it: SGLang's
+    published configuration, else the server-args object (``early`` when neither says)."""
+    try:
+        from sglang.srt.runtime_context import get_disagg
+
+        return str(get_disagg().disaggregation_decode_allocation_policy)
+    except (ImportError, ValueError, RuntimeError, AttributeError):
+        return str(getattr(server_args, "disaggregation_decode_allocation_policy", None) or "early")
+
+
 def unserved_parallelism(topology: RankTopology) -> str:
     """What of this rank's parallel layout the backend cannot serve ('' when it serves all)."""
     parts = []

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import threading
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from kvtransport.integrations.discovery import Directory, directory_for, discovery_from_env
@@ -19,6 +20,7 @@ from kvtransport.integrations.sglang.common import (
     BaseKVManager,
     KVArgs,
     _env_flag,
+    decode_allocation_policy,
     kv_memory,
     regions_of,
     room_tag,
@@ -27,11 +29,14 @@ from kvtransport.integrations.sglang.common import (
     tp_pairing_problem,
     unserved_parallelism,
 )
+from kvtransport.integrations.sglang.layerwise import enabled as layerwise_enabled
+from kvtransport.integrations.sglang.layerwise import layer_map
 from kvtransport.integrations.sglang_topology import RankTopology, discovery_instance, rank_topology
 from kvtransport.runtime.auth import RateLimitedLog
 from kvtransport.runtime.bounded import put_newest
 from kvtransport.runtime.endpoint import Connection, Endpoint, Transfer
 from kvtransport.runtime.fanin import FanIn
+from kvtransport.runtime.layer_groups import LayerwisePolicy
 from kvtransport.spi.errors import ConfigError, ConnectError, KVTransportError, LayoutMismatch
 from kvtransport.spi.memory import KVLayout
 from kvtransport.spi.tp_map import sources, targets
@@ -121,6 +126,15 @@ class KVTransportKVManager(BaseKVManager):
                 f"kvtransport's SGLang backend does not serve {unserved} yet; run this deployment with another "
                 "--disaggregation-transfer-backend (mooncake serves it)"
             )
+        if decode_allocation_policy(server_args) == "prefill_complete":
+            # SGLang's own check refuses it for every backend but Mooncake when it parses the
+            # arguments; a server-args object that skipped that check gets the same answer
+            # here, not an AttributeError at the first request (decode's _init_receiver reads
+            # the receiver's conclude_state, prefill calls mark_prefill_complete).
+            raise KVTransportError(
+                "kvtransport's SGLang backend does not serve --disaggregation-decode-allocation-policy "
+                "prefill_complete yet (decode allocating only once prefill completed); use the default, early"
+            )
         self.tp_rank, self.tp_size = self.topology.attn_tp_rank, self.topology.attn_tp_size
         self.dp_rank = self.topology.dp_rank
         self.bootstrap_host, self.bootstrap_port = self.topology.bootstrap_host, self.topology.bootstrap_port
@@ -146,6 +160,13 @@ class KVTransportKVManager(BaseKVManager):
             state_item_lens=regions.state_item_lens,
         )
         self.timeouts = sglang_timeouts()
+        #: Prefill with ``KVTRANSPORT_LAYERWISE=1``: how chunks go layer by layer
+        #: (:mod:`~kvtransport.integrations.sglang.layerwise`); None sends each chunk whole.
+        self.layerwise: LayerwisePolicy | None = (
+            LayerwisePolicy.from_env() if self.mode == "prefill" and layerwise_enabled() else None
+        )
+        self._layer_of_buffer: dict[int, int] | None = None
+        self._write_layers: dict[tuple[int, int], tuple[int, ...]] = {}
         self.enable_deferred_decode_kv_release = _env_flag("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE", True)
         #: Decode: rooms SGLang holds for a drain confirmation (bounded: SGLang releases each
         #: within its deferred-release timeout, 30 s by default, and clears it here).
@@ -191,6 +212,20 @@ class KVTransportKVManager(BaseKVManager):
             self.bootstrap_port,
             self.endpoint.address,
         )
+        if self.layerwise is not None and int(getattr(args, "num_draft_entries", 0) or 0):
+            # The draft model's buffers follow the target's K and V in kv_data_ptrs: the regions
+            # no longer read as every K then every V, and the draft forward writes them apart.
+            log.info(
+                "SGLang prefill: layer-wise sends off: the draft model's KV goes with the target's; chunks go whole"
+            )
+            self.layerwise = None
+        if self.layerwise is not None:
+            self._layer_of_buffer = layer_map(args.kv_data_ptrs, layout, regions)
+            log.info(
+                "SGLang prefill: layer-wise sends on (chunks of at least %d tokens; %s)",
+                self.layerwise.min_tokens,
+                self.layerwise,
+            )
         if self.mode == "prefill":
             try:
                 self.register_to_bootstrap()
@@ -237,6 +272,18 @@ class KVTransportKVManager(BaseKVManager):
             },
             first_wait=REGISTER_FIRST_WAIT_S,
         )
+
+    def layers_written(self, pool: Any, local: int, buffers: Callable[[Any, int], list[int]]) -> tuple[int, ...]:
+        """The layers (as layer-wise streams number them) that a write to ``pool``'s layer
+        ``local`` fills: those of its buffers (``buffers``: their data pointers) this rank sends
+        as KV; none for another buffer (an SWA layer's). Looked up once per pool layer: the
+        pools live as long as the scheduler, and so does this table."""
+        key = (id(pool), local)
+        layers = self._write_layers.get(key)
+        if layers is None:
+            table = self._layer_of_buffer or {}
+            layers = self._write_layers[key] = tuple(sorted({table[p] for p in buffers(pool, local) if p in table}))
+        return layers
 
     def sources_of(self, bootstrap_addr: str, prefill_dp_rank: int) -> tuple[Connection, ...]:
         """Decode: the connections to every prefill rank this rank receives from (one with
@@ -376,6 +423,22 @@ class KVTransportKVManager(BaseKVManager):
                     QUERY_WORKERS, thread_name_prefix="kvtransport-sglang-query"
                 )
             return self._queries
+
+    def submit_prefill_recompute(self, kv_receiver: Any, payload: dict[str, Any]) -> None:
+        """Decode, for a request SGLang retracted and bootstraps again (PD retraction:
+        ``pause_generation(mode="retract")``, or pools that retract): SGLang's backends ask the
+        prefill instance's HTTP server to compute the prompt again. This backend does not: the
+        request fails now, with the reason, instead of waiting for KV that never comes."""
+        reason = (
+            f"room {payload.get('bootstrap_room', getattr(kv_receiver, 'room', '?'))}: kvtransport's SGLang backend "
+            "cannot have prefill recompute a retracted request yet (PD retraction rebootstrap); the request fails"
+        )
+        log.warning("%s", reason)
+        fail = getattr(kv_receiver, "fail", None)
+        if callable(fail):
+            fail(KVTransportError(reason))
+        else:
+            kv_receiver.abort()
 
     def publish_room(self, room: int) -> None:
         """Prefill: tell the registry this DP rank took ``room`` (attention-TP rank 0 speaks for

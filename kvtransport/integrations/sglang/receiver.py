@@ -163,6 +163,12 @@ class KVTransportKVReceiver(BaseKVReceiver):
         self.failure.set(TransferAborted(f"room {self.room} aborted by the decode scheduler"))
         self._give_up("aborted by the decode scheduler")
 
+    def fail(self, error: KVTransportError) -> None:
+        """The backend gives this room up for ``error`` (poll says Failed, with it): its
+        transfer is aborted, or prefill is told before the pages were announced."""
+        self.failure.set(error)
+        self._give_up(str(error))
+
     def clear(self) -> None:
         if self.transfer is None and self.failure.error is not None:
             self._give_up(f"room {self.room} released by the decode scheduler")

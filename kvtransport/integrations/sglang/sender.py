@@ -5,6 +5,7 @@ to every decode rank it feeds when it fails."""
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from typing import Any
@@ -23,9 +24,11 @@ from kvtransport.integrations.sglang.common import (
     room_tag,
     tp_pairing_problem,
 )
+from kvtransport.integrations.sglang.layerwise import OpenStream
 from kvtransport.integrations.sglang.manager import KVTransportKVManager
 from kvtransport.runtime.endpoint import State, Transfer
 from kvtransport.runtime.fanin import FanOut
+from kvtransport.runtime.layer_groups import LayerwisePolicy
 from kvtransport.spi.errors import ConnectError, InvalidPages, KVTransportError, TransferAborted, TransferTimeout
 from kvtransport.spi.tp_map import targets
 
@@ -65,6 +68,12 @@ class KVTransportKVSender(BaseKVSender):
         self._early_send_wait_event: Any = None
         self._waiting_on: Any = None
         self._prefix_read = False
+        #: Chunks going layer by layer (``KVTRANSPORT_LAYERWISE``), oldest first: their pages
+        #: are reserved; SGLang's ``send`` of the same pages confirms them.
+        self._streams: collections.deque[OpenStream] = collections.deque()
+        #: Chunks of this room that went layer by layer, and the layer groups they took.
+        self.layerwise_chunks = 0
+        self.layerwise_groups = 0
         self._route_room(bool(req_has_disagg_prefill_dp_rank))
 
     def _route_room(self, has_dp_rank: bool) -> None:
@@ -231,6 +240,87 @@ class KVTransportKVSender(BaseKVSender):
                 self.failure.set(exc)
                 self.transfer.abort(f"prefill could not send: {exc}")
 
+    def next_send_token(self, start_send_idx: int) -> int:
+        """The token this room's next send starts at: SGLang's ``start_send_idx``, or the end of
+        the chunks still going layer by layer (SGLang has not handed them over yet)."""
+        return self._streams[-1].end_token if self._streams else start_send_idx
+
+    def open_layer_stream(
+        self, pages: np.ndarray[Any, Any], end_token: int, policy: LayerwisePolicy
+    ) -> OpenStream | None:
+        """Reserve ``pages`` (the chunk the forward computes, up to ``end_token``) to go layer by
+        layer (:mod:`~kvtransport.integrations.sglang.layerwise`); None where the chunk goes whole
+        when SGLang hands it over: the room is not bound yet, has chunks queued or waiting, or
+        failed."""
+        t = self.transfer
+        if (
+            t is None
+            or self.failure.error is not None
+            or self._queued
+            or self._waiting_on is not None
+            or self._early_send_wait_event is not None
+            or t.state is State.BOOTSTRAPPING
+            or self.num_kv_indices is None
+            or self.sent + int(pages.size) > self.num_kv_indices
+        ):
+            return None
+        try:
+            stream = t.send_layerwise(pages, last=False, policy=policy)
+        except KVTransportError as exc:
+            self.failure.set(exc)
+            t.abort(f"prefill could not send layer-wise: {exc}")
+            return None
+        self.sent += int(pages.size)
+        self.layerwise_chunks += 1
+        opened = OpenStream(stream, pages, int(end_token))
+        self._streams.append(opened)
+        return opened
+
+    def layerwise_failed(self, error: BaseException) -> None:
+        """A layer-wise stream of this room could not go on (its marks failed): the room fails
+        with the reason, and its decode ranks hear of it."""
+        if self.failure.error is None:
+            wrapped = (
+                error if isinstance(error, KVTransportError) else KVTransportError(f"{type(error).__name__}: {error}")
+            )
+            self.failure.set(wrapped)
+            log.warning("room %d: layer-wise send failed: %s", self.room, wrapped)
+        self._refuse(f"room {self.room}: its layer-wise send failed")
+
+    def _confirm(self, pages: np.ndarray[Any, Any], last: bool) -> np.ndarray[Any, Any]:
+        """Match the pages SGLang hands over against the layer-wise streams, oldest first: a
+        stream whose pages all came is complete (its forward has run: any layer not marked yet
+        is). Returns the pages past the streams (sent as a plain chunk); raises
+        :class:`InvalidPages` where SGLang names other pages than the streams reserved (streams
+        are opened only where SGLang's prefill cannot move a chunk's tokens to other pages
+        between the forward and the send: see ``layerwise._forward_of``)."""
+        rest = pages
+        while self._streams and rest.size:
+            s = self._streams[0]
+            want = s.pages[s.confirmed :]
+            n = min(int(want.size), int(rest.size))
+            if not np.array_equal(want[:n], rest[:n]):
+                raise InvalidPages(
+                    f"room {self.room}: SGLang sent pages {rest[:8].tolist()} where the layer-wise stream reserved "
+                    f"{want[:8].tolist()} (its prediction of SGLang's _send_kv_chunk no longer holds; unset "
+                    "KVTRANSPORT_LAYERWISE)"
+                )
+            s.confirmed += n
+            rest = rest[n:]
+            if s.confirmed == s.pages.size:
+                self._streams.popleft()
+                try:
+                    s.mark_rest()
+                except KVTransportError as exc:  # the transfer failed: poll reports it
+                    log.debug("room %d: marking the rest of a stream: %s", self.room, exc)
+                self.layerwise_groups += s.posted_groups
+        if last and self._streams:
+            left = sum(int(s.pages.size) - s.confirmed for s in self._streams)
+            raise InvalidPages(
+                f"room {self.room}: the last chunk came with {left} pages of layer-wise streams not handed over"
+            )
+        return rest
+
     def send(self, kv_indices: Any, state_indices: list[Any] | None = None, num_kv_tokens: int | None = None) -> None:
         if self.failure.error is not None:
             return
@@ -243,6 +333,16 @@ class KVTransportKVSender(BaseKVSender):
         # just before that send: the aux row goes with it, even when earlier chunks already
         # carried every page. The state items (one list per state type) go with it too.
         last = state_indices is not None
+        event, self._early_send_wait_event = self._early_send_wait_event, None
+        if self._streams:
+            try:
+                pages = self._confirm(pages, last)
+            except KVTransportError as exc:
+                self.failure.set(exc)
+                self._refuse(str(exc))
+                return
+            # Pages the streams carried need no wait: their layers' marks came after the forward
+            # SGLang's event stands for (on its stream).
         total = self.sent + int(pages.size)
         if total > self.num_kv_indices or (last and total != self.num_kv_indices):
             self.failure.set(
@@ -255,7 +355,6 @@ class KVTransportKVSender(BaseKVSender):
             return
         if not last and pages.size == 0:
             return
-        event, self._early_send_wait_event = self._early_send_wait_event, None
         if event is not None:
             self._waiting_on = event  # holds this chunk and every later one (they stay in order)
         self.sent = total
@@ -283,6 +382,7 @@ class KVTransportKVSender(BaseKVSender):
 
     def clear(self) -> None:
         self._queued.clear()
+        self._streams.clear()
         if self.transfer is not None:
             _stop(self.transfer, f"room {self.room} released by the prefill scheduler")
         elif self.failure.error is not None:
