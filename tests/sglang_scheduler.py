@@ -536,6 +536,7 @@ class Instance:
         self.cfg = cfg
         self.page_size = int(cfg["page_size"])
         self.mla = bool(cfg.get("mla", False))
+        self.max_context = int(cfg.get("max_context", MAX_CONTEXT))  # a request row's tokens
         self.world_group = world_group
         self.server_args = ServerArgs(
             model_path=cfg.get("model_path") or topo["model_path"],
@@ -679,7 +680,7 @@ class Instance:
             # _build_hybrid_req_pool / _build_hybrid_mamba_decode_req_pool
             cache_params = self.mamba_config.mamba2_cache_params
             common: dict[str, Any] = {
-                "max_context_len": MAX_CONTEXT,
+                "max_context_len": self.max_context,
                 "device": "cpu",
                 "enable_memory_saver": False,
                 "cache_params": cache_params,
@@ -708,10 +709,10 @@ class Instance:
                 )
         elif decode:
             self.req_to_token_pool = DecodeReqToTokenPool(
-                MAX_RUNNING, MAX_CONTEXT, "cpu", enable_memory_saver=False, pre_alloc_size=MAX_RUNNING
+                MAX_RUNNING, self.max_context, "cpu", enable_memory_saver=False, pre_alloc_size=MAX_RUNNING
             )
         else:
-            self.req_to_token_pool = ReqToTokenPool(MAX_RUNNING, MAX_CONTEXT, "cpu", enable_memory_saver=False)
+            self.req_to_token_pool = ReqToTokenPool(MAX_RUNNING, self.max_context, "cpu", enable_memory_saver=False)
         if self.mla:
             self.kv_pool: Any = MLATokenToKVPool(
                 self.pool_tokens,
@@ -1231,6 +1232,7 @@ def run_prefill(inst: Instance, specs: list[dict[str, Any]], timeout: float) -> 
                 s.chunked_req = req  # still chunking: sent next iteration by process_prefill_chunk
                 running.append(req)
                 continue
+            events[req.rid].setdefault("computed", time.time())  # its last layer is written
             if s.chunked_req is req:
                 s.chunked_req = None
             if plan["spec"].get("zero_page_last") and "sent_all_at" not in plan:
@@ -1420,7 +1422,8 @@ def run_decode(inst: Instance, specs: list[dict[str, Any]], timeout: float) -> d
                 sources[rid] = max(sources.get(rid, 0), len(decode_req.kv_receiver.bootstrap_infos))
         # Transferred requests wait for a prebuilt batch: checked here first, then run through it.
         for req in s.waiting_queue:
-            results[req.rid] = verify_decode(inst, req)
+            transferred = time.time()  # SGLang's pop_transferred saw the transfer succeed
+            results[req.rid] = {**verify_decode(inst, req), "transferred": transferred}
             announced(req)
         run_prebuilt(inst)
         # When a failed request's pages went back (at once, or after SGLang's deferred release).

@@ -328,6 +328,7 @@ class Cluster:
         disable_overlap_schedule: bool = False,
         layer_compute_s: float = 0,
         direct_kv_writes: bool = False,
+        max_context: int = 512,
         **env: str,
     ) -> None:
         """``model``: "llama" (MHA, or MLA with ``mla``), "swa" (hybrid sliding-window
@@ -336,7 +337,8 @@ class Cluster:
         ``disable_overlap_schedule``: both with ``--disable-overlap-schedule``;
         ``layer_compute_s``: the prefill forward's compute time per layer (after each layer's
         KV write); ``direct_kv_writes``: the forward writes the KV buffers itself, not through
-        the pools' set_kv_buffer (as an FP4 pool or a CUDA graph replay). The other keywords
+        the pools' set_kv_buffer (as an FP4 pool or a CUDA graph replay); ``max_context``: the
+        tokens of a request row (SGLang's ReqToTokenPool). The other keywords
         are environment variables of every rank."""
         want = {
             "page_size": page_size,
@@ -348,6 +350,7 @@ class Cluster:
             "disable_overlap_schedule": disable_overlap_schedule,
             "layer_compute_s": layer_compute_s,
             "direct_kv_writes": direct_kv_writes,
+            "max_context": max_context,
             "env": {"KVTRANSPORT_DRIVER": driver, **FAST, **env},
         }
         if any(r.proc.poll() is not None for r in self.ranks):
