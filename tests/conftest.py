@@ -141,7 +141,10 @@ def require_engines() -> None:
 @pytest.fixture(autouse=True)
 def _clean_kvtransport_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in list(os.environ):
-        if key.startswith("KVTRANSPORT_") and key != "KVTRANSPORT_TESTS_WITHOUT_ENGINES":
+        if key.startswith("KVTRANSPORT_") and key not in (
+            "KVTRANSPORT_TESTS_WITHOUT_ENGINES",
+            "KVTRANSPORT_TESTS_WITHOUT_VLLM",
+        ):
             monkeypatch.delenv(key)
 
 

@@ -41,6 +41,9 @@ _CONFORMANCE_STAGED_CORE = [f"{name}[mooncake-default-ring]" for name in CONFORM
 FULL: dict[str, list[str]] = {
     # the SGLang scheduler clusters: SGLang's own prefill and decode schedulers in processes
     "test_sglang_scheduler": ["*"],
+    # vLLM's own scheduler in prefill and decode processes (each start imports vLLM: seconds);
+    # the connector's parts without vLLM (test_vllm_parts) stay in the fast tier
+    "test_vllm": ["*"],
     # discovery on etcd: the 1,000-route memory check (three rounds of register and expire);
     # registration, expiry, restarts and forgeries stay in the fast tier
     "test_discovery": ["test_a_thousand_routes_registered_and_expired_leave_the_client_flat"],

@@ -36,6 +36,7 @@ How the pieces map:
   abort, timeout, layout mismatch).
 """
 
+from kvtransport.integrations.pairing import tp_pairing_problem as tp_pairing_problem
 from kvtransport.integrations.sglang.bootstrap_server import KVTransportKVBootstrapServer
 from kvtransport.integrations.sglang.common import SERVED_STATE_TYPES as SERVED_STATE_TYPES
 from kvtransport.integrations.sglang.common import SGLANG_TIMEOUTS as SGLANG_TIMEOUTS
@@ -46,7 +47,6 @@ from kvtransport.integrations.sglang.common import regions_of as regions_of
 from kvtransport.integrations.sglang.common import room_tag as room_tag
 from kvtransport.integrations.sglang.common import sglang_timeouts as sglang_timeouts
 from kvtransport.integrations.sglang.common import state_types_of as state_types_of
-from kvtransport.integrations.sglang.common import tp_pairing_problem as tp_pairing_problem
 from kvtransport.integrations.sglang.common import unserved_parallelism as unserved_parallelism
 from kvtransport.integrations.sglang.manager import CONNECT_WORKERS as CONNECT_WORKERS
 from kvtransport.integrations.sglang.manager import MAX_HELD_ROOMS as MAX_HELD_ROOMS

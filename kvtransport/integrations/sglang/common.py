@@ -24,13 +24,13 @@ except ImportError as exc:  # pragma: no cover - exercised in a process without 
         f"(sglang==0.5.23: pip install 'sglang==0.5.23'); importing them failed: {exc}"
     ) from exc
 
+from kvtransport.integrations.pairing import request_tag
 from kvtransport.integrations.sglang_topology import RankTopology
 from kvtransport.runtime.endpoint import State, Timeouts, Transfer
 from kvtransport.runtime.fanin import FanIn
 from kvtransport.spi.env import env_number
 from kvtransport.spi.errors import KVTransportError
 from kvtransport.spi.memory import HOST, MemoryKind, RegionSet
-from kvtransport.spi.tp_map import sources, targets
 
 SGLANG_VERSION = "0.5.23"
 #: SGLang's own timeout variables, honoured unless the kvtransport one is set (defaults: SGLang's).
@@ -54,22 +54,9 @@ def sglang_timeouts(env: Any = None) -> Timeouts:
 
 
 def room_tag(room: int, prefill_tp: int, decode_tp: int, decode_rank: int) -> str:
-    """The transfer tag decode rank ``decode_rank`` announces ``room`` under. The room number,
-    except when decode runs the wider TP: a prefill rank then hears from several decode ranks
-    for one room, and each but the first of them (the one whose announcement tells the prefill
-    rank decode's TP size) adds its rank, ``room@rank`` (a tag names one announcer per endpoint)."""
-    fed = targets(prefill_tp, sources(prefill_tp, decode_tp, decode_rank)[0], decode_tp)
-    return str(room) if decode_rank == fed[0] else f"{room}@{decode_rank}"
-
-
-def tp_pairing_problem(prefill_tp: int, decode_tp: int) -> str:
-    """Why prefill and decode ranks of these attention-TP sizes cannot pair ('' when they can)."""
-    if prefill_tp <= 0 or decode_tp <= 0 or (prefill_tp % decode_tp and decode_tp % prefill_tp):
-        return (
-            f"prefill runs attention TP={prefill_tp}, this decode rank TP={decode_tp}: kvtransport pairs TP sizes "
-            "of which one divides the other"
-        )
-    return ""
+    """The transfer tag decode rank ``decode_rank`` announces ``room`` under (``pairing.request_tag``
+    of the room number)."""
+    return request_tag(str(room), prefill_tp, decode_tp, decode_rank)
 
 
 class KVTransferError(KVTransportError):

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvtransport.integrations.discovery import Directory, directory_for, discovery_from_env
+from kvtransport.integrations.pairing import pairing_problem, tp_pairing_problem
 from kvtransport.integrations.sglang.common import (
     BaseKVManager,
     KVArgs,
@@ -23,10 +24,8 @@ from kvtransport.integrations.sglang.common import (
     decode_allocation_policy,
     kv_memory,
     regions_of,
-    room_tag,
     sglang_timeouts,
     state_types_of,
-    tp_pairing_problem,
     unserved_parallelism,
 )
 from kvtransport.integrations.sglang.layerwise import enabled as layerwise_enabled
@@ -39,7 +38,7 @@ from kvtransport.runtime.fanin import FanIn
 from kvtransport.runtime.layer_groups import LayerwisePolicy
 from kvtransport.spi.errors import ConfigError, ConnectError, KVTransportError, LayoutMismatch
 from kvtransport.spi.memory import KVLayout
-from kvtransport.spi.tp_map import sources, targets
+from kvtransport.spi.tp_map import sources
 
 log = logging.getLogger(__name__)
 
@@ -475,25 +474,12 @@ class KVTransportKVManager(BaseKVManager):
 
     def paired_with(self, conn: Connection, tag: str) -> str:
         """Prefill: "" when ``conn``'s peer is a decode rank this rank feeds (``tp_map.targets``)
-        and ``tag`` is the tag that rank announces this room under, else why not. A room is
-        sent only to the decode ranks the registry pairs with this rank, whoever announced it."""
-        layout = conn.peer_layout
-        if layout is None:
-            return f"{conn.peer_label} sent no KV layout"
-        problem = tp_pairing_problem(self.tp_size, layout.tp_size)
-        if problem or not 0 <= layout.tp_rank < layout.tp_size:
-            return f"{conn.peer_label} is decode rank tp={layout.tp_rank}/{layout.tp_size}: {problem or 'no such rank'}"
-        fed = targets(self.tp_size, self.tp_rank, layout.tp_size)
-        if layout.tp_rank not in fed:
-            return (
-                f"{conn.peer_label} is decode rank tp={layout.tp_rank}/{layout.tp_size}; this prefill rank is "
-                f"tp={self.tp_rank}/{self.tp_size}, which feeds decode rank(s) tp={list(fed)} only"
-            )
+        and ``tag`` is the tag that rank announces this room under, else why not
+        (``pairing.pairing_problem``)."""
         room = tag.split("@", 1)[0]
-        want = room_tag(int(room), self.tp_size, layout.tp_size, layout.tp_rank) if room.isdigit() else ""
-        if tag != want:
-            return f"{conn.peer_label} (decode rank tp={layout.tp_rank}) announced tag {tag!r}, not {want!r}"
-        return ""
+        if not room.isdigit():
+            return f"{conn.peer_label} announced tag {tag!r}, which names no room"
+        return pairing_problem(conn.peer_layout, conn.peer_label, self.tp_rank, self.tp_size, tag)
 
     def live_sources(self, bootstrap_addr: str, prefill_dp_rank: int) -> list[Connection]:
         """Decode: the live connections to this rank's sources at ``bootstrap_addr`` that are up

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtransport.integrations.pairing import tp_pairing_problem
 from kvtransport.integrations.sglang.common import (
     BaseKVReceiver,
     KVPoll,
@@ -20,7 +21,6 @@ from kvtransport.integrations.sglang.common import (
     _raise,
     _stop,
     room_tag,
-    tp_pairing_problem,
 )
 from kvtransport.integrations.sglang.manager import KVTransportKVManager
 from kvtransport.runtime.endpoint import Connection, Transfer

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtransport.integrations.pairing import tp_pairing_problem
 from kvtransport.integrations.sglang.common import (
     BaseKVSender,
     KVPoll,
@@ -22,7 +23,6 @@ from kvtransport.integrations.sglang.common import (
     _raise,
     _stop,
     room_tag,
-    tp_pairing_problem,
 )
 from kvtransport.integrations.sglang.layerwise import OpenStream
 from kvtransport.integrations.sglang.manager import KVTransportKVManager

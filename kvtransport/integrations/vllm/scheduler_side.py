@@ -1,0 +1,151 @@
+"""The scheduler side of vLLM's connector, without vLLM: which requests load KV from a prefill
+instance (decode) or hold their blocks for a decode instance (prefill), and the orders one step
+hands to the workers.
+
+A request object here is anything with vLLM's ``Request`` fields this reads
+(``request_id``, ``kv_transfer_params``, ``prompt_token_ids``); the connector passes vLLM's own.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtransport.integrations.vllm.params import RemotePrefill, is_remote_decode, is_remote_prefill, parse
+from kvtransport.spi.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["HoldOrder", "LoadOrder", "Orders", "SchedulerSide"]
+
+
+@dataclass(frozen=True)
+class HoldOrder:
+    """Prefill: hold ``blocks`` of ``request`` until decode read them."""
+
+    request: str
+    blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LoadOrder:
+    """Decode: fill ``blocks`` (after ``prefix`` blocks held already) from ``remote``; or, when
+    the request's params were unusable, fail the load with ``error`` (vLLM's
+    ``kv_load_failure_policy`` then decides: fail the request or recompute it)."""
+
+    request: str
+    blocks: tuple[int, ...]
+    prefix: int
+    remote: RemotePrefill | None
+    error: str = ""
+
+
+@dataclass
+class Orders:
+    """One step's orders for every worker."""
+
+    holds: list[HoldOrder] = field(default_factory=list)
+    loads: list[LoadOrder] = field(default_factory=list)
+
+
+class SchedulerSide:
+    """The scheduler's bookkeeping for one engine (``block_size`` tokens a block, TP
+    ``tp_size``, engine ``engine_id``)."""
+
+    def __init__(self, engine_id: str, block_size: int, tp_size: int) -> None:
+        self.engine_id = engine_id
+        self.block_size = block_size
+        self.tp_size = tp_size
+        #: Each TP rank's control address, from the workers' handshake metadata.
+        self.addresses: dict[int, str] = {}
+        self._params: dict[str, RemotePrefill | ConfigError] = {}
+        self._orders = Orders()
+        #: Prefill: requests whose blocks the workers hold for decode.
+        self.holding: set[str] = set()
+
+    def set_addresses(self, addresses: Mapping[int, str]) -> None:
+        self.addresses.update(addresses)
+
+    # -- decode -------------------------------------------------------------------------------
+
+    def _remote(self, request: Any) -> RemotePrefill | ConfigError:
+        got = self._params.get(request.request_id)
+        if got is None:
+            try:
+                got = parse(request.kv_transfer_params, block_size=self.block_size)
+            except ConfigError as exc:
+                got = exc
+            self._params[request.request_id] = got
+        return got
+
+    def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """vLLM's ``get_num_new_matched_tokens``: a remote-prefill request loads the prompt's KV
+        beyond what this instance holds, asynchronously. Unusable params still take the load
+        path, which then fails with their error (never a silent local prefill)."""
+        params = request.kv_transfer_params
+        if not is_remote_prefill(params):
+            return 0, False
+        remote = self._remote(request)
+        prompt = len(request.prompt_token_ids or ())
+        end = prompt if isinstance(remote, ConfigError) else min(remote.num_tokens, prompt)
+        count = end - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def after_alloc(self, request: Any, new_blocks: Sequence[int], held_blocks: int, num_external: int) -> None:
+        """vLLM's ``update_state_after_alloc``: ``new_blocks`` receive the remote KV after the
+        ``held_blocks`` this instance's prefix cache had."""
+        params = request.kv_transfer_params
+        if not is_remote_prefill(params) or num_external <= 0:
+            self._params.pop(request.request_id, None)
+            return
+        remote = self._remote(request)
+        self._params.pop(request.request_id, None)
+        params["do_remote_prefill"] = False  # a second call (after the load) loads nothing
+        if isinstance(remote, ConfigError):
+            self._orders.loads.append(LoadOrder(request.request_id, tuple(new_blocks), held_blocks, None, str(remote)))
+        else:
+            self._orders.loads.append(LoadOrder(request.request_id, tuple(new_blocks), held_blocks, remote))
+
+    # -- prefill ------------------------------------------------------------------------------
+
+    def finished(self, request: Any, block_ids: Sequence[int], completed: bool) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's ``request_finished``: a prefill request that ran to its end holds its blocks
+        for decode and returns the params decode needs (``True``: vLLM frees the blocks only
+        once a worker reports it finished sending)."""
+        self._params.pop(request.request_id, None)
+        params = request.kv_transfer_params
+        if not is_remote_decode(params) or not completed or not block_ids:
+            return False, None
+        if len(self.addresses) != self.tp_size:
+            log.error(
+                "kvtransport vLLM prefill: request %s finished, but %d of %d workers published a control address; "
+                "its KV cannot be offered to decode",
+                request.request_id,
+                len(self.addresses),
+                self.tp_size,
+            )
+            return False, None
+        self._orders.holds.append(HoldOrder(request.request_id, tuple(int(b) for b in block_ids)))
+        self.holding.add(request.request_id)
+        num_tokens = int(request.num_computed_tokens)
+        remote = RemotePrefill(
+            engine_id=self.engine_id,
+            request_id=request.request_id,
+            tp_size=self.tp_size,
+            addresses=tuple(self.addresses[r] for r in range(self.tp_size)),
+            num_tokens=num_tokens,
+            num_blocks=-(-num_tokens // self.block_size),
+            block_size=self.block_size,
+        )
+        return True, remote.to_params()
+
+    def sent(self, requests: Sequence[str] | set[str]) -> None:
+        """Workers reported these requests' blocks released (read by decode or expired)."""
+        self.holding.difference_update(requests)
+
+    def take_orders(self) -> Orders:
+        """This step's orders (``build_connector_meta``); the next step starts empty."""
+        orders, self._orders = self._orders, Orders()
+        return orders

@@ -1,0 +1,404 @@
+"""The worker side of vLLM's connector, without vLLM: one TP rank's endpoint and the requests
+it holds for decode (prefill) or loads from prefill (decode), polled once per engine step.
+
+Prefill: a finished request's blocks are held (:meth:`WorkerSide.hold`) until every decode rank
+this rank feeds has announced where they go and the writes completed, or until the lease runs
+out with no announcement (a decode that never comes: the blocks go back, the tags are refused,
+so a late decode hears at once that nothing comes). Decode: :meth:`WorkerSide.load` connects to
+the prefill ranks the TP map names (on a thread: an engine step never waits for a handshake),
+announces the request's new blocks with the blocks it holds already as the prefix, and reports
+the request done when the writes landed, or failed, with its blocks, once no write of it can
+land any more.
+
+Every table here is bounded by the engine's requests in flight; every wait has a deadline;
+nothing a peer or a client sends raises out of :meth:`WorkerSide.poll`.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtransport.integrations.pairing import pairing_problem, request_tag, tp_pairing_problem
+from kvtransport.integrations.vllm.params import RemotePrefill
+from kvtransport.runtime.endpoint import Connection, Endpoint, State, Transfer
+from kvtransport.runtime.fanin import FanIn, PartialAnnouncement, expect_from
+from kvtransport.spi.errors import (
+    ConfigError,
+    ConnectError,
+    InvalidPages,
+    KVTransportError,
+    LayoutMismatch,
+)
+from kvtransport.spi.tp_map import sources, targets
+
+log = logging.getLogger(__name__)
+
+__all__ = ["StepResults", "WorkerSide"]
+
+#: Prefill ranks a decode rank keeps connections to; beyond it, the least recently used idle
+#: one is closed (a decode instance fed by many prefill instances in turn stays bounded).
+MAX_PEERS = 256
+
+
+@dataclass
+class StepResults:
+    """What one engine step reports to vLLM's scheduler (``KVConnectorTransferResults`` and
+    ``get_block_ids_with_load_errors``)."""
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+    failed_blocks: set[int] = field(default_factory=set)
+
+
+@dataclass
+class _Held:
+    """Prefill: one finished request's blocks, held for the decode ranks this rank feeds."""
+
+    request: str
+    blocks: npt.NDArray[np.int64]
+    deadline: float
+    parts: dict[str, Transfer] = field(default_factory=dict)
+    targets: list[str] = field(default_factory=list)
+    sent: bool = False
+
+
+@dataclass
+class _Load:
+    """Decode: one request's new blocks, filled by the prefill ranks this rank reads from."""
+
+    request: str
+    blocks: npt.NDArray[np.int64]
+    prefix: int
+    remote: RemotePrefill | None
+    connecting: concurrent.futures.Future[tuple[Connection, ...]] | None = None
+    transfer: Transfer | FanIn | None = None
+    error: KVTransportError | None = None
+    cancelled: str = ""
+
+
+class WorkerSide:
+    """One vLLM worker's transfers over ``endpoint`` (its TP rank ``tp_rank`` of ``tp_size``)."""
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        *,
+        tp_rank: int,
+        tp_size: int,
+        lease_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.endpoint = endpoint
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.lease_s = lease_s
+        self._clock = clock
+        self._held: dict[str, _Held] = {}
+        self._loads: dict[str, _Load] = {}
+        self._peers_lock = threading.Lock()
+        self._peers: collections.OrderedDict[str, concurrent.futures.Future[Connection]] = collections.OrderedDict()
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvtransport-vllm")
+        self._results = StepResults()
+        #: Requests whose blocks were held and went back without reaching decode, and why.
+        self.expired = 0
+        self.closed = False
+
+    @property
+    def address(self) -> str:
+        return str(self.endpoint.address)
+
+    # -- prefill ------------------------------------------------------------------------------
+
+    def hold(self, request: str, blocks: Sequence[int]) -> None:
+        """Hold ``blocks`` (the request's computed blocks, in order) until decode read them."""
+        if request in self._held:
+            log.warning("request %s: blocks already held for decode; the second hold is ignored", request)
+            return
+        self._held[request] = _Held(request, np.asarray(blocks, dtype=np.int64), self._clock() + self.lease_s)
+
+    def _bind(self, held: _Held) -> None:
+        ep = self.endpoint
+        for tag in held.targets or [held.request]:
+            if tag in held.parts:
+                continue
+            conn = ep.announced(tag)
+            if conn is None:
+                continue
+            problem = pairing_problem(conn.peer_layout, conn.peer_label, self.tp_rank, self.tp_size, tag)
+            if problem:
+                conn.sender(tag).abort(f"request {held.request} is not paired with this rank: {problem}")
+                self._give_back(held, f"announced by the wrong rank: {problem}")
+                return
+            held.parts[tag] = conn.sender(tag)
+            if not held.targets:
+                layout = conn.peer_layout
+                assert layout is not None  # pairing_problem checked it
+                held.targets = [
+                    request_tag(held.request, self.tp_size, layout.tp_size, d)
+                    for d in targets(self.tp_size, self.tp_rank, layout.tp_size)
+                ]
+
+    def _send(self, held: _Held) -> None:
+        parts = [held.parts[t] for t in held.targets]
+        prefixes = {p.peer_prefix for p in parts}
+        if len(prefixes) != 1:
+            self._give_back(held, f"the decode ranks hold different prefixes {sorted(prefixes)} (blocks)")
+            return
+        prefix = prefixes.pop()
+        wanted = sorted({int(p.dst_pages.size) if p.dst_pages is not None else -1 for p in parts})
+        count = wanted[0] if len(wanted) == 1 else -1
+        if count < 0 or prefix < 0 or prefix + count > held.blocks.size:
+            self._give_back(
+                held,
+                f"decode asked for {wanted[0] if len(wanted) == 1 else wanted} block(s) after a prefix of "
+                f"{prefix}; prefill holds {held.blocks.size}",
+                InvalidPages,
+            )
+            return
+        src = held.blocks[prefix : prefix + count]
+        for part in parts:
+            part.send(src, last=True)
+        held.sent = True
+
+    def _give_back(self, held: _Held, reason: str, kind: type[KVTransportError] = KVTransportError) -> None:
+        """Nothing more of ``held`` is sent: its announcers hear so, its blocks go back."""
+        message = f"request {held.request}: {reason}"
+        log.warning("kvtransport vLLM prefill: %s; its blocks are released", message)
+        for part in held.parts.values():
+            if not part.state.final:
+                part.abort(message)
+        for tag in held.targets or [held.request]:
+            if tag not in held.parts:
+                try:
+                    self.endpoint.refuse(tag, message)
+                except KVTransportError as exc:  # the endpoint is closing: its peers hear "bye"
+                    log.debug("refusing %s failed: %s", tag, exc)
+        held.sent = True
+        held.parts = {t: p for t, p in held.parts.items() if not p.state.final} or {}
+        if not held.parts:
+            self._release(held)
+        else:
+            held.deadline = -1.0  # released once the aborted parts are final
+
+    def _release(self, held: _Held) -> None:
+        self._held.pop(held.request, None)
+        self._results.finished_sending.add(held.request)
+
+    def _poll_held(self, held: _Held, now: float) -> None:
+        try:
+            if not held.sent:
+                self._bind(held)
+                if held.sent:  # _bind gave it back
+                    return
+                failed = next((p for p in held.parts.values() if p.state is State.FAILED), None)
+                if failed is not None:
+                    self._give_back(held, f"a decode rank's transfer failed: {failed.error}")
+                elif held.targets and len(held.parts) == len(held.targets):
+                    # A sender learns the announced pages once its session filed the announcement.
+                    if all(p.state is not State.BOOTSTRAPPING for p in held.parts.values()):
+                        self._send(held)
+                elif now > held.deadline:
+                    self.expired += 1
+                    self._give_back(held, f"no decode rank announced it within its lease of {self.lease_s:g} s")
+            elif all(p.state.final for p in held.parts.values()):
+                failed = next((p for p in held.parts.values() if p.state is State.FAILED), None)
+                if failed is not None and held.deadline >= 0:
+                    log.warning("kvtransport vLLM prefill: request %s failed: %s", held.request, failed.error)
+                self._release(held)
+        except KVTransportError as exc:
+            self._give_back(held, str(exc))
+
+    # -- decode -------------------------------------------------------------------------------
+
+    def load(self, request: str, blocks: Sequence[int], prefix: int, remote: RemotePrefill) -> None:
+        """Start filling ``blocks`` with ``remote``'s KV after the first ``prefix`` blocks."""
+        if request in self._loads:
+            log.warning("request %s: already loading; the second load is ignored", request)
+            return
+        load = _Load(request, np.asarray(blocks, dtype=np.int64), int(prefix), remote)
+        self._loads[request] = load
+        problem = tp_pairing_problem(remote.tp_size, self.tp_size)
+        if problem:
+            load.error = ConfigError(problem)
+            return
+        addresses = [remote.addresses[p] for p in sources(remote.tp_size, self.tp_size, self.tp_rank)]
+        load.connecting = self._pool.submit(self._connect_all, addresses)
+
+    def fail_load(self, request: str, blocks: Sequence[int], error: KVTransportError) -> None:
+        """A load that cannot start (its params were unusable): reported failed at the next poll."""
+        load = _Load(request, np.asarray(blocks, dtype=np.int64), 0, None, error=error)
+        self._loads[request] = load
+
+    def _connect_all(self, addresses: list[str]) -> tuple[Connection, ...]:
+        return tuple(self._connection(a).result() for a in addresses)
+
+    def _connection(self, address: str) -> concurrent.futures.Future[Connection]:
+        """The connection to ``address``: the one made before while it lives, else a new one
+        (made by the first thread that asks; the others wait on its future)."""
+        with self._peers_lock:
+            pending = self._peers.get(address)
+            if pending is not None and pending.done():
+                if pending.exception() is not None or not pending.result().alive:
+                    pending = None
+            mine = pending is None
+            if pending is None:
+                pending = concurrent.futures.Future()
+                self._peers[address] = pending
+                self._trim_peers()
+            self._peers.move_to_end(address)
+        if mine:
+            try:
+                pending.set_result(self.endpoint.connect(address))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting loads
+                pending.set_exception(exc)
+        return pending
+
+    def _trim_peers(self) -> None:
+        while len(self._peers) > MAX_PEERS:
+            address, oldest = next(iter(self._peers.items()))
+            del self._peers[address]
+            if oldest.done() and oldest.exception() is None:
+                conn = oldest.result()
+                if not conn.transfers:
+                    conn.close("kvtransport vLLM: too many prefill peers; the least recently used goes")
+
+    def _announce(self, load: _Load) -> None:
+        assert load.connecting is not None
+        if not load.connecting.done():
+            return
+        try:
+            conns = load.connecting.result()
+        except KVTransportError as exc:
+            load.error = exc
+            return
+        except Exception as exc:  # noqa: BLE001 - a bug below must fail this request, not the engine
+            load.error = ConnectError(f"connecting for request {load.request} failed: {type(exc).__name__}: {exc}")
+            return
+        remote = load.remote
+        assert remote is not None  # a load without params fails before it connects
+        for conn in conns:
+            peer = conn.peer_layout
+            if peer is None or peer.tp_size != remote.tp_size:
+                load.error = LayoutMismatch(
+                    f"request {load.request}: {conn.peer_label} runs TP={getattr(peer, 'tp_size', '?')}, the request's "
+                    f"kv_transfer_params say prefill TP={remote.tp_size}"
+                )
+                return
+            if peer.tp_size != self.tp_size and "HND" in (
+                peer.extra.get("token_layout"),
+                self.endpoint.layout.extra.get("token_layout"),
+            ):
+                load.error = LayoutMismatch(
+                    f"prefill TP={peer.tp_size}, decode TP={self.tp_size} with head-major (HND) KV blocks: unequal TP "
+                    "needs token-major (NHD) blocks on both sides"
+                )
+                return
+        tag = request_tag(remote.request_id, remote.tp_size, self.tp_size, self.tp_rank)
+        try:
+            if len(conns) == 1:
+                load.transfer = conns[0].expect(tag, load.blocks, prefix=load.prefix)
+            else:
+                load.transfer = expect_from(conns, tag, load.blocks, prefix=load.prefix)
+        except PartialAnnouncement as exc:
+            load.transfer = exc.parts
+            load.error = exc
+        except KVTransportError as exc:
+            load.error = exc
+
+    def cancel(self, request: str, reason: str) -> None:
+        """The request ended on decode before its KV arrived: stop its transfer; it is reported
+        finished once nothing of it can land any more."""
+        load = self._loads.get(request)
+        if load is None or load.cancelled:
+            return
+        load.cancelled = reason
+        if load.transfer is not None and not load.transfer.state.final:
+            load.transfer.abort(reason)
+
+    def _poll_load(self, load: _Load, now: float) -> None:
+        try:
+            if load.transfer is None and load.error is None and not load.cancelled and load.connecting is not None:
+                self._announce(load)
+            t = load.transfer
+            if t is None:
+                if load.error is not None or load.cancelled:
+                    self._finish(load, ok=False)  # nothing was announced: nothing can land
+                return
+            if load.error is None and load.cancelled == "" and t.state is State.SUCCESS:
+                self._finish(load, ok=True)
+                return
+            if load.error is not None and not t.state.final:
+                t.abort(str(load.error))
+            if load.cancelled and not t.state.final:
+                t.abort(load.cancelled)
+            if t.state.final and t.drained.is_set():
+                if t.state is State.FAILED and load.error is None:
+                    load.error = t.error
+                self._finish(load, ok=t.state is State.SUCCESS and not load.cancelled and load.error is None)
+        except KVTransportError as exc:
+            load.error = exc
+
+    def _finish(self, load: _Load, *, ok: bool) -> None:
+        self._loads.pop(load.request, None)
+        self._results.finished_recving.add(load.request)
+        if not ok:
+            self._results.failed_recving.add(load.request)
+            self._results.failed_blocks.update(int(b) for b in load.blocks)
+            if not load.cancelled:
+                log.warning(
+                    "kvtransport vLLM decode: request %s: loading its KV from prefill request %s failed: %s",
+                    load.request,
+                    load.remote.request_id if load.remote is not None else "?",
+                    load.error,
+                )
+
+    # -- every step ---------------------------------------------------------------------------
+
+    def poll(self, finished: Iterable[str] = ()) -> StepResults:
+        """Advance every held and loading request; ``finished``: requests the engine ended
+        this step (a load among them is cancelled). Returns what completed since the last call."""
+        for request in finished:
+            if request in self._loads:
+                self.cancel(request, f"request {request} ended on decode before its KV arrived")
+        now = self._clock()
+        for held in list(self._held.values()):
+            self._poll_held(held, now)
+        for load in list(self._loads.values()):
+            self._poll_load(load, now)
+        results, self._results = self._results, StepResults()
+        return results
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+    @property
+    def loading(self) -> int:
+        return len(self._loads)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "held": len(self._held),
+            "loading": len(self._loads),
+            "peers": len(self._peers),
+            "expired": self.expired,
+            "drivers": sorted({c.decision.driver for c in self.endpoint.connections.values() if c.decision}),
+        }
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.endpoint.close()

@@ -1,0 +1,199 @@
+"""vLLM's connector (``kvtransport.integrations.vllm``) through vLLM's own scheduler: two vLLM
+instances, each in its own process in the vLLM environment (tests/vllm_engine.py: vLLM's v1
+``Scheduler``, ``KVConnectorFactory``, model-runner mixin and ``KVOutputAggregator``), prefill
+-> decode over the real engines, every transferred token of every layer, head and K/V checked
+on decode, and both instances back to all blocks free afterwards."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from .vllm_cluster import Instance, engine_config, instance_env, pd_pair, prompt, require_vllm, run_request
+
+pytestmark = [pytest.mark.engines]
+
+DRIVERS = ["nixl-ucx", "mooncake-gdr"]
+
+
+def assert_idle(inst: Instance) -> None:
+    """No request, no held block, no transfer, every block free (one is vLLM's null block)."""
+    s = inst.settle()
+    assert s["requests"] == 0, s
+    assert s["holding"] == 0, s
+    assert all(w["held"] == 0 and w["loading"] == 0 for w in s["workers"]), s
+    assert s["free_blocks"] == s["num_blocks"] - 1, s
+
+
+@pytest.fixture(scope="module", params=DRIVERS)
+def pair(request: pytest.FixtureRequest):
+    require_vllm()
+    with pd_pair(request.param) as (p, d):
+        yield request.param, p, d
+
+
+def test_requests_move_byte_exact_with_the_forced_driver(pair) -> None:
+    driver, p, d = pair
+    # Lengths around block edges: a partial last block, exactly one block, several.
+    for i, n in enumerate((50, 16, 17, 200)):
+        got = run_request(p, d, f"exact-{driver}-{i}", prompt(n, seed=i))
+        assert got["bad"] == 0, got
+        assert got["checked"] == n - 1  # vLLM recomputes the last prompt token to sample
+        assert got["finished"] == "length"
+        assert got["params"]["remote_kvtransport"]["num_blocks"] == -(-n // 16)
+    assert d.stats()["workers"][0]["drivers"] == [driver]
+    assert_idle(p)
+    assert_idle(d)
+
+
+def test_decode_with_a_prefix_cache_hit_loads_only_the_rest(pair) -> None:
+    """Decode's prefix cache holds the first two blocks: it announces the blocks after them,
+    with the prefix, and prefill sends only those."""
+    driver, p, d = pair
+    tokens = prompt(80, seed=42)
+    d.send(op="local", id=f"warm-{driver}", tokens=tokens[:40], max_tokens=1)
+    d.wait("finished", f"warm-{driver}")
+    got = run_request(p, d, f"prefix-{driver}", tokens)
+    assert got["bad"] == 0, got
+    assert got["checked"] == 79
+    assert_idle(p)
+    assert_idle(d)
+
+
+def test_a_decode_that_never_comes_releases_the_blocks_and_a_late_one_fails_fast(pair) -> None:
+    """Prefill holds a finished request's blocks for its lease (short here); with no decode,
+    they go back when it runs out, and a decode arriving later hears at once that nothing
+    comes: its request fails (kv_load_failure_policy=fail) instead of waiting."""
+    driver, _, d = pair
+    inst = Instance(
+        "prefill-lease",
+        engine_config(extra={"listen_host": "127.0.0.1", "lease_s": 1.0}),
+        instance_env(driver),
+    )
+    try:
+        inst.send(op="prefill", id="orphan", tokens=prompt(40))
+        params = inst.wait("prefilled", "orphan")["params"]
+        assert inst.stats()["holding"] == 1
+        assert_idle(inst)
+        assert inst.stats()["workers"][0]["expired"] == 1
+        started = time.monotonic()
+        d.send(op="decode", id=f"late-{driver}", tokens=prompt(40), params=params)
+        assert d.wait("finished", f"late-{driver}")["reason"] == "error"
+        assert time.monotonic() - started < 10
+    finally:
+        inst.close()
+    assert_idle(d)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        {"remote_kvtransport": None},
+        {"tp_size": 0},
+        {"remote_num_tokens": -5},
+        {"remote_request_id": "x" * 300},
+        {
+            "remote_kvtransport": {
+                "version": 1,
+                "addresses": ["tcp://127.0.0.1:1"] * 9,
+                "num_blocks": 3,
+                "block_size": 16,
+            }
+        },
+        {"remote_kvtransport": {"version": 99}},
+        {"block_size_of": 32},
+    ],
+)
+def test_hostile_params_fail_the_request_with_the_reason_and_decode_goes_on(pair, damage) -> None:
+    driver, p, d = pair
+    case = f"{driver}-{'-'.join(damage)}-{len(str(damage))}"
+    tokens = prompt(40, seed=len(case))
+    p.send(op="prefill", id=f"p-hostile-{case}", tokens=tokens)
+    params = p.wait("prefilled", f"p-hostile-{case}")["params"]
+    bad = dict(params)
+    for key, value in damage.items():
+        if key == "block_size_of":
+            bad["remote_kvtransport"] = {**params["remote_kvtransport"], "block_size": value}
+        else:
+            bad[key] = value
+    d.send(op="decode", id=f"hostile-{case}", tokens=tokens, params=bad)
+    assert d.wait("finished", f"hostile-{case}")["reason"] == "error"
+    # The same decode instance serves the next (well-formed) request.
+    d.send(op="decode", id=f"after-hostile-{case}", tokens=tokens, params=params)
+    got = d.wait("loaded", f"after-hostile-{case}")
+    assert got["bad"] == 0
+    d.wait("finished", f"after-hostile-{case}")
+    assert_idle(p)
+    assert_idle(d)
+
+
+def test_an_abort_on_prefill_offers_nothing(pair) -> None:
+    driver, p, _ = pair
+    p.send(op="prefill", id=f"gone-{driver}", tokens=prompt(300))
+    p.send(op="abort", id=f"gone-{driver}")
+    assert p.wait("finished", f"gone-{driver}")["reason"] == "abort"
+    assert_idle(p)
+
+
+def test_a_decode_abort_while_prefill_is_unreachable_releases_its_blocks(pair) -> None:
+    """Decode waits on a prefill that does not answer (stopped): aborting the request gives its
+    blocks back at once; prefill, resumed, releases its own at the lease."""
+    driver, _, d = pair
+    if driver != DRIVERS[0]:
+        pytest.skip("the decode side's abort does not depend on the driver: run once")
+    inst = Instance(
+        "prefill-stopped",
+        engine_config(extra={"listen_host": "127.0.0.1", "lease_s": 2.0}),
+        instance_env(driver),
+    )
+    try:
+        inst.send(op="prefill", id="frozen", tokens=prompt(64))
+        params = inst.wait("prefilled", "frozen")["params"]
+        os.kill(inst.proc.pid, signal.SIGSTOP)
+        d.send(op="decode", id=f"frozen-{driver}", tokens=prompt(64), params=params)
+        time.sleep(0.5)
+        assert d.stats()["requests"] == 1
+        d.send(op="abort", id=f"frozen-{driver}")
+        assert d.wait("finished", f"frozen-{driver}")["reason"] == "abort"
+        assert_idle(d)
+        os.kill(inst.proc.pid, signal.SIGCONT)
+        assert_idle(inst)
+    finally:
+        os.kill(inst.proc.pid, signal.SIGCONT)
+        inst.close()
+
+
+def test_a_prefill_that_dies_fails_decode_fast(pair) -> None:
+    """Prefill killed (SIGKILL) after it offered a request: decode's load fails within the
+    connect timeout, the request ends with an error, and decode serves the next one."""
+    driver, p, d = pair
+    doomed = Instance("prefill-doomed", engine_config(), instance_env(driver))
+    doomed.send(op="prefill", id="doomed", tokens=prompt(64))
+    params = doomed.wait("prefilled", "doomed")["params"]
+    doomed.kill()
+    started = time.monotonic()
+    d.send(op="decode", id=f"doomed-{driver}", tokens=prompt(64), params=params)
+    assert d.wait("finished", f"doomed-{driver}", timeout=60)["reason"] == "error"
+    assert time.monotonic() - started < 20
+    got = run_request(p, d, f"after-doomed-{driver}", prompt(64, seed=3))
+    assert got["bad"] == 0
+    assert_idle(d)
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2), (1, 4)])
+def test_unequal_tp_moves_every_head_byte_exact(prefill_tp: int, decode_tp: int) -> None:
+    require_vllm()
+    with pd_pair(
+        "nixl-ucx",
+        prefill=engine_config(prefill_tp),
+        decode=engine_config(decode_tp),
+    ) as (p, d):
+        for i, n in enumerate((33, 128)):
+            got = run_request(p, d, f"tp-{i}", prompt(n, seed=i))
+            assert got["bad"] == 0, got
+            assert got["checked"] == n - 1
+        assert_idle(p)
+        assert_idle(d)
