@@ -42,6 +42,9 @@ CORE_ENV_VARS = frozenset(
         "KVTRANSPORT_SGLANG_LISTEN_HOST",
         "KVTRANSPORT_LAYERWISE",  # and integrations.sglang.layerwise's switch
         "KVTRANSPORT_DISCOVERY_INSTANCE",
+        # the vLLM connector's (integrations.vllm.connector), named: importing it needs vLLM
+        "KVTRANSPORT_VLLM_LEASE_S",
+        "KVTRANSPORT_VLLM_LISTEN_HOST",
         # the deployment secret (auth), read by the bootstrap registry
         ENV_SECRET,
         ENV_SECRET_FILE,
