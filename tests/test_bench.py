@@ -238,6 +238,22 @@ def test_bench_layerwise_compares_whole_and_layer_wise_sends_with_every_page_che
     assert text.returncode == 0 and "integrity   OK" in text.stdout and "layer-wise  tail" in text.stdout
 
 
+def test_bench_consumer_vllm_times_the_connector_against_the_endpoint_with_bytes_checked() -> None:
+    """``--consumer vllm``: the same requests through the vLLM connector's worker sides and
+    through the endpoint, alternating, each request's last block checked (a wrong one fails
+    the run); the report has both medians and their difference."""
+    require_engines()
+    args = ["bench", "--consumer", "vllm", "--driver", "nixl-ucx", "--requests", "6", "--prompt-tokens", "64"]
+    proc = run_cli(*args, "--layers", "4", "--json", timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    assert doc["driver"] == "nixl-ucx" and doc["tokens"] == 64 and doc["requests"] == 6
+    assert set(doc["median_ms"]) == {"connector", "raw"} and all(v > 0 for v in doc["median_ms"].values())
+    assert doc["overhead_ms"] == pytest.approx(doc["median_ms"]["connector"] - doc["median_ms"]["raw"])
+    text = run_cli(*args, "--layers", "4", timeout=240)
+    assert text.returncode == 0 and "overhead" in text.stdout and "connector  p50" in text.stdout
+
+
 def test_the_bench_and_its_peer_do_not_import_the_test_kit() -> None:
     """The bench is the product's main job: its pools and decode peer live in the library, and
     only the fakes (fault injection) load ``kvtransport.testing``."""

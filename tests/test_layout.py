@@ -40,6 +40,8 @@ API_LAYER = 5
 ALLOWED_UPWARD = {
     ("kvtransport.tools.peer", "kvtransport.testing.fake"),
     ("kvtransport.tools.cli", "kvtransport"),
+    # `kvtransport bench --consumer vllm` times the vLLM connector, which sits above the tools
+    ("kvtransport.tools.cli", "kvtransport.integrations.vllm.bench"),
     ("kvtransport.tools.doctor", "kvtransport"),
 }
 #: What a driver package may import: the public API and the SPI, and the staged path (staged

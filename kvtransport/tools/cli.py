@@ -280,6 +280,12 @@ def _add_bench(sub: Any) -> None:
         metavar="N",
         help="instead: rounds of N requests sent at once against rounds of one (aggregate bandwidth)",
     )
+    p.add_argument(
+        "--consumer",
+        choices=("vllm",),
+        help="instead: a serving engine's connector against the endpoint on the same requests "
+        "(vllm: per-request overhead of kvtransport.integrations.vllm; --prompt-tokens defaults to 256 here)",
+    )
     lw = p.add_argument_group("layer-wise", "--layerwise: whole-request against layer-wise sends (docs/layerwise.md)")
     lw.add_argument(
         "--layerwise", action="store_true", help="instead: compute layers here and send whole and layer-wise"
@@ -484,6 +490,21 @@ def bench_cmd(args: argparse.Namespace) -> int:
                 "--in-flight runs between one prefill and one decode rank, not with --prefill-tp/--decode-tp"
             )
         return _bench_tp(args, workload)
+    if args.consumer == "vllm":
+        # The connector lives above the tools (integrations): loaded only for this mode.
+        from kvtransport.integrations.vllm import bench as vllm_bench
+
+        tokens = 256 if args.prompt_tokens == Workload().prompt_tokens else args.prompt_tokens
+        with native_stdout_to_stderr():
+            doc = vllm_bench.run(
+                driver=args.driver or "auto",
+                requests=args.requests,
+                tokens=tokens,
+                layers=args.layers,
+                item=workload.item_len,
+            )
+        print(json.dumps(doc, indent=2) if args.json else vllm_bench.render(doc))
+        return 0
     if args.layerwise:
         from kvtransport.tools import bench_layerwise
 

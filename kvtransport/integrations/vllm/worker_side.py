@@ -233,7 +233,29 @@ class WorkerSide:
             load.error = ConfigError(problem)
             return
         addresses = [remote.addresses[p] for p in sources(remote.tp_size, self.tp_size, self.tp_rank)]
-        load.connecting = self._pool.submit(self._connect_all, addresses)
+        live = self._live(addresses)
+        if live is None:
+            load.connecting = self._pool.submit(self._connect_all, addresses)
+            return
+        # Every source is connected already (the common case): announce now, not a step later.
+        load.connecting = concurrent.futures.Future()
+        load.connecting.set_result(live)
+        self._poll_load(load, self._clock())
+
+    def _live(self, addresses: list[str]) -> tuple[Connection, ...] | None:
+        """The live connections to ``addresses`` if there is one to each, else ``None``."""
+        conns = []
+        with self._peers_lock:
+            for address in addresses:
+                pending = self._peers.get(address)
+                if pending is None or not pending.done() or pending.exception() is not None:
+                    return None
+                conn = pending.result()
+                if not conn.alive:
+                    return None
+                self._peers.move_to_end(address)
+                conns.append(conn)
+        return tuple(conns)
 
     def fail_load(self, request: str, blocks: Sequence[int], error: KVTransportError) -> None:
         """A load that cannot start (its params were unusable): reported failed at the next poll."""
