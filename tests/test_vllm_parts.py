@@ -8,6 +8,7 @@ connector inside vLLM's own scheduler on the real engines."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -24,7 +25,7 @@ from kvtransport.integrations.vllm.params import RemotePrefill, is_remote_decode
 from kvtransport.integrations.vllm.scheduler_side import SchedulerSide
 from kvtransport.integrations.vllm.worker_side import StepResults, WorkerSide
 from kvtransport.runtime.endpoint import Endpoint, Timeouts
-from kvtransport.spi.errors import ConfigError, MemoryLayoutError
+from kvtransport.spi.errors import ConfigError, MemoryLayoutError, NegotiationError
 from kvtransport.testing.fake import FakeDriver
 from kvtransport.tools.kv_pool import KVPool
 
@@ -301,3 +302,23 @@ def test_an_unpairable_tp_fails_the_load_with_the_sizes(caplog: pytest.LogCaptur
         assert got.failed_recving == {"d"}
         assert np.array_equal(sorted(got.failed_blocks), [1])
         assert "prefill runs attention TP=3, this decode rank TP=2" in caplog.text
+
+
+def test_an_sglang_prefill_and_a_vllm_decode_are_refused_at_handshake_with_both_engines() -> None:
+    """Each engine's layout says which engine it is: a pair of different engines fails the
+    handshake (LayoutMismatch, both names) instead of moving pages neither side can use."""
+    pools = [KVPool(PAGES, LAYERS, ITEM, 0), KVPool(PAGES, LAYERS, ITEM, 0)]
+    endpoints = []
+    try:
+        for pool, engine in zip(pools, ("sglang", "vllm"), strict=True):
+            layout = dataclasses.replace(pool.layout, extra={"engine": engine})
+            endpoints.append(Endpoint(pool.regions, layout, drivers={"fake": FakeDriver}, name=engine, timeouts=FAST))
+        with pytest.raises(NegotiationError, match=r"LayoutMismatch.*engine: vllm .*, sglang .*same serving engine"):
+            endpoints[1].connect(endpoints[0].address)
+        same = dataclasses.replace(pools[0].layout, extra={"engine": "vllm"})
+        assert not same.incompatibilities(dataclasses.replace(pools[1].layout, extra={"engine": "vllm"}))
+    finally:
+        for ep in endpoints:
+            ep.close()
+        for pool in pools:
+            pool.close()

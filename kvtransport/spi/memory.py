@@ -396,6 +396,15 @@ class KVLayout:
                 continue
             if a != b:
                 problems.append(f"{name}: {a!r} {mine}, {b!r} {theirs}")
+        engines = (self.extra.get("engine"), other.extra.get("engine"))
+        if all(engines) and engines[0] != engines[1]:
+            # Each engine's handoff carries more than the KV pages (SGLang's prefill sends the
+            # first output token and its metadata in aux slots, which vLLM's decode has no
+            # place for and recomputes instead); no mapping between them is defined yet.
+            problems.append(
+                f"engine: {engines[0]} {mine}, {engines[1]} {theirs}: kvtransport pairs prefill and decode "
+                "instances of the same serving engine (docs/vllm.md, 'Across engines')"
+            )
         if self.tp_size != other.tp_size:
             problems += unequal_tp_problems(self, other, mine, theirs)
         return problems

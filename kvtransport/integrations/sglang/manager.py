@@ -157,6 +157,7 @@ class KVTransportKVManager(BaseKVManager):
             aux_item_lens=tuple(int(n) for n in getattr(args, "aux_item_lens", [])),
             state_types=state_types,
             state_item_lens=regions.state_item_lens,
+            extra={"engine": "sglang"},
         )
         self.timeouts = sglang_timeouts()
         #: Prefill with ``KVTRANSPORT_LAYERWISE=1``: how chunks go layer by layer
