@@ -106,7 +106,7 @@ class Engine:
                 max_model_len=4096,
                 enable_chunked_prefill=True,
                 is_encoder_decoder=False,
-                disable_hybrid_kv_cache_manager=True,
+                disable_hybrid_kv_cache_manager=cfg.get("disable_hma"),
             ),
             cache_config=CacheConfig(block_size=self.bs, enable_prefix_caching=cfg.get("prefix_caching", True)),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tp),
