@@ -132,8 +132,9 @@ def test_hostile_params_fail_the_request_with_the_reason_and_decode_goes_on(pair
 
 def test_an_abort_on_prefill_offers_nothing(pair) -> None:
     driver, p, _ = pair
-    p.send(op="prefill", id=f"gone-{driver}", tokens=prompt(300))
-    p.send(op="abort", id=f"gone-{driver}")
+    p.send_many(
+        {"op": "prefill", "id": f"gone-{driver}", "tokens": prompt(300)}, {"op": "abort", "id": f"gone-{driver}"}
+    )
     assert p.wait("finished", f"gone-{driver}")["reason"] == "abort"
     assert_idle(p)
 
@@ -197,3 +198,50 @@ def test_unequal_tp_moves_every_head_byte_exact(prefill_tp: int, decode_tp: int)
             assert got["checked"] == n - 1
         assert_idle(p)
         assert_idle(d)
+
+
+def test_a_soak_of_mixed_requests_leaves_both_instances_flat() -> None:
+    """300 requests, a tenth each aborted on decode, aborted on prefill, or sent with damaged
+    params, the rest byte-exact; afterwards (once the short lease returned what decode never
+    took) neither instance holds a request, a block, a transfer or a pending param, and their
+    descriptors, threads and memory are where they were after the first wave."""
+    require_vllm()
+    lease = {"listen_host": "127.0.0.1", "lease_s": 2.0}
+    with pd_pair("nixl-ucx", prefill=engine_config(extra=lease), decode=engine_config(extra=lease)) as (p, d):
+        baseline: dict[str, dict[str, int]] = {}
+        exact = 0
+        for i in range(300):
+            kind = i % 10
+            tokens = prompt(20 + (i * 37) % 200, seed=i)
+            if kind == 7:  # aborted on prefill: nothing is offered
+                p.send_many({"op": "prefill", "id": f"pa-{i}", "tokens": tokens}, {"op": "abort", "id": f"pa-{i}"})
+                assert p.wait("finished", f"pa-{i}")["reason"] == "abort"
+                continue
+            p.send(op="prefill", id=f"p-{i}", tokens=tokens)
+            params = p.wait("prefilled", f"p-{i}")["params"]
+            if kind == 8:  # aborted on decode, whenever the abort lands
+                d.send(op="decode", id=f"d-{i}", tokens=tokens, params=params)
+                d.send(op="abort", id=f"d-{i}")
+                d.wait("finished", f"d-{i}")
+            elif kind == 9:  # damaged params: the load fails with the field's name
+                bad = {**params, "remote_num_tokens": "all"}
+                d.send(op="decode", id=f"d-{i}", tokens=tokens, params=bad)
+                assert d.wait("finished", f"d-{i}")["reason"] == "error"
+            else:
+                d.send(op="decode", id=f"d-{i}", tokens=tokens, params=params, max_tokens=1)
+                got = d.wait("loaded", f"d-{i}")
+                assert got["bad"] == 0, got
+                d.wait("finished", f"d-{i}")
+                exact += 1
+            if i == 49:
+                baseline = {"prefill": p.settle(), "decode": d.settle()}
+        assert exact == 210
+        for name, inst in (("prefill", p), ("decode", d)):
+            end = inst.settle(timeout=30)
+            start = baseline[name]
+            assert end["requests"] == end["holding"] == end["params_pending"] == 0, end
+            assert end["free_blocks"] == end["num_blocks"] - 1, end
+            assert all(w["held"] == w["loading"] == 0 for w in end["workers"]), end
+            assert end["workers"][0]["peers"] <= 1, end
+            assert end["fds"] <= start["fds"] + 2 and end["threads"] <= start["threads"], (name, start, end)
+            assert end["rss"] - start["rss"] < 48 << 20, (name, start["rss"], end["rss"])

@@ -75,8 +75,12 @@ class Instance:
             del self.log[:-400]
 
     def send(self, **cmd: Any) -> None:
+        self.send_many(cmd)
+
+    def send_many(self, *cmds: dict[str, Any]) -> None:
+        """Commands in one write: the instance takes them all before its next step."""
         assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+        self.proc.stdin.write("".join(json.dumps(c) + "\n" for c in cmds).encode())
         self.proc.stdin.flush()
 
     def wait(self, event: str, req: str | None = None, timeout: float = 60) -> dict[str, Any]:

@@ -25,6 +25,7 @@ import os
 import select
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -285,6 +286,10 @@ class Engine:
             "num_blocks": pool.num_gpu_blocks,
             "workers": [w.worker.stats() for w in self.workers],
             "holding": len(self.scheduler.get_kv_connector().scheduler.holding),
+            "params_pending": len(self.scheduler.get_kv_connector().scheduler._params),
+            "rss": int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE"),
+            "fds": len(os.listdir("/proc/self/fd")),
+            "threads": threading.active_count(),
         }
 
     def busy(self) -> bool:
@@ -300,8 +305,9 @@ class Engine:
             self.add(cmd["id"], cmd["tokens"], cmd.get("max_tokens", 2), None)
         elif op == "abort":
             # A client's abort: vLLM's engine core sends no output for it (the client knows).
-            if self.scheduler.finish_requests(cmd["id"], RequestStatus.FINISHED_ABORTED):
-                return [{"event": "finished", "id": cmd["id"], "reason": "abort"}]
+            aborted = self.scheduler.finish_requests(cmd["id"], RequestStatus.FINISHED_ABORTED)
+            # Already finished (its own "finished" or "prefilled" went out): say so, once more.
+            return [{"event": "finished", "id": cmd["id"], "reason": "abort" if aborted else "already finished"}]
         elif op == "stats":
             return [self.stats()]
         elif op == "quit":
