@@ -37,7 +37,7 @@ from kvtransport.integrations.vllm.layout import describe_kv_caches
 from kvtransport.integrations.vllm.scheduler_side import Orders, SchedulerSide
 from kvtransport.integrations.vllm.worker_side import WorkerSide
 from kvtransport.runtime.endpoint import Endpoint
-from kvtransport.spi.env import env_number
+from kvtransport.spi.env import env_flag, env_number
 from kvtransport.spi.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -53,6 +53,8 @@ ENV_LEASE = "KVTRANSPORT_VLLM_LEASE_S"
 DEFAULT_LEASE_S = 480.0
 #: The host a worker's endpoint listens on (default: vLLM's ``VLLM_HOST_IP`` / this host's IP).
 ENV_LISTEN_HOST = "KVTRANSPORT_VLLM_LISTEN_HOST"
+#: SGLang's layer-wise switch (integrations.sglang.layerwise), said to have no effect here.
+ENV_LAYERWISE = "KVTRANSPORT_LAYERWISE"
 
 
 @dataclass
@@ -186,6 +188,15 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
         )
         lease = float(self._extra.get("lease_s") or env_number(ENV_LEASE, DEFAULT_LEASE_S))
         self.worker = WorkerSide(endpoint, tp_rank=tp_rank, tp_size=self.tp_size, lease_s=lease)
+        if env_flag(ENV_LAYERWISE, False):
+            # vLLM's P/D flow hands a request to decode only once prefill finished it (and its
+            # NIXL push mode writes after request_finished too): there is no announced
+            # destination while the layers are computed, so nothing to stream them into.
+            log.info(
+                "kvtransport vLLM worker: %s=1 has no effect here: decode's blocks are known only after prefill "
+                "finished the request, so each request is sent whole (docs/vllm.md)",
+                ENV_LAYERWISE,
+            )
         log.info(
             "kvtransport vLLM worker tp=%d/%d: %d layers, %d blocks of %d tokens in %s, listening on %s",
             tp_rank,
