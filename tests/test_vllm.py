@@ -184,19 +184,47 @@ def test_a_prefill_that_dies_fails_decode_fast(pair) -> None:
     assert_idle(d)
 
 
-@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2), (1, 4)])
-def test_unequal_tp_moves_every_head_byte_exact(prefill_tp: int, decode_tp: int) -> None:
+@pytest.mark.parametrize(
+    ("prefill_tp", "decode_tp", "layout"),
+    [
+        # vLLM's CPU attention backend supports head-major blocks only (LBHNC): a page's rows are
+        # its heads' token runs, and a rank's heads one contiguous slice of the block
+        (2, 1, None),
+        (1, 2, None),
+        (1, 4, None),
+        # a GPU backend's token-major blocks (what the connector asks for): a slice per token
+        (2, 1, "LBNHC"),
+        # block-outermost: a block of every layer is one page, sliced layer by layer
+        (1, 2, "BLNHC"),
+    ],
+)
+def test_unequal_tp_moves_every_head_byte_exact(prefill_tp: int, decode_tp: int, layout: str | None) -> None:
     require_vllm()
+    over = {"layouts": [layout]} if layout else {}
     with pd_pair(
         "nixl-ucx",
-        prefill=engine_config(prefill_tp),
-        decode=engine_config(decode_tp),
+        prefill=engine_config(prefill_tp, **over),
+        decode=engine_config(decode_tp, **over),
     ) as (p, d):
         for i, n in enumerate((33, 128)):
             got = run_request(p, d, f"tp-{i}", prompt(n, seed=i))
             assert got["bad"] == 0, got
             assert got["checked"] == n - 1
         assert_idle(p)
+        assert_idle(d)
+
+
+def test_instances_with_different_block_layouts_refuse_the_pair_with_both() -> None:
+    """Prefill head-major (vLLM's CPU backend), decode token-major: the same bytes per block,
+    in another order; the handshake refuses the pair and decode's request fails with both."""
+    require_vllm()
+    with pd_pair("nixl-ucx", decode=engine_config(layouts=["LBNHC"])) as (p, d):
+        tokens = prompt(40)
+        p.send(op="prefill", id="p-mixed", tokens=tokens)
+        params = p.wait("prefilled", "p-mixed")["params"]
+        d.send(op="decode", id="mixed", tokens=tokens, params=params)
+        assert d.wait("finished", "mixed")["reason"] == "error"
+        assert any("LayoutMismatch" in line or "token_layout" in line for line in d.log), "".join(d.log[-10:])
         assert_idle(d)
 
 

@@ -46,13 +46,17 @@ from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.forward_context import set_forward_context
 from vllm.utils.hashing import sha256
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
+from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+from vllm.v1.worker.utils import allocate_kv_cache
 
 EOS = 2
 SENTINEL = -1.0
@@ -120,21 +124,23 @@ class Engine:
                 kv_load_failure_policy=cfg.get("failure_policy", "fail"),
             ),
         )
-        self.vllm_config.cache_config.num_gpu_blocks = self.num_blocks
         self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(self.layers)]
         local_heads = self.heads // self.tp
-        self.kv_cache_config = KVCacheConfig(
-            num_blocks=self.num_blocks,
-            kv_cache_tensors=[],
-            kv_cache_groups=[
-                KVCacheGroupSpec(
-                    self.layer_names,
-                    FullAttentionSpec(
-                        block_size=self.bs, num_kv_heads=local_heads, head_size=self.head_size, dtype=torch.float16
-                    ),
-                )
-            ],
+        spec = FullAttentionSpec(
+            block_size=self.bs, num_kv_heads=local_heads, head_size=self.head_size, dtype=torch.float16
         )
+        # The layout as vLLM's engine core resolves it: what the attention backend supports (the
+        # CPU backend's, unless a test names another backend's list), the connector's wish
+        # (get_required_kvcache_layout) when it is among them.
+        supported = cfg.get("layouts") or [m.name for m in get_supported_kv_cache_layouts([CPUAttentionBackend])]
+        self.layout = resolve_kv_cache_layout(self.vllm_config, [supported], [spec])
+        self.vllm_config.cache_config.kv_cache_layout = self.layout.name
+        self.vllm_config.cache_config.num_gpu_blocks_override = self.num_blocks
+        groups = [KVCacheGroupSpec(self.layer_names, spec)]
+        self.kv_cache_config = get_kv_cache_config_from_groups(
+            self.vllm_config, groups, self.num_blocks * spec.page_size_bytes * self.layers
+        )
+        self.vllm_config.cache_config.num_gpu_blocks = self.num_blocks
         self.scheduler = Scheduler(
             vllm_config=self.vllm_config,
             kv_cache_config=self.kv_cache_config,
@@ -152,8 +158,10 @@ class Engine:
             config = copy.copy(self.vllm_config)
             config.parallel_config = copy.copy(self.vllm_config.parallel_config)
             config.parallel_config.rank = rank
-            shape = (2, self.num_blocks, self.bs, local_heads, self.head_size)
-            caches = {name: torch.full(shape, SENTINEL, dtype=torch.float16) for name in self.layer_names}
+            # vLLM's own allocation: one backing buffer, a [B, H, N, C] view per layer.
+            caches = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"), self.layout)
+            for view in caches.values():
+                view.fill_(SENTINEL)
             connector = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, self.kv_cache_config)
             connector.register_kv_caches(caches)
             handshake[(0, rank)] = connector.get_handshake_metadata()
@@ -174,12 +182,13 @@ class Engine:
         local = self.heads // self.tp
         heads = torch.arange(rank * local, (rank + 1) * local).view(-1, 1)
         dims = torch.arange(self.head_size).view(1, -1)
+        d = self.head_size
         for pos in range(start, min(start + count, len(tokens))):
             block, slot = blocks[pos // self.bs], pos % self.bs
             for layer, name in enumerate(self.layer_names):
-                for kv in (0, 1):
+                for kv in (0, 1):  # a head's content is its K, then its V
                     value = token_value(layer, kv, pos, tokens[pos], heads, dims)
-                    self.caches[rank][name][kv, block, slot] = value.to(torch.float16)
+                    self.caches[rank][name][block, :, slot, kv * d : (kv + 1) * d] = value.to(torch.float16)
 
     def check_kv(self, req_id: str, upto: int) -> tuple[int, int]:
         """(tokens checked, tokens wrong) over every rank, layer, K/V and head."""
@@ -193,10 +202,12 @@ class Engine:
             for pos in range(upto):
                 block, slot = blocks[pos // self.bs], pos % self.bs
                 wrong = False
+                d = self.head_size
                 for layer, name in enumerate(self.layer_names):
                     for kv in (0, 1):
                         want = token_value(layer, kv, pos, tokens[pos], heads, dims).to(torch.float16)
-                        if not torch.equal(self.caches[rank][name][kv, block, slot], want):
+                        got = self.caches[rank][name][block, :, slot, kv * d : (kv + 1) * d]
+                        if not torch.equal(got, want):
                             wrong = True
                 bad += wrong
         return upto, bad

@@ -151,6 +151,16 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: Any) -> None:
         self._sched().sent(connector_output.finished_sending or set())
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        # Token-major blocks, each layer's blocks one range: a layer is a region, a block a
+        # page, and unequal TP can cut heads out of each token (layout.py). vLLM takes it when
+        # the attention backend supports it; layout.py describes (or refuses) what it resolves.
+        model = getattr(vllm_config, "model_config", None)
+        if model is not None and getattr(model, "use_mla", False):
+            return None
+        return "LBNHC"
+
     def has_pending_push_work(self) -> bool:
         # Prefill keeps stepping while blocks wait for decode: the workers' polls release them.
         return self.scheduler is not None and bool(self.scheduler.holding)

@@ -87,6 +87,19 @@ class _Load:
     cancelled: str = ""
 
 
+def _block_problem(theirs: Any, mine: Any) -> str:
+    """Why blocks laid out as ``theirs`` (prefill's layout ``extra``) cannot land in blocks laid
+    out as ``mine`` ('' when they can). The handshake compares the bytes of a page and of a row;
+    two orders of the same sizes would pass it."""
+    for key in ("token_layout", "packing", "block_size"):
+        if theirs.get(key) != mine.get(key):
+            return (
+                f"prefill's KV blocks have {key}={theirs.get(key)}, decode's {key}={mine.get(key)}: run both "
+                "instances with the same --block-size and VLLM_KV_CACHE_LAYOUT"
+            )
+    return ""
+
+
 class WorkerSide:
     """One vLLM worker's transfers over ``endpoint`` (its TP rank ``tp_rank`` of ``tp_size``)."""
 
@@ -317,14 +330,9 @@ class WorkerSide:
                     f"kv_transfer_params say prefill TP={remote.tp_size}"
                 )
                 return
-            if peer.tp_size != self.tp_size and "HND" in (
-                peer.extra.get("token_layout"),
-                self.endpoint.layout.extra.get("token_layout"),
-            ):
-                load.error = LayoutMismatch(
-                    f"prefill TP={peer.tp_size}, decode TP={self.tp_size} with head-major (HND) KV blocks: unequal TP "
-                    "needs token-major (NHD) blocks on both sides"
-                )
+            problem = _block_problem(peer.extra, self.endpoint.layout.extra)
+            if problem:
+                load.error = LayoutMismatch(f"request {load.request}: {conn.peer_label}: {problem}")
                 return
         tag = request_tag(remote.request_id, remote.tp_size, self.tp_size, self.tp_rank)
         try:
