@@ -130,6 +130,25 @@ def test_hostile_params_fail_the_request_with_the_reason_and_decode_goes_on(pair
     assert_idle(d)
 
 
+def test_params_of_one_prompt_with_another_prompt_fail_and_poison_nothing(pair) -> None:
+    """A client pairing a request's params with another prompt: decode refuses the load (the
+    params' prompt digest, signed with the deployment secret here), so no KV of other tokens
+    lands in its blocks or its prefix cache; the right prompt with the same params still loads."""
+    driver, p, d = pair
+    tokens = prompt(48, seed=99)
+    p.send(op="prefill", id=f"p-swap-{driver}", tokens=tokens)
+    params = p.wait("prefilled", f"p-swap-{driver}")["params"]
+    assert len(params["remote_kvtransport"]["mac"]) == 64  # the instances share a secret
+    d.send(op="decode", id=f"swap-{driver}", tokens=prompt(48, seed=98), params=params)
+    assert d.wait("finished", f"swap-{driver}")["reason"] == "error"
+    assert any("made for another prompt" in line for line in d.log), "".join(d.log[-5:])
+    d.send(op="decode", id=f"unswapped-{driver}", tokens=tokens, params=params)
+    assert d.wait("loaded", f"unswapped-{driver}")["bad"] == 0
+    d.wait("finished", f"unswapped-{driver}")
+    assert_idle(p)
+    assert_idle(d)
+
+
 def test_an_abort_on_prefill_offers_nothing(pair) -> None:
     driver, p, _ = pair
     p.send_many(

@@ -21,9 +21,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtransport.integrations.vllm.layout import describe_kv_caches
-from kvtransport.integrations.vllm.params import RemotePrefill, is_remote_decode, is_remote_prefill, parse
+from kvtransport.integrations.vllm.params import (
+    RemotePrefill,
+    is_remote_decode,
+    is_remote_prefill,
+    parse,
+    prompt_digest,
+    sign,
+    verify,
+)
 from kvtransport.integrations.vllm.scheduler_side import SchedulerSide
 from kvtransport.integrations.vllm.worker_side import StepResults, WorkerSide
+from kvtransport.runtime.auth import Secret
 from kvtransport.runtime.endpoint import Endpoint, Timeouts
 from kvtransport.spi.errors import ConfigError, MemoryLayoutError, NegotiationError
 from kvtransport.testing.fake import FakeDriver
@@ -31,6 +40,7 @@ from kvtransport.tools.kv_pool import KVPool
 
 BS = 16
 
+hex64 = st.binary(min_size=32, max_size=32).map(bytes.hex)
 texts = st.text(st.characters(codec="utf-8", exclude_characters="@"), min_size=1, max_size=40)
 
 
@@ -46,6 +56,8 @@ def remotes(draw: st.DrawFn) -> RemotePrefill:
         num_tokens=tokens,
         num_blocks=-(-tokens // BS),
         block_size=BS,
+        prompt_sha256=draw(hex64),
+        mac=draw(st.just("") | hex64),
     )
 
 
@@ -110,47 +122,75 @@ def test_a_prefill_of_another_block_size_is_refused_with_both_sizes() -> None:
 # -- the KV description ---------------------------------------------------------------------
 
 
-def _layers(shape: tuple[int, ...], n: int = 3, dtype: torch.dtype = torch.float16) -> list[tuple[str, Any]]:
-    return [(f"model.layers.{i}.attn", torch.zeros(shape, dtype=dtype)) for i in range(n)]
+B, H, N, C, L = 10, 4, BS, 32, 3  # blocks, heads, tokens a block, a head's K+V elements, layers
 
 
-def test_mha_blocks_are_registered_k_layers_then_v_layers() -> None:
-    layers = _layers((2, 10, BS, 4, 8))
-    kv = describe_kv_caches(layers, block_size=BS, use_mla=False, tp_rank=1, tp_size=2, total_kv_heads=8)
-    assert kv.num_blocks == 10
-    assert [r.ptr for r in kv.regions.kv] == [t[0].data_ptr() for _, t in layers] + [t[1].data_ptr() for _, t in layers]
-    assert set(kv.regions.kv_item_lens) == {BS * 4 * 8 * 2}
+def _views(layout: str, n: int = L, heads: int = H) -> list[tuple[str, Any]]:
+    """Per-layer ``[B, H, N, C]`` views laid out as vLLM 0.33's KVCacheLayout names them (the
+    vLLM-run tests take them from vLLM's own allocate_kv_cache)."""
+    if layout == "LBNHC":  # each layer's blocks contiguous, a block token-major
+        return [
+            (f"model.layers.{i}.attn", torch.zeros(B, N, heads, C, dtype=torch.float16).permute(0, 2, 1, 3))
+            for i in range(n)
+        ]
+    if layout == "LBHNC":  # each layer's blocks contiguous, a block head-major
+        return [(f"model.layers.{i}.attn", torch.zeros(B, heads, N, C, dtype=torch.float16)) for i in range(n)]
+    assert layout == "BLNHC"  # a block of every layer together, token-major
+    buf = torch.zeros(B, n, N, heads, C, dtype=torch.float16)
+    return [(f"model.layers.{i}.attn", buf[:, i].permute(0, 2, 1, 3)) for i in range(n)]
+
+
+def _describe(layers: list[tuple[str, Any]], **over: Any) -> Any:
+    args: dict[str, Any] = {"block_size": BS, "use_mla": False, "tp_rank": 1, "tp_size": 2, "total_kv_heads": 2 * H}
+    args.update(over)
+    return describe_kv_caches(layers, **args)
+
+
+def test_token_major_layers_are_a_region_each_with_a_row_per_token() -> None:
+    layers = _views("LBNHC")
+    kv = _describe(layers)
+    page = H * N * C * 2
+    assert kv.num_blocks == B
+    assert [r.ptr for r in kv.regions.kv] == [t.data_ptr() for _, t in layers]
+    assert kv.regions.kv_item_lens == (page,) * L
     layout = kv.layout
-    assert (layout.kv_split, layout.num_kv_heads, layout.head_dim, layout.num_layers) == ("kv", 4, 8, 3)
-    assert (layout.tp_rank, layout.tp_size, layout.total_kv_heads, layout.dtype) == (1, 2, 8, "float16")
-    assert layout.extra["token_layout"] == "NHD"
+    assert (layout.page_size, layout.num_kv_heads, layout.head_dim, layout.num_layers) == (N, H, C, L)
+    assert (layout.tp_rank, layout.tp_size, layout.total_kv_heads, layout.dtype) == (1, 2, 2 * H, "float16")
+    assert layout.extra == {"engine": "vllm", "block_size": BS, "token_layout": "NHD", "packing": "layer"}
 
 
-def test_head_major_blocks_are_told_apart_by_the_block_size() -> None:
-    kv = describe_kv_caches(
-        _layers((2, 10, 4, BS, 8)), block_size=BS, use_mla=False, tp_rank=0, tp_size=1, total_kv_heads=4
-    )
-    assert kv.layout.extra["token_layout"] == "HND" and kv.layout.num_kv_heads == 4
+def test_head_major_layers_have_a_row_per_block_of_each_heads_tokens() -> None:
+    layout = _describe(_views("LBHNC")).layout
+    assert (layout.page_size, layout.head_dim, layout.extra["token_layout"]) == (1, N * C, "HND")
 
 
-def test_mla_registers_one_latent_region_per_layer() -> None:
-    kv = describe_kv_caches(_layers((10, BS, 576)), block_size=BS, use_mla=True, tp_rank=0, tp_size=4, total_kv_heads=1)
-    assert len(kv.regions.kv) == 3 and kv.layout.kv_split == "mla" and kv.layout.total_kv_heads == 0
+def test_block_outermost_caches_are_one_region_of_whole_blocks() -> None:
+    layers = _views("BLNHC")
+    kv = _describe(layers)
+    assert len(kv.regions.kv) == 1 and kv.regions.kv[0].ptr == layers[0][1].data_ptr()
+    assert kv.regions.kv_item_lens == (L * H * N * C * 2,) and kv.num_blocks == B
+    assert (kv.layout.page_size, kv.layout.extra["packing"]) == (L * N, "block")
+
+
+def test_mla_is_one_head_of_latent() -> None:
+    kv = _describe(_views("LBNHC", heads=1), use_mla=True, tp_size=4, total_kv_heads=1)
+    assert kv.layout.kv_split == "mla" and kv.layout.total_kv_heads == 0 and kv.layout.num_kv_heads == 1
 
 
 @pytest.mark.parametrize(
     ("layers", "match"),
     [
         ([], "no KV cache tensors"),
-        (_layers((3, 10, BS, 4, 8)), "K and V first"),
-        (_layers((2, 10, 5, 4, 8)), "no axis of the block size"),
-        ([("a.0", torch.zeros(2, 10, BS, 4, 8)), ("a.1", torch.zeros(2, 10, BS, 2, 8))], "every layer's KV alike"),
-        ([("a.0", torch.zeros(2, 10, BS, 4, 8).transpose(1, 2))], "not contiguous|block size"),
+        ([("a.0", torch.zeros(2, B, N, H, C))], "per-layer"),
+        ([("a.0", torch.zeros(B, H, N, C)), ("a.1", torch.zeros(B, 2, N, C))], "every layer's KV alike"),
+        ([("a.0", torch.zeros(B, H, N, 2 * C)[..., :C])], "not one dense range"),
+        ([("a.0", torch.zeros(B, H, 5, C))], "whole kernel blocks"),
+        ([(f"a.{i}", torch.zeros(B, 2 * L, H, N, C)[:, 2 * i]) for i in range(L)], "neither a range per layer"),
     ],
 )
 def test_unregistrable_caches_are_refused_with_the_reason(layers: list[tuple[str, Any]], match: str) -> None:
     with pytest.raises(MemoryLayoutError, match=match):
-        describe_kv_caches(layers, block_size=BS, use_mla=False, tp_rank=0, tp_size=1, total_kv_heads=4)
+        _describe(layers)
 
 
 # -- the scheduler side ---------------------------------------------------------------------
@@ -193,13 +233,48 @@ def test_prefill_holds_nothing_it_cannot_offer(case: str) -> None:
 
 def test_decode_loads_after_its_prefix_and_only_once() -> None:
     side = SchedulerSide("engine-d", BS, 1)
-    params = RemotePrefill("engine-p", "p-r", 1, ("tcp://p:1",), 50, 4, BS).to_params()
+    params = RemotePrefill("engine-p", "p-r", 1, ("tcp://p:1",), 50, 4, BS, prompt_digest(range(50), 50)).to_params()
     req = _request("d-r", 50, params)
     assert side.matched_tokens(req, 32) == (18, True)
     side.after_alloc(req, [9, 10], held_blocks=2, num_external=18)
     (load,) = side.take_orders().loads
     assert (load.blocks, load.prefix, load.remote.request_id if load.remote else None) == ((9, 10), 2, "p-r")
     assert side.matched_tokens(req, 32) == (0, False)  # do_remote_prefill is now False
+
+
+def _signed_pair(secret: Secret) -> tuple[SchedulerSide, SchedulerSide, dict[str, Any]]:
+    prefill, decode = SchedulerSide("engine-p", BS, 1, secret), SchedulerSide("engine-d", BS, 1, secret)
+    prefill.set_addresses({0: "tcp://p:1"})
+    _, params = prefill.finished(_request("r", 40, {"do_remote_decode": True}, 40), [1, 2, 3], completed=True)
+    assert params is not None
+    return prefill, decode, params
+
+
+def test_params_made_for_another_prompt_fail_the_load_with_the_reason() -> None:
+    """A client pairing one request's params with another prompt would have decode load KV of
+    other tokens (and file it in its prefix cache under this prompt's hashes)."""
+    _, decode, params = _signed_pair(Secret.none())
+    other = _request("d", 40, params)
+    other.prompt_token_ids = [7, *range(1, 40)]
+    assert decode.matched_tokens(other, 0) == (40, True)
+    decode.after_alloc(other, [4, 5, 6], held_blocks=0, num_external=40)
+    (load,) = decode.take_orders().loads
+    assert load.remote is None and "made for another prompt" in load.error
+
+
+def test_with_a_secret_params_changed_on_the_way_fail_and_signed_ones_load() -> None:
+    secret = Secret.from_bytes(b"k" * 32, "test")
+    _, decode, params = _signed_pair(secret)
+    assert len(params["remote_kvtransport"]["mac"]) == 64
+    decode.after_alloc(_request("ok", 40, dict(params)), [4, 5, 6], held_blocks=0, num_external=40)
+    moved = {**params, "remote_kvtransport": {**params["remote_kvtransport"], "addresses": ["tcp://evil:1"]}}
+    decode.after_alloc(_request("moved", 40, moved), [7, 8, 9], held_blocks=0, num_external=40)
+    ok, bad = decode.take_orders().loads
+    assert ok.remote is not None and ok.error == ""
+    assert bad.remote is None and "not signed with this deployment's secret" in bad.error
+    unsigned = sign(parse(params, block_size=BS), Secret.none())
+    with pytest.raises(ConfigError, match="not signed"):
+        verify(unsigned, range(40), secret)
 
 
 def test_unusable_params_take_the_load_path_and_fail_it_with_the_reason() -> None:
@@ -218,14 +293,16 @@ PAGES, LAYERS, ITEM = 32, 2, 256
 
 
 @contextlib.contextmanager
-def prefill_and_decode(lease: float) -> Iterator[tuple[KVPool, KVPool, WorkerSide, WorkerSide, list[float]]]:
+def prefill_and_decode(
+    lease: float, timeouts: Timeouts = FAST
+) -> Iterator[tuple[KVPool, KVPool, WorkerSide, WorkerSide, list[float]]]:
     pools = [KVPool(PAGES, LAYERS, ITEM, 0), KVPool(PAGES, LAYERS, ITEM, 0)]
     pools[0].fill(1)
     now = [0.0]
     sides: list[WorkerSide] = []
     try:
         for i, pool in enumerate(pools):
-            ep = Endpoint(pool.regions, pool.layout, drivers={"fake": FakeDriver}, name=f"w{i}", timeouts=FAST)
+            ep = Endpoint(pool.regions, pool.layout, drivers={"fake": FakeDriver}, name=f"w{i}", timeouts=timeouts)
             sides.append(WorkerSide(ep, tp_rank=0, tp_size=1, lease_s=lease, clock=lambda: now[0]))
         yield pools[0], pools[1], sides[0], sides[1], now
     finally:
@@ -322,3 +399,44 @@ def test_an_sglang_prefill_and_a_vllm_decode_are_refused_at_handshake_with_both_
             ep.close()
         for pool in pools:
             pool.close()
+
+
+def test_an_announcement_prefill_does_not_hold_fails_after_the_silence_bound() -> None:
+    """A replayed or made-up request (prefill holds no such blocks): decode does not wait the
+    endpoint's 300 s for input, but fails the load after ``bootstrap`` with the reason."""
+    quick = dataclasses.replace(FAST, bootstrap=1.0)
+    with prefill_and_decode(lease=60, timeouts=quick) as (_, _dst, prefill, decode, now):
+        decode.load("d", [1, 2], prefix=0, remote=RemotePrefill("p", "never", 1, (prefill.address,), 32, 2, BS))
+        deadline = time.monotonic() + 5
+        while decode._loads["d"].transfer is None:  # connected and announced
+            assert time.monotonic() < deadline
+            assert not decode.poll().finished_recving
+            time.sleep(0.01)
+        assert not decode.poll().finished_recving
+        now[0] += 2.0  # past the silence bound (decode's clock)
+        _, got = _until(prefill, decode, lambda s, g: "d" in g.finished_recving)
+        assert got.failed_recving == {"d"} and decode.loading == 0
+
+
+def test_a_load_whose_prefill_vanished_after_the_announcement_is_released() -> None:
+    """Prefill's endpoint closes after decode announced (a crash, a restart): its transfer
+    fails, no drain confirmation can come, and the load is still reported (failed) once the
+    connection is gone, instead of holding vLLM's request and blocks for ever."""
+    with prefill_and_decode(lease=60) as (_, _dst, prefill, decode, now):
+        decode.load("d", [1, 2], prefix=0, remote=RemotePrefill("p", "r", 1, (prefill.address,), 32, 2, BS))
+        deadline = time.monotonic() + 5
+        while decode._loads["d"].transfer is None:
+            assert time.monotonic() < deadline
+            decode.poll()
+            time.sleep(0.01)
+        prefill.endpoint.close()
+        got = StepResults()
+        deadline = time.monotonic() + 10
+        while "d" not in got.finished_recving:
+            assert time.monotonic() < deadline, decode.stats()
+            now[0] += 0.5  # decode's clock: past the grace once the connection is gone
+            step = decode.poll()
+            got.finished_recving |= step.finished_recving
+            got.failed_recving |= step.failed_recving
+            time.sleep(0.05)
+        assert got.failed_recving == {"d"} and decode.loading == 0

@@ -30,12 +30,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
-    SupportsHMA,
 )
 
 from kvtransport.integrations.vllm.layout import describe_kv_caches
 from kvtransport.integrations.vllm.scheduler_side import Orders, SchedulerSide
 from kvtransport.integrations.vllm.worker_side import WorkerSide
+from kvtransport.runtime.auth import load_secret
 from kvtransport.runtime.endpoint import Endpoint
 from kvtransport.spi.env import env_flag, env_number
 from kvtransport.spi.errors import ConfigError
@@ -90,9 +90,16 @@ def _listen_host(extra: dict[str, Any]) -> str:
     return str(get_ip())
 
 
-class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
+class KVTransportConnector(KVConnectorBase_V1):
     """vLLM's connector over kvtransport (both roles; ``kv_role`` ``kv_producer``,
     ``kv_consumer`` or ``kv_both``)."""
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        # Sleep releases the KV memory the drivers registered; re-registering on wake-up (and
+        # telling the peers) is not done: refuse sleep mode rather than leave engines pointing
+        # at freed memory.
+        return False
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -105,13 +112,14 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
         if len(groups) > 1:
             raise ConfigError(
                 f"kvtransport's vLLM connector moves one KV cache group; this model has {len(groups)} "
-                "(hybrid attention): run it with another connector"
+                "(hybrid attention with --disable-hybrid-kv-cache-manager off?): vLLM turns the hybrid manager "
+                "off for this connector unless told otherwise"
             )
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         self._failed_blocks: set[int] = set()
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = SchedulerSide(self.engine_id, self.block_size, self.tp_size)
+            self.scheduler = SchedulerSide(self.engine_id, self.block_size, self.tp_size, load_secret())
         self._vllm_config = vllm_config
 
     # -- scheduler side -----------------------------------------------------------------------
@@ -127,9 +135,12 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
         if num_external_tokens <= 0:
             self._sched().after_alloc(request, (), 0, num_external_tokens)
             return
+        # The request's blocks in order: those its prefix cache had (hashed), then the new ones
+        # the load fills. Null blocks (a sliding window's skipped head) hold nothing and are
+        # written by nobody; they count in the prefix, as positions prefill does not send.
         group = blocks.blocks[0]
-        new = [b.block_id for b in group if b.block_hash is None]
-        held = sum(1 for b in group if b.block_hash is not None and not b.is_null)
+        new = [b.block_id for b in group if b.block_hash is None and not b.is_null]
+        held = len(group) - len(new)
         self._sched().after_alloc(request, new, held, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
@@ -140,13 +151,6 @@ class KVTransportConnector(KVConnectorBase_V1, SupportsHMA):
 
         completed = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
         return self._sched().finished(request, block_ids, completed)
-
-    def request_finished_all_groups(
-        self, request: Any, block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        if len(block_ids) != 1:
-            raise ConfigError(f"kvtransport's vLLM connector moves one KV cache group, got {len(block_ids)}")
-        return self.request_finished(request, block_ids[0])
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._sched().sent(connector_output.finished_sending or set())

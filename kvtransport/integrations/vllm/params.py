@@ -4,7 +4,9 @@ and their check.
 
 They come from a client (through the proxy), so nothing in them is trusted: :func:`parse`
 turns every malformed field into a :class:`~kvtransport.spi.errors.ConfigError` naming it, and
-bounds every list and string, before a decode rank connects anywhere. The keys follow vLLM's
+bounds every list and string, before a decode rank connects anywhere; :func:`verify` checks that
+they were made for the prompt decode holds (a digest of its tokens) and, with a deployment
+secret, by a process that holds it (a MAC over every field that says where the KV is). The keys follow vLLM's
 own connectors (``do_remote_prefill``, ``remote_engine_id``, ``remote_request_id``,
 ``tp_size``, ``remote_num_tokens``), with kvtransport's control addresses under
 ``remote_kvtransport``.
@@ -12,21 +14,40 @@ own connectors (``do_remote_prefill``, ``remote_engine_id``, ``remote_request_id
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import hmac
 import math
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from kvtransport.runtime.auth import Secret
 from kvtransport.spi.errors import ConfigError
 
-__all__ = ["PARAMS_VERSION", "RemotePrefill", "is_remote_decode", "is_remote_prefill", "parse"]
+__all__ = [
+    "PARAMS_VERSION",
+    "RemotePrefill",
+    "is_remote_decode",
+    "is_remote_prefill",
+    "parse",
+    "prompt_digest",
+    "request_id_problem",
+    "sign",
+    "verify",
+]
 
 #: What the layout of these params is; a decode rank refuses another.
 PARAMS_VERSION = 1
 #: Prefill TP sizes beyond this are refused (a hostile list must not make a rank connect to
 #: thousands of addresses).
-MAX_TP = 256
+MAX_TP = 64
 MAX_TEXT = 256
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_MAC_LABEL = b"vllm kv_transfer_params"
 
 
 @dataclass(frozen=True)
@@ -42,6 +63,17 @@ class RemotePrefill:
     num_tokens: int
     num_blocks: int
     block_size: int
+    #: sha256 of the prompt's first ``num_tokens`` token ids (int64, little-endian): what the
+    #: KV was computed for; decode checks its own prompt against it.
+    prompt_sha256: str = ""
+    #: The deployment secret's MAC over everything above ('' without a secret): a client
+    #: cannot pair a request's KV with another prompt, or point decode elsewhere.
+    mac: str = ""
+
+    def signed_fields(self) -> tuple[bytes, ...]:
+        """What the MAC covers."""
+        head = (self.engine_id, self.request_id, str(self.tp_size), str(self.num_tokens), str(self.block_size))
+        return tuple(x.encode() for x in (*head, *self.addresses, self.prompt_sha256))
 
     def to_params(self) -> dict[str, Any]:
         """The dict vLLM returns to the client with the prefill's response."""
@@ -57,6 +89,8 @@ class RemotePrefill:
                 "addresses": list(self.addresses),
                 "num_blocks": self.num_blocks,
                 "block_size": self.block_size,
+                "prompt_sha256": self.prompt_sha256,
+                "mac": self.mac,
             },
         }
 
@@ -69,6 +103,14 @@ def is_remote_decode(params: Mapping[str, Any] | None) -> bool:
 def is_remote_prefill(params: Mapping[str, Any] | None) -> bool:
     """Decode side: the request's KV comes from a prefill instance."""
     return isinstance(params, Mapping) and params.get("do_remote_prefill") is True
+
+
+def request_id_problem(request_id: str) -> str:
+    """Why a request name cannot be a transfer's name ('' when it can): a tag is at most
+    ``MAX_TEXT`` characters and ``@`` separates a decode rank's number in it."""
+    if not request_id or len(request_id) > MAX_TEXT or "@" in request_id:
+        return f"a request offered to decode needs a name of 1 to {MAX_TEXT} characters without '@'"
+    return ""
 
 
 def _text(params: Mapping[str, Any], key: str) -> str:
@@ -134,6 +176,15 @@ def parse(params: Mapping[str, Any] | None, *, block_size: int) -> RemotePrefill
             f"kv_transfer_params says {num_tokens} tokens in {num_blocks} blocks of {block_size}; "
             f"they fill {math.ceil(num_tokens / block_size)}"
         )
+    digest, mac = ours.get("prompt_sha256"), ours.get("mac", "")
+    if not isinstance(digest, str) or not _HEX64.fullmatch(digest):
+        raise ConfigError(
+            f"kv_transfer_params['remote_kvtransport']['prompt_sha256'] must be 64 hex digits, got {_show(digest)}"
+        )
+    if not isinstance(mac, str) or not (mac == "" or _HEX64.fullmatch(mac)):
+        raise ConfigError(
+            f"kv_transfer_params['remote_kvtransport']['mac'] must be '' or 64 hex digits, got {_show(mac)}"
+        )
     return RemotePrefill(
         engine_id=_text(params, "remote_engine_id"),
         request_id=_text(params, "remote_request_id"),
@@ -142,4 +193,35 @@ def parse(params: Mapping[str, Any] | None, *, block_size: int) -> RemotePrefill
         num_tokens=num_tokens,
         num_blocks=num_blocks,
         block_size=block_size,
+        prompt_sha256=digest,
+        mac=mac,
     )
+
+
+def prompt_digest(token_ids: Sequence[int], num_tokens: int) -> str:
+    """sha256 of the first ``num_tokens`` token ids, as int64 little-endian."""
+    return hashlib.sha256(np.asarray(list(token_ids[:num_tokens]), dtype="<i8").tobytes()).hexdigest()
+
+
+def sign(remote: RemotePrefill, secret: Secret) -> RemotePrefill:
+    """``remote`` with the deployment's MAC ('' without a secret)."""
+    if not secret.authenticated:
+        return dataclasses.replace(remote, mac="")
+    return dataclasses.replace(remote, mac=secret.derive(_MAC_LABEL, *remote.signed_fields()).hex())
+
+
+def verify(remote: RemotePrefill, token_ids: Sequence[int], secret: Secret) -> None:
+    """:class:`ConfigError` unless ``remote`` was made for ``token_ids`` (its first
+    ``num_tokens``) and, with a deployment secret, by a process that holds it."""
+    if prompt_digest(token_ids, remote.num_tokens) != remote.prompt_sha256:
+        raise ConfigError(
+            f"kv_transfer_params of prefill request {remote.request_id!r} were made for another prompt (its first "
+            f"{remote.num_tokens} tokens differ from this request's): decode would load KV of other tokens"
+        )
+    if secret.authenticated:
+        want = secret.derive(_MAC_LABEL, *remote.signed_fields())
+        if not hmac.compare_digest(want.hex(), remote.mac):
+            raise ConfigError(
+                f"kv_transfer_params of prefill request {remote.request_id!r} are not signed with this deployment's "
+                "secret (changed on the way, or made by a prefill with another KVTRANSPORT_SECRET)"
+            )

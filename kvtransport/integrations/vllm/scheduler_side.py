@@ -13,7 +13,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtransport.integrations.vllm.params import RemotePrefill, is_remote_decode, is_remote_prefill, parse
+from kvtransport.integrations.vllm.params import (
+    RemotePrefill,
+    is_remote_decode,
+    is_remote_prefill,
+    parse,
+    prompt_digest,
+    request_id_problem,
+    sign,
+    verify,
+)
+from kvtransport.runtime.auth import Secret
 from kvtransport.spi.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -54,8 +64,10 @@ class SchedulerSide:
     """The scheduler's bookkeeping for one engine (``block_size`` tokens a block, TP
     ``tp_size``, engine ``engine_id``)."""
 
-    def __init__(self, engine_id: str, block_size: int, tp_size: int) -> None:
+    def __init__(self, engine_id: str, block_size: int, tp_size: int, secret: Secret | None = None) -> None:
         self.engine_id = engine_id
+        #: Signs the params prefill hands out and checks those decode is given.
+        self.secret = secret if secret is not None else Secret.none()
         self.block_size = block_size
         self.tp_size = tp_size
         #: Each TP rank's control address, from the workers' handshake metadata.
@@ -75,6 +87,7 @@ class SchedulerSide:
         if got is None:
             try:
                 got = parse(request.kv_transfer_params, block_size=self.block_size)
+                verify(got, request.prompt_token_ids or (), self.secret)
             except ConfigError as exc:
                 got = exc
             self._params[request.request_id] = got
@@ -118,6 +131,13 @@ class SchedulerSide:
         params = request.kv_transfer_params
         if not is_remote_decode(params) or not completed or not block_ids:
             return False, None
+        problem = request_id_problem(request.request_id)
+        if problem:
+            # Decode could never name it: holding its blocks would only pin them for the lease.
+            log.error(
+                "kvtransport vLLM prefill: request %r cannot be offered to decode: %s", request.request_id, problem
+            )
+            return False, None
         if len(self.addresses) != self.tp_size:
             log.error(
                 "kvtransport vLLM prefill: request %s finished, but %d of %d workers published a control address; "
@@ -138,8 +158,9 @@ class SchedulerSide:
             num_tokens=num_tokens,
             num_blocks=-(-num_tokens // self.block_size),
             block_size=self.block_size,
+            prompt_sha256=prompt_digest(request.prompt_token_ids or (), num_tokens),
         )
-        return True, remote.to_params()
+        return True, sign(remote, self.secret).to_params()
 
     def sent(self, requests: Sequence[str] | set[str]) -> None:
         """Workers reported these requests' blocks released (read by decode or expired)."""

@@ -38,6 +38,7 @@ from kvtransport.spi.errors import (
     InvalidPages,
     KVTransportError,
     LayoutMismatch,
+    TransferTimeout,
 )
 from kvtransport.spi.tp_map import sources, targets
 
@@ -48,6 +49,13 @@ __all__ = ["StepResults", "WorkerSide"]
 #: Prefill ranks a decode rank keeps connections to; beyond it, the least recently used idle
 #: one is closed (a decode instance fed by many prefill instances in turn stays bounded).
 MAX_PEERS = 256
+#: How long an address whose connect failed is failed at once (a client naming a dead or
+#: blackholed prefill again and again costs one connect timeout, not one per request).
+FAILED_CONNECT_S = 5.0
+#: A failed load whose prefill rank never confirmed its writes stopped: released after this
+#: long once the rank's connection is gone (a dead process writes nothing), or after the
+#: transfer timeout if it is still up (a write already posted completes or fails by then).
+GONE_GRACE_S = 2.0
 
 
 @dataclass
@@ -82,9 +90,14 @@ class _Load:
     prefix: int
     remote: RemotePrefill | None
     connecting: concurrent.futures.Future[tuple[Connection, ...]] | None = None
+    conns: tuple[Connection, ...] = ()
     transfer: Transfer | FanIn | None = None
     error: KVTransportError | None = None
     cancelled: str = ""
+    #: When the load started, when it was announced, and when its transfer ended unconfirmed.
+    started: float = 0.0
+    announced: float = 0.0
+    ended: float = 0.0
 
 
 def _block_problem(theirs: Any, mine: Any) -> str:
@@ -113,6 +126,14 @@ class WorkerSide:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.endpoint = endpoint
+        timeouts = endpoint.timeouts
+        #: Decode: a load connects within ``connect`` (all its sources), prefill starts writing
+        #: within ``bootstrap`` of the announcement (it held the request before decode heard of
+        #: it, so only a prefill that holds no such request stays silent), and a failed
+        #: transfer's drain is awaited for at most ``transfer``.
+        self.connect_s = timeouts.connect * 2
+        self.silence_s = timeouts.bootstrap
+        self.drain_s = timeouts.transfer
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.lease_s = lease_s
@@ -120,6 +141,7 @@ class WorkerSide:
         self._held: dict[str, _Held] = {}
         self._loads: dict[str, _Load] = {}
         self._peers_lock = threading.Lock()
+        self._failed_at: dict[str, float] = {}
         self._peers: collections.OrderedDict[str, concurrent.futures.Future[Connection]] = collections.OrderedDict()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvtransport-vllm")
         self._results = StepResults()
@@ -239,7 +261,7 @@ class WorkerSide:
         if request in self._loads:
             log.warning("request %s: already loading; the second load is ignored", request)
             return
-        load = _Load(request, np.asarray(blocks, dtype=np.int64), int(prefix), remote)
+        load = _Load(request, np.asarray(blocks, dtype=np.int64), int(prefix), remote, started=self._clock())
         self._loads[request] = load
         problem = tp_pairing_problem(remote.tp_size, self.tp_size)
         if problem:
@@ -284,7 +306,10 @@ class WorkerSide:
         with self._peers_lock:
             pending = self._peers.get(address)
             if pending is not None and pending.done():
-                if pending.exception() is not None or not pending.result().alive:
+                failed = pending.exception() is not None
+                if failed and self._clock() - self._failed_at.get(address, 0.0) < FAILED_CONNECT_S:
+                    return pending  # failed a moment ago: fail this load at once too
+                if failed or not pending.result().alive:
                     pending = None
             mine = pending is None
             if pending is None:
@@ -296,17 +321,29 @@ class WorkerSide:
             try:
                 pending.set_result(self.endpoint.connect(address))
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting loads
+                with self._peers_lock:
+                    self._failed_at[address] = self._clock()
+                    while len(self._failed_at) > MAX_PEERS:
+                        del self._failed_at[next(iter(self._failed_at))]
                 pending.set_exception(exc)
         return pending
 
     def _trim_peers(self) -> None:
-        while len(self._peers) > MAX_PEERS:
-            address, oldest = next(iter(self._peers.items()))
+        """Past ``MAX_PEERS``, the least recently used settled entries go: a failed connect, or
+        a connection with no transfer (closed). One still connecting or carrying transfers
+        stays (the table then runs over until they settle)."""
+        for address in list(self._peers):
+            if len(self._peers) <= MAX_PEERS:
+                return
+            entry = self._peers[address]
+            if not entry.done():
+                continue
+            if entry.exception() is None:
+                conn = entry.result()
+                if conn.alive and conn.transfers:
+                    continue
+                conn.close("kvtransport vLLM: too many prefill peers; the least recently used goes")
             del self._peers[address]
-            if oldest.done() and oldest.exception() is None:
-                conn = oldest.result()
-                if not conn.transfers:
-                    conn.close("kvtransport vLLM: too many prefill peers; the least recently used goes")
 
     def _announce(self, load: _Load) -> None:
         assert load.connecting is not None
@@ -335,6 +372,8 @@ class WorkerSide:
                 load.error = LayoutMismatch(f"request {load.request}: {conn.peer_label}: {problem}")
                 return
         tag = request_tag(remote.request_id, remote.tp_size, self.tp_size, self.tp_rank)
+        load.conns = conns
+        load.announced = self._clock()
         try:
             if len(conns) == 1:
                 load.transfer = conns[0].expect(tag, load.blocks, prefix=load.prefix)
@@ -360,6 +399,10 @@ class WorkerSide:
         try:
             if load.transfer is None and load.error is None and not load.cancelled and load.connecting is not None:
                 self._announce(load)
+                if load.transfer is None and load.error is None and now - load.started > self.connect_s:
+                    load.error = ConnectError(
+                        f"request {load.request}: no connection to its prefill ranks within {self.connect_s:g} s"
+                    )
             t = load.transfer
             if t is None:
                 if load.error is not None or load.cancelled:
@@ -368,14 +411,35 @@ class WorkerSide:
             if load.error is None and load.cancelled == "" and t.state is State.SUCCESS:
                 self._finish(load, ok=True)
                 return
+            if t.state is State.WAITING_FOR_INPUT and load.error is None and now - load.announced > self.silence_s:
+                load.error = TransferTimeout(
+                    f"request {load.request}: prefill wrote nothing within {self.silence_s:g} s of the announcement "
+                    "(it holds no such request: sent before, expired, or never prefilled there)"
+                )
             if load.error is not None and not t.state.final:
                 t.abort(str(load.error))
             if load.cancelled and not t.state.final:
                 t.abort(load.cancelled)
-            if t.state.final and t.drained.is_set():
-                if t.state is State.FAILED and load.error is None:
-                    load.error = t.error
-                self._finish(load, ok=t.state is State.SUCCESS and not load.cancelled and load.error is None)
+            if not t.state.final:
+                return
+            if t.state is State.FAILED and load.error is None:
+                load.error = t.error
+            ok = t.state is State.SUCCESS and not load.cancelled and load.error is None
+            if t.drained.is_set():
+                self._finish(load, ok=ok)
+                return
+            # Failed, and the prefill rank has not confirmed that its writes stopped.
+            load.ended = load.ended or now
+            gone = not all(c.alive for c in load.conns)
+            if now - load.ended > (GONE_GRACE_S if gone else self.drain_s):
+                log.warning(
+                    "kvtransport vLLM decode: request %s: prefill %s its writes stopped; the blocks go back after "
+                    "%.0f s",
+                    load.request,
+                    "is gone and never confirmed" if gone else "never confirmed",
+                    now - load.ended,
+                )
+                self._finish(load, ok=False)
         except KVTransportError as exc:
             load.error = exc
 
