@@ -219,7 +219,6 @@ def test_a_prefill_that_dies_fails_decode_fast(pair) -> None:
     [
         # vLLM's CPU attention backend supports head-major blocks only (LBHNC): a page's rows are
         # its heads' token runs, and a rank's heads one contiguous slice of the block
-        (2, 1, None),
         (1, 4, None),
         # a GPU backend's token-major blocks (what the connector asks for): a slice per token
         (2, 1, "LBNHC"),
@@ -258,7 +257,7 @@ def test_instances_with_different_block_layouts_refuse_the_pair_with_both() -> N
 
 
 def test_a_soak_of_mixed_requests_leaves_both_instances_flat() -> None:
-    """300 requests, a tenth each aborted on decode, aborted on prefill, or sent with damaged
+    """200 requests, a tenth each aborted on decode, aborted on prefill, or sent with damaged
     params, the rest byte-exact; afterwards (once the short lease returned what decode never
     took) neither instance holds a request, a block, a transfer or a pending param, and their
     descriptors, threads and memory are where they were after the first wave."""
@@ -267,7 +266,7 @@ def test_a_soak_of_mixed_requests_leaves_both_instances_flat() -> None:
     with pd_pair("nixl-ucx", prefill=engine_config(extra=lease), decode=engine_config(extra=lease)) as (p, d):
         baseline: dict[str, dict[str, int]] = {}
         exact = 0
-        for i in range(300):
+        for i in range(200):
             kind = i % 10
             tokens = prompt(20 + (i * 37) % 200, seed=i)
             if kind == 7:  # aborted on prefill: nothing is offered
@@ -292,7 +291,7 @@ def test_a_soak_of_mixed_requests_leaves_both_instances_flat() -> None:
                 exact += 1
             if i == 49:
                 baseline = {"prefill": p.settle(), "decode": d.settle()}
-        assert exact == 210
+        assert exact == 140
         for name, inst in (("prefill", p), ("decode", d)):
             end = inst.settle(timeout=30)
             start = baseline[name]
