@@ -122,7 +122,7 @@ import threading
 import time
 import traceback
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -138,6 +138,8 @@ if _STAND_INS not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from sglang.srt.plugins import load_plugins  # noqa: E402
+
+from tests import model_content  # noqa: E402
 
 # What every SGLang process does first: the kvtransport plugin makes
 # TransferBackend("kvtransport") and get_kv_class resolve to the adapter.
@@ -215,43 +217,8 @@ FORWARD_S = 0.3
 # ---------------------------------------------------------------------------------------------
 
 
-_INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-#: Bit patterns below these are finite, non-negative numbers in every float format of that width.
-_FINITE_BELOW = {1: 0x70, 2: 0x7800, 4: 0x7F000000, 8: 0x7FE0000000000000}
-
-
-def token_keys(ids: Sequence[int]) -> torch.Tensor:
-    """[tokens] int64: each position's key, a running hash of the prompt's token ids up to and
-    including it. What a causal model computes at a position depends on every token before it:
-    two prompts share the keys (and so the KV and state) of a position exactly when they share
-    the tokens up to it, which is what a radix cache's prefix match relies on."""
-    keys = []
-    h = 0
-    for t in ids:
-        h = (h * 1_009 + int(t) + 1) % 2_147_483_629  # a prime below 2**31
-        keys.append(h)
-    return torch.tensor(keys, dtype=torch.int64)
-
-
-def kv_content(
-    keys: torch.Tensor,
-    layer: int,
-    positions: torch.Tensor,
-    heads: torch.Tensor,
-    dim: int,
-    kind: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """[tokens, heads, dim] of ``dtype``: each element's bit pattern a function of the token's key
-    (``token_keys`` of the prompt, at ``positions``), layer, token position, global KV head, dim
-    and K(0)/V(1)/latent(2); all finite numbers."""
-    key = keys.to(torch.int64)[:, None, None]
-    pos = positions.to(torch.int64)[:, None, None]
-    head = heads.to(torch.int64)[None, :, None]
-    d = torch.arange(dim, dtype=torch.int64)[None, None, :]
-    value = key * 1_000_003 + layer * 7_919 + pos * 104_729 + head * 131 + d * 17 + kind * 65_537 + 1
-    size = torch.empty((), dtype=dtype).element_size()
-    return (value % _FINITE_BELOW[size]).to(_INT_OF[size]).view(dtype)
+_INT_OF, _FINITE_BELOW = model_content.INT_OF, model_content.FINITE_BELOW
+token_keys, kv_content = model_content.token_keys, model_content.kv_content
 
 
 def state_content(
@@ -306,7 +273,10 @@ def prompt_of(spec: dict[str, Any]) -> array[int]:
     """A request's prompt: ``prompt_ids`` of its room, or, with ``shared_prefix`` ``[seed, n]``,
     the first ``n`` tokens of ``prompt_ids(seed, ...)`` followed by its room's tokens from there
     on (requests with the same seed share those ``n`` tokens; a room's tokens differ from a
-    seed's at every position unless the two are equal mod ``VOCAB``)."""
+    seed's at every position unless the two are equal mod ``VOCAB``); ``tokens``, when the spec
+    names them."""
+    if spec.get("tokens"):  # the proxy's own prompt, sent to another engine's decode too
+        return array("q", (int(t) for t in spec["tokens"]))
     ids = prompt_ids(spec["room"], spec["prompt_len"])
     if spec.get("shared_prefix"):
         seed, n = (int(x) for x in spec["shared_prefix"])

@@ -41,7 +41,7 @@ def test_every_pattern_names_a_test_and_the_fast_tier_reaches_every_file_and_dri
     fast_files = {Path(n.partition("::")[0]).stem for n in fast}
     # Whole files in the full tier, by design: engines' own schedulers in processes (their parts
     # without the engine are in the fast tier: test_sglang, test_vllm_parts)
-    campaigns = {"test_sglang_scheduler", "test_vllm"}
+    campaigns = {"test_sglang_scheduler", "test_vllm", "test_cross_engine_cluster"}
     assert set(names) - fast_files == campaigns
     for driver in ("nixl-ucx", "mooncake-gdr", "mooncake-default-ring", "nixl-tiny-ring"):
         assert any(f"test_write_and_verify_bytes[{driver}]" in n for n in fast), driver

@@ -222,8 +222,6 @@ def test_a_prefill_that_dies_fails_decode_fast(pair) -> None:
         (1, 4, None),
         # a GPU backend's token-major blocks (what the connector asks for): a slice per token
         (2, 1, "LBNHC"),
-        # block-outermost: a block of every layer is one page, sliced layer by layer
-        (1, 2, "BLNHC"),
     ],
 )
 def test_unequal_tp_moves_every_head_byte_exact(prefill_tp: int, decode_tp: int, layout: str | None) -> None:

@@ -381,16 +381,19 @@ def test_an_unpairable_tp_fails_the_load_with_the_sizes(caplog: pytest.LogCaptur
         assert "prefill runs attention TP=3, this decode rank TP=2" in caplog.text
 
 
-def test_an_sglang_prefill_and_a_vllm_decode_are_refused_at_handshake_with_both_engines() -> None:
-    """Each engine's layout says which engine it is: a pair of different engines fails the
-    handshake (LayoutMismatch, both names) instead of moving pages neither side can use."""
+def test_an_sglang_decode_and_a_vllm_prefill_are_refused_at_handshake() -> None:
+    """Each engine's layout says which engine it is (and SGLang's its role): a vLLM instance
+    paired with an SGLang decode fails the handshake (LayoutMismatch, with the reason) instead
+    of moving pages SGLang's decode could not use without prefill's aux slots."""
     pools = [KVPool(PAGES, LAYERS, ITEM, 0), KVPool(PAGES, LAYERS, ITEM, 0)]
     endpoints = []
     try:
-        for pool, engine in zip(pools, ("sglang", "vllm"), strict=True):
-            layout = dataclasses.replace(pool.layout, extra={"engine": engine})
-            endpoints.append(Endpoint(pool.regions, layout, drivers={"fake": FakeDriver}, name=engine, timeouts=FAST))
-        with pytest.raises(NegotiationError, match=r"LayoutMismatch.*engine: vllm .*, sglang .*same serving engine"):
+        for pool, extra in zip(pools, ({"engine": "sglang", "role": "decode"}, {"engine": "vllm"}), strict=True):
+            layout = dataclasses.replace(pool.layout, extra=extra)
+            endpoints.append(
+                Endpoint(pool.regions, layout, drivers={"fake": FakeDriver}, name=extra["engine"], timeouts=FAST)
+            )
+        with pytest.raises(NegotiationError, match=r"LayoutMismatch.*an SGLang decode .*a vLLM prefill cannot feed"):
             endpoints[1].connect(endpoints[0].address)
         same = dataclasses.replace(pools[0].layout, extra={"engine": "vllm"})
         assert not same.incompatibilities(dataclasses.replace(pools[1].layout, extra={"engine": "vllm"}))

@@ -44,6 +44,8 @@ FULL: dict[str, list[str]] = {
     # vLLM's own scheduler in prefill and decode processes (each start imports vLLM: seconds);
     # the connector's parts without vLLM (test_vllm_parts) stay in the fast tier
     "test_vllm": ["*"],
+    # an SGLang prefill's scheduler feeding a vLLM decode's, each in its own process
+    "test_cross_engine_cluster": ["*"],
     # discovery on etcd: the 1,000-route memory check (three rounds of register and expire);
     # registration, expiry, restarts and forgeries stay in the fast tier
     "test_discovery": ["test_a_thousand_routes_registered_and_expired_leave_the_client_flat"],

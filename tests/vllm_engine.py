@@ -29,6 +29,7 @@ import threading
 import time
 from typing import Any
 
+import model_content  # tests/, this script's directory
 import torch
 from vllm import SamplingParams
 from vllm.config import (
@@ -79,7 +80,7 @@ def model_dir(cfg: dict[str, Any]) -> str:
                 "num_hidden_layers": cfg["layers"],
                 "vocab_size": 1000,
                 "max_position_embeddings": 4096,
-                "torch_dtype": "float16",
+                "torch_dtype": cfg.get("dtype", "float16"),
                 "eos_token_id": EOS,
                 "bos_token_id": 1,
             },
@@ -102,7 +103,8 @@ class Engine:
         self.heads = cfg["heads"]
         self.head_size = cfg["head_size"]
         self.num_blocks = cfg["num_blocks"]
-        model = ModelConfig(model=model_dir(cfg), skip_tokenizer_init=True, dtype="float16", seed=0)
+        self.dtype = getattr(torch, cfg.get("dtype", "float16"))
+        model = ModelConfig(model=model_dir(cfg), skip_tokenizer_init=True, dtype=cfg.get("dtype", "float16"), seed=0)
         self.vllm_config = VllmConfig(
             model_config=model,
             scheduler_config=SchedulerConfig(
@@ -127,7 +129,7 @@ class Engine:
         self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(self.layers)]
         local_heads = self.heads // self.tp
         spec = FullAttentionSpec(
-            block_size=self.bs, num_kv_heads=local_heads, head_size=self.head_size, dtype=torch.float16
+            block_size=self.bs, num_kv_heads=local_heads, head_size=self.head_size, dtype=self.dtype
         )
         # The layout as vLLM's engine core resolves it: what the attention backend supports (the
         # CPU backend's, unless a test names another backend's list), the connector's wish
@@ -188,10 +190,12 @@ class Engine:
             for layer, name in enumerate(self.layer_names):
                 for kv in (0, 1):  # a head's content is its K, then its V
                     value = token_value(layer, kv, pos, tokens[pos], heads, dims)
-                    self.caches[rank][name][block, :, slot, kv * d : (kv + 1) * d] = value.to(torch.float16)
+                    self.caches[rank][name][block, :, slot, kv * d : (kv + 1) * d] = value.to(self.dtype)
 
     def check_kv(self, req_id: str, upto: int) -> tuple[int, int]:
         """(tokens checked, tokens wrong) over every rank, layer, K/V and head."""
+        if self.cfg.get("content") == "sglang":
+            return self.check_sglang_kv(req_id, upto)
         tokens = self.tokens[req_id]
         blocks = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
         local = self.heads // self.tp
@@ -205,12 +209,35 @@ class Engine:
                 d = self.head_size
                 for layer, name in enumerate(self.layer_names):
                     for kv in (0, 1):
-                        want = token_value(layer, kv, pos, tokens[pos], heads, dims).to(torch.float16)
+                        want = token_value(layer, kv, pos, tokens[pos], heads, dims).to(self.dtype)
                         got = self.caches[rank][name][block, :, slot, kv * d : (kv + 1) * d]
                         if not torch.equal(got, want):
                             wrong = True
                 bad += wrong
         return upto, bad
+
+    def check_sglang_kv(self, req_id: str, upto: int) -> tuple[int, int]:
+        """``check_kv`` of KV an SGLang prefill's stand-in model computed (tests/model_content.py:
+        the same model's KV, bit for bit), read where vLLM's attention reads it: a head's K is
+        ``content[:head_size]`` of its token, its V ``content[head_size:]``."""
+        tokens = self.tokens[req_id]
+        blocks = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+        local, d = self.heads // self.tp, self.head_size
+        keys = model_content.token_keys(tokens)
+        positions = torch.arange(upto)
+        ints = model_content.INT_OF[torch.empty((), dtype=self.dtype).element_size()]
+        wrong = torch.zeros(upto, dtype=torch.bool)
+        for rank in range(self.tp):
+            heads = torch.arange(rank * local, (rank + 1) * local)
+            for layer, name in enumerate(self.layer_names):
+                view = self.caches[rank][name]
+                for kv in (0, 1):
+                    want = model_content.kv_content(keys[:upto], layer, positions, heads, d, kv, self.dtype)
+                    for pos in range(upto):
+                        got = view[blocks[pos // self.bs], :, pos % self.bs, kv * d : (kv + 1) * d]
+                        if not torch.equal(got.contiguous().view(ints), want[pos].view(ints)):
+                            wrong[pos] = True
+        return upto, int(wrong.sum())
 
     # -- one engine step, as vLLM's EngineCore and model runner make it ------------------------
 

@@ -1,5 +1,6 @@
 """How this side's KV maps onto one peer's: the shape of what moves each way (all of a page, a
-slice of its heads under unequal TP, or nothing), the byte runs of a chunk of pages and of the
+slice of its heads under unequal TP, regrouped into another serving engine's pages, or
+nothing), the byte runs of a chunk of pages and of the
 state items that go with the last chunk (checked against what the receiver announced: a
 sending transfer's next chunk, ``chunk_runs``), and the bytes a complete receive transfer
 writes.
@@ -23,7 +24,16 @@ from kvtransport.runtime.chunk import Chunk
 from kvtransport.spi.errors import InvalidPages
 from kvtransport.spi.inbound import Claim
 from kvtransport.spi.memory import KVLayout, RegionSet
-from kvtransport.spi.plan import RegionPairs, Runs, as_pages, check_pages, few_pages, plan, plan_heads
+from kvtransport.spi.plan import (
+    RegionPairs,
+    Runs,
+    as_pages,
+    check_pages,
+    few_pages,
+    plan,
+    plan_heads,
+    plan_regrouped,
+)
 from kvtransport.spi.tp_map import EQUAL, PairShape, pair_shape
 
 if TYPE_CHECKING:
@@ -77,6 +87,19 @@ class PairPlan:
                 src_head=shape.slice.src_head,
                 dst_head=shape.slice.dst_head,
                 count=shape.slice.count,
+                max_run_bytes=self.max_run_bytes,
+            )
+        if shape.kind == "regroup":
+            # Another engine's pool: each page's runs from the connection's table, out of this
+            # side's regions ``kv`` (a layer group's) into wherever the peer keeps those layers.
+            assert shape.regroup is not None
+            return plan_regrouped(
+                self.regions.kv,
+                self.peer_regions.kv,
+                src,
+                dst,
+                shape.regroup,
+                only_src=kv,
                 max_run_bytes=self.max_run_bytes,
             )
         if shape.kind == "none":

@@ -15,7 +15,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtransport.spi.cross_engine import cross_engine_problems
 from kvtransport.spi.errors import MemoryLayoutError
+from kvtransport.spi.page_geometry import different_engines
 from kvtransport.spi.tp_map import unequal_tp_problems
 
 _CUDA_KIND = re.compile(r"^cuda:(\d{1,4})$")
@@ -371,6 +373,10 @@ class KVLayout:
 
     def incompatibilities(self, other: KVLayout, mine: str = "here", theirs: str = "at the peer") -> list[str]:
         """Every field that stops pages moving between the two layouts (empty: compatible)."""
+        if different_engines(self, other):
+            # Pools of two serving engines: their pages hold the same numbers in other places
+            # (spi.page_geometry), and only one direction is served (spi.cross_engine).
+            return cross_engine_problems(self, other, mine, theirs)
         problems = []
         # Unequal TP shards MHA heads differently on the two sides: per-rank page sizes and
         # head counts differ, and tp_map decides what each pair of ranks moves.
@@ -396,15 +402,6 @@ class KVLayout:
                 continue
             if a != b:
                 problems.append(f"{name}: {a!r} {mine}, {b!r} {theirs}")
-        engines = (self.extra.get("engine"), other.extra.get("engine"))
-        if all(engines) and engines[0] != engines[1]:
-            # Each engine's handoff carries more than the KV pages (SGLang's prefill sends the
-            # first output token and its metadata in aux slots, which vLLM's decode has no
-            # place for and recomputes instead); no mapping between them is defined yet.
-            problems.append(
-                f"engine: {engines[0]} {mine}, {engines[1]} {theirs}: kvtransport pairs prefill and decode "
-                "instances of the same serving engine (docs/vllm.md, 'Across engines')"
-            )
         if self.tp_size != other.tp_size:
             problems += unequal_tp_problems(self, other, mine, theirs)
         return problems

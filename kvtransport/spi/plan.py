@@ -19,6 +19,7 @@ import numpy.typing as npt
 
 from kvtransport.spi.errors import InvalidPages
 from kvtransport.spi.memory import Region
+from kvtransport.spi.page_geometry import Regroup, plan_regroup
 
 U64 = npt.NDArray[np.uint64]
 
@@ -447,3 +448,30 @@ def plan_heads(
         addrs_dst = (dst_base + dst_in_page).reshape(-1)
         parts.append(_cap(Runs(addrs_src, addrs_dst, np.full(addrs_src.size, length, dtype=np.uint64)), max_run_bytes))
     return Runs.concat(parts)
+
+
+def plan_regrouped(
+    src_regions: Sequence[Region],
+    dst_regions: Sequence[Region],
+    src_pages: Any,
+    dst_pages: Any,
+    table: Regroup,
+    *,
+    only_src: Sequence[int] | None = None,
+    max_run_bytes: int | None = None,
+) -> Runs:
+    """Runs moving page ``src_pages[k]`` of one engine's pool into page ``dst_pages[k]`` of
+    another's by ``table`` (:func:`kvtransport.spi.page_geometry.regroup`; with ``only_src``, the
+    runs out of those source regions only: a layer group's). The pages are checked as
+    :func:`plan` checks them (inside every region on both sides, no destination twice)."""
+    src = as_pages(src_pages, "source")
+    dst = as_pages(dst_pages, "destination")
+    if src.shape != dst.shape:
+        raise InvalidPages(f"{src.size} source pages but {dst.size} destination pages; they pair one to one")
+    if not src.size or not src_regions or not dst_regions:
+        return Runs.empty()
+    check_pages(src, min(r.num_items for r in src_regions), "source")
+    check_pages(dst, min(r.num_items for r in dst_regions), "destination")
+    check_unique(dst, "destination")
+    addrs_src, addrs_dst, length = plan_regroup(src_regions, dst_regions, src, dst, table, only_src)
+    return _cap(Runs(addrs_src, addrs_dst, length), max_run_bytes)

@@ -20,25 +20,18 @@ decode rank's local heads; :func:`kvtransport.spi.plan.plan_heads` turns it into
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvtransport.spi.errors import MemoryLayoutError
+from kvtransport.spi.page_geometry import EngineLayout, Regroup, different_engines, geometry_of, regroup
 
 
-class ShardedLayout(Protocol):
+class ShardedLayout(EngineLayout, Protocol):
     """The fields of a KV layout (``spi.memory.KVLayout``) that tensor parallelism shards by."""
 
     @property
-    def page_size(self) -> int: ...
-    @property
-    def kv_split(self) -> str: ...
-    @property
-    def num_kv_heads(self) -> int: ...
-    @property
     def total_kv_heads(self) -> int: ...
-    @property
-    def kv_item_lens(self) -> tuple[int, ...]: ...
     @property
     def state_types(self) -> tuple[str, ...]: ...
     @property
@@ -134,8 +127,10 @@ class PairShape:
     """What a sending rank moves into one receiving rank's announced pages.
 
     ``kind``: ``"all"`` (whole pages: equal TP, or MLA's latent from its one source),
-    ``"heads"`` (``slice`` of every token's heads, :func:`kvtransport.spi.plan.plan_heads`), or
-    ``"none"`` (this sender owes that receiver no KV bytes; it still completes the transfer).
+    ``"heads"`` (``slice`` of every token's heads, :func:`kvtransport.spi.plan.plan_heads`),
+    ``"regroup"`` (the two sides are pools of different serving engines: ``regroup`` is one
+    page's runs, :mod:`kvtransport.spi.page_geometry`, of ``slice``'s heads), or ``"none"``
+    (this sender owes that receiver no KV bytes; it still completes the transfer).
     ``primary``: this sender is the receiver's first source, the one that sends the aux slot and
     state items (the others send KV only).
     """
@@ -150,12 +145,15 @@ class PairShape:
     src_heads: int = 0
     dst_heads: int = 0
     head_bytes: int = 0
+    regroup: Regroup | None = field(default=None, compare=False, repr=False)
 
     def kv_bytes_per_page(self, item_lens: tuple[int, ...]) -> int:
         """Bytes this pair writes into one announced page, over every KV region (the
         receiver's ``item_lens``)."""
         if self.kind == "all":
             return sum(item_lens)
+        if self.regroup is not None:
+            return self.regroup.bytes_per_page
         if self.kind == "none" or self.slice is None:
             return 0
         return len(item_lens) * self.page_tokens * self.slice.count * self.head_bytes
@@ -238,6 +236,8 @@ def _head_bytes(layout: ShardedLayout, total: int) -> int:
 def pair_shape(src: ShardedLayout, dst: ShardedLayout) -> PairShape:
     """What the rank of layout ``src`` moves into the pages the rank of layout ``dst``
     announces (the two already found compatible)."""
+    if different_engines(src, dst):
+        return _regrouped(src, dst)
     if src.tp_size == dst.tp_size:
         return EQUAL
     feeding = sources(src.tp_size, dst.tp_size, dst.tp_rank)
@@ -256,3 +256,20 @@ def pair_shape(src: ShardedLayout, dst: ShardedLayout) -> PairShape:
         head_bytes=_head_bytes(src, total),
         source=source,
     )
+
+
+def _regrouped(src: ShardedLayout, dst: ShardedLayout) -> PairShape:
+    """:func:`pair_shape` between pools of different engines: the heads this rank owes the
+    receiver (all of them under equal TP; MLA's latent from the first source only), each
+    token's moved by the regroup table of the two geometries."""
+    feeding = sources(src.tp_size, dst.tp_size, dst.tp_rank)
+    primary, source = src.tp_rank == feeding[0], src.tp_rank in feeding
+    cut: HeadSlice | None
+    if src.kv_split == "mla":
+        cut = HeadSlice(0, 0, 1) if primary else None
+    else:
+        cut = head_slice(total_heads_of(src, dst), src.tp_size, src.tp_rank, dst.tp_size, dst.tp_rank)
+    if cut is None:
+        return PairShape("none", primary, source=source)
+    table = regroup(geometry_of(src), geometry_of(dst), cut.src_head, cut.dst_head, cut.count)
+    return PairShape("regroup", primary, cut, source=source, regroup=table)

@@ -7,6 +7,7 @@ sizes that pair, :class:`KVTransferError`, a request's failure as ``poll`` and
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Any
 
@@ -31,6 +32,8 @@ from kvtransport.runtime.fanin import FanIn
 from kvtransport.spi.env import env_number
 from kvtransport.spi.errors import KVTransportError
 from kvtransport.spi.memory import HOST, MemoryKind, RegionSet
+
+log = logging.getLogger(__name__)
 
 SGLANG_VERSION = "0.5.23"
 #: SGLang's own timeout variables, honoured unless the kvtransport one is set (defaults: SGLang's).
@@ -76,6 +79,23 @@ def kv_memory(args: KVArgs, server_args: Any) -> MemoryKind:
     from kvtransport.staging.cuda_copy import is_device_pointer
 
     return MemoryKind(int(args.gpu_id)) if is_device_pointer(int(args.kv_data_ptrs[0])) else HOST
+
+
+def kv_dtype_name(args: KVArgs, server_args: Any) -> str:
+    """The KV's dtype as the layout states it: SGLang's resolved ``kv_cache_dtype_str``, or,
+    where that is ``auto`` (the model's own dtype), the dtype SGLang's ``ModelConfig`` resolves
+    for the model (``float32`` weights run as ``float16``...): another engine's decode compares
+    it with its own, and ``auto`` would say nothing."""
+    name = str(getattr(args, "kv_cache_dtype_str", "") or "")
+    if name and name != "auto":
+        return name
+    try:
+        from sglang.srt.configs.model_config import ModelConfig
+
+        return str(ModelConfig.from_server_args(server_args).dtype).removeprefix("torch.")
+    except Exception as exc:  # noqa: BLE001 - an unreadable config leaves the name as SGLang gave it
+        log.debug("resolving the KV dtype of %r: %s", name, exc)
+        return name or "unknown"
 
 
 #: State types (SGLang's ``StateType`` values) moved by kvtransport: each is a set of buffers

@@ -22,6 +22,7 @@ from kvtransport.integrations.sglang.common import (
     KVArgs,
     _env_flag,
     decode_allocation_policy,
+    kv_dtype_name,
     kv_memory,
     regions_of,
     sglang_timeouts,
@@ -143,7 +144,7 @@ class KVTransportKVManager(BaseKVManager):
         regions = regions_of(args, memory)
         layout = KVLayout(
             page_size=int(args.page_size),
-            dtype=str(getattr(args, "kv_cache_dtype_str", "") or "unknown"),
+            dtype=kv_dtype_name(args, server_args),
             num_layers=len(args.kv_data_ptrs) // (1 if is_mla_backend else 2) or 1,
             kv_item_lens=tuple(int(n) for n in args.kv_item_lens),
             memory=memory,
@@ -157,7 +158,8 @@ class KVTransportKVManager(BaseKVManager):
             aux_item_lens=tuple(int(n) for n in getattr(args, "aux_item_lens", [])),
             state_types=state_types,
             state_item_lens=regions.state_item_lens,
-            extra={"engine": "sglang"},
+            # The role too: a vLLM decode may pair with an SGLang prefill (spi.cross_engine).
+            extra={"engine": "sglang", "role": self.mode},
         )
         self.timeouts = sglang_timeouts()
         #: Prefill with ``KVTRANSPORT_LAYERWISE=1``: how chunks go layer by layer

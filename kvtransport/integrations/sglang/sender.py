@@ -30,6 +30,7 @@ from kvtransport.runtime.endpoint import State, Transfer
 from kvtransport.runtime.fanin import FanOut
 from kvtransport.runtime.layer_groups import LayerwisePolicy
 from kvtransport.spi.errors import ConnectError, InvalidPages, KVTransportError, TransferAborted, TransferTimeout
+from kvtransport.spi.page_geometry import different_engines
 from kvtransport.spi.tp_map import targets
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,8 @@ class KVTransportKVSender(BaseKVSender):
         self._early_send_wait_event: Any = None
         self._waiting_on: Any = None
         self._prefix_read = False
+        #: The decode ranks are another engine's (vLLM): they announce no aux slot.
+        self._skip_aux = False
         #: Chunks going layer by layer (``KVTRANSPORT_LAYERWISE``), oldest first: their pages
         #: are reserved; SGLang's ``send`` of the same pages confirms them.
         self._streams: collections.deque[OpenStream] = collections.deque()
@@ -158,6 +161,9 @@ class KVTransportKVSender(BaseKVSender):
             if not self._targets:
                 layout = conn.peer_layout
                 assert layout is not None  # paired_with checked it
+                # A vLLM decode recomputes the last prompt token itself and has no aux slot: the
+                # first output token SGLang writes there stays here (spi.cross_engine).
+                self._skip_aux = different_engines(layout, ep.layout)
                 decode_tp = layout.tp_size
                 self._targets = [
                     room_tag(self.room, self.tp_size, decode_tp, d)
@@ -234,6 +240,8 @@ class KVTransportKVSender(BaseKVSender):
             return
         while self._queued and self.failure.error is None:
             pages, last, aux, state = self._queued.pop(0)
+            if self._skip_aux:
+                aux = None
             try:
                 self.transfer.send(pages, last=last, aux=aux, state=state)
             except KVTransportError as exc:

@@ -40,6 +40,7 @@ from kvtransport.spi.errors import (
     LayoutMismatch,
     TransferTimeout,
 )
+from kvtransport.spi.page_geometry import different_engines
 from kvtransport.spi.tp_map import sources, targets
 
 log = logging.getLogger(__name__)
@@ -367,18 +368,28 @@ class WorkerSide:
                     f"kv_transfer_params say prefill TP={remote.tp_size}"
                 )
                 return
-            problem = _block_problem(peer.extra, self.endpoint.layout.extra)
+            # An SGLang prefill's pages are regrouped into these blocks (spi.page_geometry);
+            # another vLLM's must be laid out as these are.
+            problem = (
+                ""
+                if different_engines(peer, self.endpoint.layout)
+                else _block_problem(peer.extra, self.endpoint.layout.extra)
+            )
             if problem:
                 load.error = LayoutMismatch(f"request {load.request}: {conn.peer_label}: {problem}")
                 return
         tag = request_tag(remote.request_id, remote.tp_size, self.tp_size, self.tp_rank)
+        prefix = load.prefix
+        if conns and conns[0].peer_layout is not None and different_engines(conns[0].peer_layout, self.endpoint.layout):
+            # SGLang's prefill reads the prefix decode holds in tokens (its decode_prefix_len).
+            prefix *= int(self.endpoint.layout.extra.get("block_size", 1))
         load.conns = conns
         load.announced = self._clock()
         try:
             if len(conns) == 1:
-                load.transfer = conns[0].expect(tag, load.blocks, prefix=load.prefix)
+                load.transfer = conns[0].expect(tag, load.blocks, prefix=prefix)
             else:
-                load.transfer = expect_from(conns, tag, load.blocks, prefix=load.prefix)
+                load.transfer = expect_from(conns, tag, load.blocks, prefix=prefix)
         except PartialAnnouncement as exc:
             load.transfer = exc.parts
             load.error = exc

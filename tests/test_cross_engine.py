@@ -1,0 +1,263 @@
+"""An SGLang prefill's pages regrouped into a vLLM decode's blocks (spi.page_geometry, the
+"regroup" pair shape), and the handshake's answer for every pairing of the two engines.
+
+The two pools are built the way each engine builds them, independently of the geometry code
+under test: SGLang's as ``MHATokenToKVPool`` does (a ``[tokens, heads, dim]`` K and V buffer per
+layer, pages of ``page_size`` tokens), vLLM's as ``allocate_kv_cache`` does (one backing buffer
+in the physical order of its ``KVCacheLayout``, per-layer ``[blocks, heads, tokens, content]``
+views, read by the connector's own ``describe_kv_caches``). The planned runs are executed byte by
+byte, and every head's K and V of every token of every layer is then read back through vLLM's
+view (``content[:dim]`` is K, ``content[dim:]`` V, as vLLM's attention backends split it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtransport.integrations.vllm.layout import describe_kv_caches
+from kvtransport.negotiation.negotiate import check_layouts
+from kvtransport.runtime.planning import PairPlan
+from kvtransport.spi.errors import InvalidPages, LayoutMismatch
+from kvtransport.spi.memory import HOST, KVLayout, Region, RegionSet
+from kvtransport.spi.tp_map import held_heads, pair_shape, sources
+
+#: vLLM's KVCacheLayout permutations of the logical [L, B, H, N, C] (vllm/v1/kv_cache_layout.py).
+VLLM_LAYOUTS = {
+    "LBNHC": (0, 1, 3, 2, 4),
+    "LBHNC": (0, 1, 2, 3, 4),
+    "BLNHC": (1, 0, 3, 2, 4),
+    "BLHNC": (1, 0, 2, 3, 4),
+}
+
+
+class SglangPool:
+    """One SGLang prefill rank's MHA pool: a K and a V buffer per layer, ``[slots, heads, dim]``."""
+
+    def __init__(self, layers: int, pages: int, page: int, heads: int, dim: int, tp: int, rank: int, total: int):
+        self.k = [torch.randn(pages * page, heads, dim, dtype=torch.float16) for _ in range(layers)]
+        self.v = [torch.randn(pages * page, heads, dim, dtype=torch.float16) for _ in range(layers)]
+        self.page, self.heads = page, heads
+        self.first_head = held_heads(total, tp, rank).start
+        # KVArgs' view of them (kv_data_ptrs, kv_data_lens, kv_item_lens): a page is an item.
+        item = page * heads * dim * 2
+        self.regions = RegionSet(
+            kv=tuple(
+                Region(t.data_ptr(), t.numel() * 2, HOST, item, f"kv{i}") for i, t in enumerate([*self.k, *self.v])
+            )
+        )
+        self.layout = KVLayout(
+            page_size=page,
+            dtype="float16",
+            num_layers=layers,
+            kv_item_lens=self.regions.kv_item_lens,
+            kv_split="kv",
+            num_kv_heads=heads,
+            total_kv_heads=total,
+            tp_rank=rank,
+            tp_size=tp,
+            aux_item_lens=(64,),
+            extra={"engine": "sglang", "role": "prefill"},
+        )
+
+
+class VllmPool:
+    """One vLLM decode rank's KV as vLLM 0.33 allocates it in layout ``name``."""
+
+    def __init__(
+        self,
+        name: str,
+        layers: int,
+        blocks: int,
+        block: int,
+        kernel: int,
+        heads: int,
+        dim: int,
+        tp: int,
+        rank: int,
+        total: int = 0,
+    ):
+        per = block // kernel
+        logical = (layers, blocks * per, heads, kernel, 2 * dim)
+        perm = VLLM_LAYOUTS[name]
+        physical = torch.full([logical[i] for i in perm], -1.0, dtype=torch.float16)
+        view = physical.permute(*np.argsort(perm).tolist())  # back to [L, B, H, N, C]
+        self.views = [(f"model.layers.{i}.self_attn.attn", view[i]) for i in range(layers)]
+        self.block, self.kernel, self.per, self.dim = block, kernel, per, dim
+        total = total or heads * tp
+        kv = describe_kv_caches(
+            self.views, block_size=block, use_mla=False, tp_rank=rank, tp_size=tp, total_kv_heads=total
+        )
+        self.regions, self.layout = kv.regions, kv.layout
+        self.first_head = held_heads(total, tp, rank).start
+
+    def token(self, layer: int, block: int, slot: int, part: int) -> torch.Tensor:
+        """[heads, dim]: K (part 0) or V of the token in ``slot`` of ``block``, as vLLM reads it."""
+        view = self.views[layer][1]
+        kb, t = block * self.per + slot // self.kernel, slot % self.kernel
+        return view[kb, :, t, part * self.dim : (part + 1) * self.dim]
+
+
+def execute(plan: PairPlan, src_pages: list[int], dst_pages: list[int]) -> int:
+    runs = plan.kv_runs(np.asarray(src_pages), np.asarray(dst_pages))
+    for s, d, n in zip(runs.src.tolist(), runs.dst.tolist(), runs.length.tolist(), strict=True):
+        ctypes.memmove(d, s, n)
+    return len(runs)
+
+
+tp_pairs = st.sampled_from([(1, 1), (2, 2), (1, 2), (2, 1), (1, 4), (4, 2)])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    layout=st.sampled_from(sorted(VLLM_LAYOUTS)),
+    layers=st.integers(1, 3),
+    total_heads=st.sampled_from([1, 2, 4]),
+    dim=st.sampled_from([2, 4, 8]),
+    block=st.sampled_from([1, 2, 4, 8]),
+    kernel_split=st.sampled_from([1, 2]),
+    tps=tp_pairs,
+    data=st.data(),
+)
+def test_sglang_pages_land_in_vllm_blocks(layout, layers, total_heads, dim, block, kernel_split, tps, data) -> None:
+    prefill_tp, decode_tp = tps
+    if (total_heads % prefill_tp and prefill_tp % total_heads) or (total_heads % decode_tp and decode_tp % total_heads):
+        return
+    kernel = block // kernel_split if block % kernel_split == 0 and layout.startswith("L") else block
+    decode_rank = data.draw(st.integers(0, decode_tp - 1))
+    dst_heads = len(held_heads(total_heads, decode_tp, decode_rank))
+    decode = VllmPool(layout, layers, 6, block, kernel, dst_heads, dim, decode_tp, decode_rank, total_heads)
+    n = data.draw(st.integers(1, 5))
+    src_pages = data.draw(st.lists(st.integers(0, 5), min_size=n, max_size=n, unique=True))
+    dst_pages = data.draw(st.lists(st.integers(0, 5), min_size=n, max_size=n, unique=True))
+    feeding = sources(prefill_tp, decode_tp, decode_rank)
+    written = torch.zeros(dst_heads, dtype=torch.bool)
+    for prefill_rank in feeding:
+        src_heads = len(held_heads(total_heads, prefill_tp, prefill_rank))
+        prefill = SglangPool(layers, 6, block, src_heads, dim, prefill_tp, prefill_rank, total_heads)
+        check_layouts_ok(prefill.layout, decode.layout)
+        plan = PairPlan(prefill.regions, prefill.layout, decode.regions, decode.layout, max_run_bytes=None)
+        assert plan.sending.kind in ("regroup", "none")
+        execute(plan, src_pages, dst_pages)
+        # Every head this prefill rank sent is where vLLM reads it.
+        moved = 0
+        for h_global in held_heads(total_heads, prefill_tp, prefill_rank):
+            hd = h_global - decode.first_head
+            if not 0 <= hd < dst_heads or written[hd]:
+                continue
+            written[hd] = True
+            moved += 1
+            hs = h_global - prefill.first_head
+            for sp, dp in zip(src_pages, dst_pages, strict=True):
+                for t in range(block):
+                    for layer in range(layers):
+                        for part, buf in enumerate((prefill.k, prefill.v)):
+                            want = buf[layer][sp * block + t, hs]
+                            got = decode.token(layer, dp, t, part)[hd]
+                            assert torch.equal(got, want), (layer, part, sp, dp, t, h_global)
+        assert plan.sending.kv_bytes_per_page(decode.regions.kv_item_lens) == moved * layers * 2 * block * dim * 2
+    # Every head of the decode rank came from exactly one source; pages not named stay unwritten.
+    assert bool(written.all())
+    untouched = [b for b in range(6) if b not in dst_pages]
+    for b in untouched:
+        assert bool((decode.token(0, b, 0, 0) == -1).all())
+
+
+def check_layouts_ok(prefill: KVLayout, decode: KVLayout) -> None:
+    assert prefill.incompatibilities(decode) == []
+    assert decode.incompatibilities(prefill) == []
+
+
+def test_regroup_runs_merge_where_both_sides_are_adjacent() -> None:
+    """In vLLM a head's V sits between its K and the next head's K: the runs out of SGLang's
+    K buffer stay one per head and token."""
+    prefill = SglangPool(2, 4, 4, 2, 8, 1, 0, 2)
+    decode = VllmPool("LBNHC", 2, 4, 4, 4, 2, 8, 1, 0)
+    plan = PairPlan(prefill.regions, prefill.layout, decode.regions, decode.layout, max_run_bytes=None)
+    assert plan.sending.regroup is not None
+    assert len(plan.sending.regroup) == 2 * 2 * 4 * 2  # layers x K/V x tokens x heads
+    assert execute(plan, [1, 2], [3, 0]) == 2 * 2 * 2 * 4 * 2
+
+
+def test_pages_outside_either_pool_are_refused() -> None:
+    prefill = SglangPool(1, 4, 4, 2, 8, 1, 0, 2)
+    decode = VllmPool("LBNHC", 1, 4, 4, 4, 2, 8, 1, 0)
+    plan = PairPlan(prefill.regions, prefill.layout, decode.regions, decode.layout, max_run_bytes=None)
+    for src, dst in (([4], [0]), ([0], [4]), ([0, 1], [2, 2]), ([-1], [0])):
+        with pytest.raises(InvalidPages):
+            plan.kv_runs(np.asarray(src), np.asarray(dst))
+    assert bool((decode.views[0][1] == -1).all())
+
+
+def _hello_check(a: KVLayout, b: KVLayout) -> None:
+    from types import SimpleNamespace
+
+    def hello(layout: KVLayout, name: str) -> SimpleNamespace:
+        return SimpleNamespace(layout=layout, label=lambda: name)
+
+    check_layouts(hello(a, "decode"), hello(b, "prefill"))  # type: ignore[arg-type]
+
+
+def test_a_vllm_prefill_cannot_feed_an_sglang_decode() -> None:
+    decode = SglangPool(2, 4, 4, 2, 8, 1, 0, 2).layout
+    decode = KVLayout.from_dict({**decode.to_dict(), "extra": {"engine": "sglang", "role": "decode"}})
+    prefill = VllmPool("LBNHC", 2, 4, 4, 4, 2, 8, 1, 0).layout
+    with pytest.raises(LayoutMismatch, match="a vLLM prefill cannot feed an SGLang decode"):
+        _hello_check(decode, prefill)
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"block": 8, "kernel": 8}, "page_size: pages of 8 tokens on initiator decode, 4 on acceptor prefill"),
+        ({"dim": 4}, "head size"),
+        ({"layers": 3}, "num_layers"),
+    ],
+)
+def test_pools_that_do_not_map_are_refused_naming_the_field(change: dict[str, int], field: str) -> None:
+    prefill = SglangPool(2, 4, 4, 2, 8, 1, 0, 2).layout
+    args = {"layers": 2, "blocks": 4, "block": 4, "kernel": 4, "heads": 2, "dim": 8} | change
+    decode = VllmPool("LBNHC", *args.values(), 1, 0).layout
+    with pytest.raises(LayoutMismatch, match=field):
+        _hello_check(decode, prefill)
+
+
+def test_an_unnamed_pool_still_pairs_with_a_named_one_of_the_same_pages() -> None:
+    """kvtransport's own endpoints name no engine: their pages pair by size with any engine's."""
+    prefill = SglangPool(2, 4, 4, 2, 8, 1, 0, 2).layout
+    plain = KVLayout.from_dict({**prefill.to_dict(), "extra": {}})
+    assert plain.incompatibilities(prefill) == []
+    assert pair_shape(plain, prefill).kind == "all"
+
+
+def test_mla_latent_pages_move_whole() -> None:
+    """MLA's latent is one replicated row a token on both sides: each layer's page moves as
+    one run, into the block vLLM reads it from (``[B, 1, N, C]``)."""
+    layers, pages, page, latent = 2, 4, 4, 12
+    buffers = [torch.randn(pages * page, 1, latent, dtype=torch.float16) for _ in range(layers)]
+    regions = RegionSet(
+        kv=tuple(Region(b.data_ptr(), b.numel() * 2, HOST, page * latent * 2, f"kv{i}") for i, b in enumerate(buffers))
+    )
+    sglang = KVLayout(
+        page_size=page,
+        dtype="float16",
+        num_layers=layers,
+        kv_item_lens=regions.kv_item_lens,
+        kv_split="mla",
+        num_kv_heads=1,
+        extra={"engine": "sglang", "role": "prefill"},
+    )
+    cache = torch.full((layers, pages, page, 1, latent), -1.0, dtype=torch.float16)  # LBNHC
+    views = [(f"l{i}", cache[i].permute(0, 2, 1, 3)) for i in range(layers)]
+    vllm = describe_kv_caches(views, block_size=page, use_mla=True, tp_rank=0, tp_size=1, total_kv_heads=0)
+    assert sglang.incompatibilities(vllm.layout) == []
+    plan = PairPlan(regions, sglang, vllm.regions, vllm.layout, max_run_bytes=None)
+    assert execute(plan, [2, 0], [1, 3]) == 2 * layers
+    for layer in range(layers):
+        for src, dst in ((2, 1), (0, 3)):
+            assert torch.equal(views[layer][1][dst, 0], buffers[layer][src * page : (src + 1) * page, 0])

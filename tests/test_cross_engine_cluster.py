@@ -1,0 +1,102 @@
+"""An SGLang prefill feeding a vLLM decode, each engine's own scheduler in its own process: the
+SGLang prefill rank of tests/sglang_scheduler.py (SGLang 0.5.23's scheduler, pools and
+kvtransport's SGLang backend, in the SGLang environment), the vLLM decode instance of
+tests/vllm_engine.py (vLLM 0.33's scheduler and the connector, in the vLLM environment), and
+the proxy between them: the test sends one prompt to both, under one bootstrap room, with the
+``kv_transfer_params`` ``params_for_sglang_prefill`` makes from SGLang's bootstrap registry.
+vLLM's decode then checks every token of every layer, head, K and V of what landed in its
+blocks against the KV the SGLang prefill's stand-in model wrote (tests/model_content.py), read
+where vLLM's attention reads it."""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtransport.integrations.vllm.from_sglang import params_for_sglang_prefill
+from kvtransport.runtime.auth import load_secret
+
+from .conftest import require_engines
+from .test_sglang_scheduler import Cluster, Topo
+from .vllm_cluster import SECRET, Instance, engine_config, instance_env, require_vllm
+
+#: The SGLang harness's tiny Llama (tests/test_sglang_scheduler.py): 2 layers, 2 KV heads of 16,
+#: float32 weights, which SGLang runs as float16.
+MODEL = {"layers": 2, "heads": 2, "head_size": 16, "dtype": "float16", "content": "sglang"}
+
+
+@pytest.fixture(scope="module")
+def sglang_prefill() -> Iterator[Cluster]:
+    """One SGLang prefill rank and no SGLang decode: vLLM decodes."""
+    require_engines()
+    require_vllm()
+    with tempfile.TemporaryDirectory(prefix="sglang-xengine-") as tmp:
+        cluster = Cluster(Path(tmp), Topo(tp=1), Topo(tp=0), env={"KVTRANSPORT_SECRET": SECRET})
+        try:
+            yield cluster
+        finally:
+            cluster.close()
+
+
+def prompt(room: int, n: int) -> list[int]:
+    return [3 + (room * 5 + i * 11) % 250 for i in range(n)]
+
+
+@pytest.mark.parametrize(
+    ("driver", "decode_tp", "layout"),
+    [
+        # vLLM's CPU attention backend: head-major blocks (LBHNC), each rank all heads
+        ("mooncake-gdr", 1, None),
+        # a GPU backend's token-major blocks (LBNHC, what the connector asks for), decode at
+        # TP 2: each vLLM rank takes its head of every token from the one SGLang rank
+        ("nixl-ucx", 2, "LBNHC"),
+    ],
+)
+def test_an_sglang_prefill_feeds_a_vllm_decode_byte_exact(
+    sglang_prefill: Cluster, driver: str, decode_tp: int, layout: str | None
+) -> None:
+    cluster = sglang_prefill
+    cluster.configure(page_size=16, driver=driver)
+    decode = Instance(
+        "decode",
+        engine_config(decode_tp, prefix_caching=False, **MODEL, **({"layouts": [layout]} if layout else {})),
+        instance_env(driver),
+    )
+    try:
+        lengths = [15, 16, 17, 48, 100]
+        specs = []
+        for n in lengths:
+            room = cluster.room()
+            specs.append(
+                {"rid": f"x{room}", "room": room, "prompt_len": n, "tokens": prompt(room, n), "max_new_tokens": 1}
+            )
+        outcome: dict[str, Any] = {}
+        sglang = threading.Thread(target=lambda: outcome.setdefault("out", cluster.run(specs, timeout=60)))
+        sglang.start()
+        secret = load_secret(SECRET)
+        for spec in specs:
+            params = params_for_sglang_prefill(
+                f"127.0.0.1:{cluster.bootstrap_port}", spec["room"], spec["tokens"], block_size=16, secret=secret
+            )
+            decode.send(op="decode", id=spec["rid"], tokens=spec["tokens"], params=params, max_tokens=2)
+        loaded = {spec["rid"]: decode.wait("loaded", spec["rid"], timeout=90) for spec in specs}
+        finished = {spec["rid"]: decode.wait("finished", spec["rid"], timeout=30)["reason"] for spec in specs}
+        sglang.join(timeout=120)
+        out = outcome["out"]
+        for spec in specs:
+            rid, n = spec["rid"], spec["prompt_len"]
+            got = loaded[rid]
+            # vLLM recomputes the last prompt token: every one before it came from SGLang.
+            assert got["checked"] == n - 1 and got["bad"] == 0, (rid, got)
+            assert finished[rid] == "length", (rid, finished[rid])
+            assert [o["state"] for o in out.prefill[rid]] == ["success"], out.prefill[rid]
+        assert not any(any(c.values()) for c in out.leaks.values()), out.leaks
+        stats = decode.settle()
+        assert stats["free_blocks"] == stats["num_blocks"] - 1, stats  # vLLM's null block aside
+    finally:
+        decode.close()
