@@ -206,6 +206,22 @@ def test_bench_with_unequal_tp_checks_every_head(prefill_tp: int, decode_tp: int
     assert figures["unequal"]["gbps"] > 0 and figures["equal"]["gbps"] > 0 and figures["ratio"] > 0
 
 
+def test_bench_across_engines_regroups_sglang_pages_into_vllm_blocks_with_every_head_checked() -> None:
+    """``--decode-engine vllm``: SGLang-shaped prefill ranks feeding vLLM-shaped (LBNHC) decode
+    ranks at TP 1 -> 2, each decode rank's blocks checked head by head, K then V of each token,
+    against what the prefill rank wrote; the negotiation picks a driver that gathers the runs."""
+    require_engines()
+    args = ["bench", "--requests", "2", "--prompt-tokens", "64", "--layers", "2", "--json"]
+    proc = run_cli(*args, "--decode-engine", "vllm", "--decode-tp", "2", timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["engines"] == ["sglang", "vllm"] and report["decode_tp"] == 2, report
+    assert report["driver"] in ("mooncake-staged", "nixl-staged"), report
+    assert "regrouped per head between vllm and sglang pools" in report["negotiated"], report
+    assert report["integrity"] == {"ok": True, "mismatches": []}
+    assert report["figures"]["ratio"] > 0
+
+
 def test_bench_in_flight_sends_rounds_of_concurrent_requests_and_checks_every_page() -> None:
     """``--in-flight N``: rounds of N requests at once against rounds of one, each page of each
     request checked; the report gives both aggregate bandwidths and their ratio."""

@@ -261,3 +261,65 @@ def test_mla_latent_pages_move_whole() -> None:
     for layer in range(layers):
         for src, dst in ((2, 1), (0, 3)):
             assert torch.equal(views[layer][1][dst, 0], buffers[layer][src * page : (src + 1) * page, 0])
+
+
+def test_a_layer_groups_runs_move_only_its_layers() -> None:
+    """A layer-wise send names this side's regions (SGLang's K_l and V_l): the regroup takes
+    only their runs, into the vLLM blocks of those layers, and nothing of the other layers."""
+    layers = 3
+    prefill = SglangPool(layers, 4, 4, 2, 8, 1, 0, 2)
+    for name in ("LBNHC", "BLNHC"):
+        decode = VllmPool(name, layers, 4, 4, 4, 2, 8, 1, 0)
+        plan = PairPlan(prefill.regions, prefill.layout, decode.regions, decode.layout, max_run_bytes=None)
+        runs = plan.kv_runs(np.asarray([1]), np.asarray([2]), kv=[1, layers + 1])  # layer 1's K and V
+        for s_, d_, n in zip(runs.src.tolist(), runs.dst.tolist(), runs.length.tolist(), strict=True):
+            ctypes.memmove(d_, s_, n)
+        for part, buf in enumerate((prefill.k, prefill.v)):
+            for t in range(4):
+                assert torch.equal(decode.token(1, 2, t, part), buf[1][4 + t])
+                for other in (0, 2):
+                    assert bool((decode.token(other, 2, t, part) == -1).all())
+
+
+def test_a_hostile_peer_layout_is_refused_before_any_array_is_built() -> None:
+    """A layout comes over the network: a block of 2**25 tokens, a TP size of 0 or a head count
+    of millions is refused by its numbers, at once, with no geometry built for it."""
+    import time
+
+    prefill = SglangPool(2, 4, 4, 2, 8, 1, 0, 2).layout
+    vllm = VllmPool("LBNHC", 2, 4, 4, 4, 2, 8, 1, 0).layout
+    hostile = [
+        KVLayout.from_dict(
+            {**vllm.to_dict(), "extra": {**vllm.extra, "block_size": 1 << 25}, "kv_item_lens": [1 << 40] * 2}
+        ),
+        KVLayout.from_dict({**vllm.to_dict(), "tp_size": 0}),
+        KVLayout.from_dict({**vllm.to_dict(), "num_kv_heads": 1 << 30, "total_kv_heads": 1 << 30}),
+        KVLayout.from_dict({**vllm.to_dict(), "num_layers": 1 << 30, "kv_item_lens": [128] * 2}),
+    ]
+    for layout in hostile:
+        started = time.monotonic()
+        problems = prefill.incompatibilities(layout)
+        assert problems and time.monotonic() - started < 0.5, problems
+
+
+@pytest.mark.parametrize(
+    ("sglang", "vllm", "ok"),
+    [
+        ("bf16", "bfloat16", True),
+        ("fp8_e4m3", "float8_e4m3fn", True),
+        ("auto", "float16", False),
+        ("mxfp8", "mxfp8", False),
+    ],
+)
+def test_sglang_dtype_names_are_compared_as_torch_names(sglang: str, vllm: str, ok: bool) -> None:
+    import dataclasses
+
+    prefill = dataclasses.replace(SglangPool(2, 4, 4, 2, 8, 1, 0, 2).layout, dtype=sglang)
+    decode = dataclasses.replace(VllmPool("LBNHC", 2, 4, 4, 4, 2, 8, 1, 0).layout, dtype=vllm)
+    problems = prefill.incompatibilities(decode)
+    assert (problems == []) is ok, problems
+    if not ok:
+        assert "dtype" in problems[0]
+    # SGLang's resolved name for ``auto`` (extra["kv_dtype"]) is what counts when it states one.
+    resolved = dataclasses.replace(prefill, extra={**prefill.extra, "kv_dtype": vllm})
+    assert (resolved.incompatibilities(decode) == []) is (vllm in ("bfloat16", "float8_e4m3fn", "float16"))

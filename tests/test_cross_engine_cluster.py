@@ -36,7 +36,10 @@ def sglang_prefill() -> Iterator[Cluster]:
     require_engines()
     require_vllm()
     with tempfile.TemporaryDirectory(prefix="sglang-xengine-") as tmp:
-        cluster = Cluster(Path(tmp), Topo(tp=1), Topo(tp=0), env={"KVTRANSPORT_SECRET": SECRET})
+        # KVTRANSPORT_LAYERWISE from the start: the plugin installs its hooks then (each case
+        # turns the sends on or off when it configures the rank).
+        env = {"KVTRANSPORT_SECRET": SECRET, "KVTRANSPORT_LAYERWISE": "1"}
+        cluster = Cluster(Path(tmp), Topo(tp=1), Topo(tp=0), env=env)
         try:
             yield cluster
         finally:
@@ -48,20 +51,24 @@ def prompt(room: int, n: int) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    ("driver", "decode_tp", "layout"),
+    ("driver", "decode_tp", "layout", "layerwise"),
     [
         # vLLM's CPU attention backend: head-major blocks (LBHNC), each rank all heads
-        ("mooncake-gdr", 1, None),
+        ("mooncake-gdr", 1, None, False),
         # a GPU backend's token-major blocks (LBNHC, what the connector asks for), decode at
-        # TP 2: each vLLM rank takes its head of every token from the one SGLang rank
-        ("nixl-ucx", 2, "LBNHC"),
+        # TP 2: each vLLM rank takes its head of every token from the one SGLang rank, which
+        # sends layer by layer as its forward writes them (KVTRANSPORT_LAYERWISE)
+        ("nixl-ucx", 2, "LBNHC", True),
     ],
 )
 def test_an_sglang_prefill_feeds_a_vllm_decode_byte_exact(
-    sglang_prefill: Cluster, driver: str, decode_tp: int, layout: str | None
+    sglang_prefill: Cluster, driver: str, decode_tp: int, layout: str | None, layerwise: bool
 ) -> None:
     cluster = sglang_prefill
-    cluster.configure(page_size=16, driver=driver)
+    # Layer-wise from the first token on (KVTRANSPORT_LAYERWISE_MIN_TOKENS=0): every chunk goes
+    # in layer groups, each group's runs out of its layers' K and V buffers only.
+    env = {"KVTRANSPORT_LAYERWISE": "1", "KVTRANSPORT_LAYERWISE_MIN_TOKENS": "0"} if layerwise else {}
+    cluster.configure(page_size=16, driver=driver, **(env or {"KVTRANSPORT_LAYERWISE": "0"}))
     decode = Instance(
         "decode",
         engine_config(decode_tp, prefix_caching=False, **MODEL, **({"layouts": [layout]} if layout else {})),
@@ -95,6 +102,8 @@ def test_an_sglang_prefill_feeds_a_vllm_decode_byte_exact(
             assert got["checked"] == n - 1 and got["bad"] == 0, (rid, got)
             assert finished[rid] == "length", (rid, finished[rid])
             assert [o["state"] for o in out.prefill[rid]] == ["success"], out.prefill[rid]
+            if layerwise:  # (chunks, layer groups) the prefill sent layer by layer
+                assert out.prefill[rid][0]["layerwise"][0] >= 1, out.prefill[rid]
         assert not any(any(c.values()) for c in out.leaks.values()), out.leaks
         stats = decode.settle()
         assert stats["free_blocks"] == stats["num_blocks"] - 1, stats  # vLLM's null block aside

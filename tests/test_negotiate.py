@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -135,6 +136,28 @@ def test_pages_sliced_by_head_go_to_a_driver_that_gathers_them() -> None:
         hello(h, endpoint="d", layout=sliced_layout(tp_size=16)),
     )
     assert replicated.driver == "nixl-ucx" and "sliced" not in replicated.reason, replicated.reason
+
+
+def test_pages_regrouped_across_engines_go_to_a_driver_that_gathers_them() -> None:
+    """An SGLang prefill and a vLLM decode: every head's K and V of every token is a run of its
+    own (measured: nixl-ucx 0.04x of its whole-page bandwidth, nixl-staged 0.32x, docs/vllm.md),
+    so a staged driver ranks first, and the decision says why."""
+    h = host("box")
+    sglang = dataclasses.replace(
+        sliced_layout(tp_size=1), num_kv_heads=8, extra={"engine": "sglang", "role": "prefill"}
+    )
+    vllm = dataclasses.replace(
+        sliced_layout(tp_size=1),
+        kv_item_lens=(2 * 16 * 8 * 128 * 2,) * 32,
+        num_kv_heads=8,
+        head_dim=256,
+        extra={"engine": "vllm", "block_size": 16, "token_layout": "NHD", "packing": "layer"},
+    )
+    d = decide(hello(h, endpoint="d", layout=vllm), hello(h, endpoint="p", layout=sglang))
+    assert d.driver in ("mooncake-staged", "nixl-staged"), d.reason
+    assert "regrouped per head between vllm and sglang pools" in d.reason, d.reason
+    lost = {c.driver: c.reason for c in d.candidates if c.outcome == "lost"}
+    assert "gathers them" in lost["nixl-ucx"], lost
 
 
 def test_sliced_pages_between_gpus_of_one_host_still_use_the_fastest_device_path() -> None:

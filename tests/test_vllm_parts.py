@@ -358,6 +358,19 @@ def test_decode_asking_for_more_blocks_than_prefill_holds_fails_both_sides_with_
         assert got.failed_recving == {"d"}
 
 
+def test_a_decode_cancelled_before_it_announces_tells_prefill_which_releases_the_blocks() -> None:
+    """Decode ends the request while its connection is still being made: prefill hears so once
+    the connection is up and gives the blocks back then, not when the lease (60 s on a clock
+    that never moves here) runs out."""
+    with prefill_and_decode(lease=60) as (_, _dst, prefill, decode, _now):
+        prefill.hold("r", [1, 2])
+        decode.load("d", [10, 11], prefix=0, remote=RemotePrefill("p", "r", 1, (prefill.address,), 32, 2, BS))
+        got = decode.poll({"d"})  # cancelled in the step that started the load
+        _, late = _until(prefill, decode, lambda s, g: "r" in s.finished_sending)
+        assert "d" in got.finished_recving | late.finished_recving
+        assert prefill.held == 0 and prefill.expired == 0 and decode.loading == 0
+
+
 def test_a_decode_cancelled_before_its_prefill_answers_reports_at_once() -> None:
     with prefill_and_decode(lease=60) as (_, _dst, _prefill, decode, _now):
         # An address nobody listens on: the connect is still pending when the request ends.

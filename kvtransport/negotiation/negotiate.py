@@ -34,6 +34,7 @@ from kvtransport.negotiation.registry import ENV_DRIVER
 from kvtransport.spi.driver import KVTransport, Offer, PeerView, Rejection, TransferPath
 from kvtransport.spi.errors import ConfigError, DriverUnavailable, KVTransportError, LayoutMismatch, NoUsableDriver
 from kvtransport.spi.memory import HOST, MemoryKind
+from kvtransport.spi.page_geometry import different_engines, engine_of, geometry_of
 from kvtransport.spi.tp_map import held_heads, pair_shape, total_heads_of
 
 log = logging.getLogger(__name__)
@@ -157,8 +158,12 @@ PER_DESCRIPTOR_PATHS = frozenset({TransferPath.TCP, TransferPath.SHM})
 def sliced_pages(initiator: Hello, acceptor: Hello) -> str:
     """Why the pair's pages move as slices of KV heads ('' when they move whole): the two
     layouts shard an MHA model's heads over different TP sizes, to different head counts a rank
-    (heads replicated to as many on each side move as whole pages)."""
+    (heads replicated to as many on each side move as whole pages), or are two engines' pools,
+    whose pages are regrouped a head's K or V at a time."""
     a, b = initiator.layout, acceptor.layout
+    if a is not None and b is not None and different_engines(a, b) and a.kv_split == "kv":
+        # Another engine's pool: a run per head's K or V of every token (spi.page_geometry).
+        return f"pages regrouped per head between {engine_of(a)} and {engine_of(b)} pools"
     if a is None or b is None or a.tp_size == b.tp_size or a.kv_split == "mla":
         return ""
     total = total_heads_of(a, b)
@@ -364,6 +369,9 @@ def reference_transfer(initiator: Hello, acceptor: Hello) -> tuple[int, int]:
     if other is not None and sliced_pages(initiator, acceptor):
         try:
             shape = pair_shape(layout, other)
+            if shape.regroup is not None:  # across engines: the connection's table of runs a page
+                pages = -(-REFERENCE_TOKENS // geometry_of(layout).tokens)
+                return pages * len(shape.regroup), pages * shape.regroup.bytes_per_page
             return pages * regions * page, pages * shape.kv_bytes_per_page(other.kv_item_lens)
         except (ValueError, ZeroDivisionError, KVTransportError):
             pass  # the layouts' check reports what is wrong with them

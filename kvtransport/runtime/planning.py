@@ -71,6 +71,20 @@ class PairPlan:
         """The runs that move this side's pages ``src`` into the peer's pages ``dst``, in every
         KV region or, with ``kv``, in those regions only (a layer group's: ``runtime.layerwise``)."""
         shape = self.sending
+        if shape.kind == "regroup":
+            # Another engine's pool: each page's runs from the connection's table, out of this
+            # side's regions ``kv`` (a layer group's) into wherever the peer keeps those layers
+            # (its region numbers are not this side's).
+            assert shape.regroup is not None
+            return plan_regrouped(
+                self.regions.kv,
+                self.peer_regions.kv,
+                src,
+                dst,
+                shape.regroup,
+                only_src=kv,
+                max_run_bytes=self.max_run_bytes,
+            )
         mine = self.regions.kv if kv is None else tuple(self.regions.kv[i] for i in kv)
         theirs = self.peer_regions.kv if kv is None else tuple(self.peer_regions.kv[i] for i in kv)
         if shape.kind == "heads":
@@ -87,19 +101,6 @@ class PairPlan:
                 src_head=shape.slice.src_head,
                 dst_head=shape.slice.dst_head,
                 count=shape.slice.count,
-                max_run_bytes=self.max_run_bytes,
-            )
-        if shape.kind == "regroup":
-            # Another engine's pool: each page's runs from the connection's table, out of this
-            # side's regions ``kv`` (a layer group's) into wherever the peer keeps those layers.
-            assert shape.regroup is not None
-            return plan_regrouped(
-                self.regions.kv,
-                self.peer_regions.kv,
-                src,
-                dst,
-                shape.regroup,
-                only_src=kv,
                 max_run_bytes=self.max_run_bytes,
             )
         if shape.kind == "none":

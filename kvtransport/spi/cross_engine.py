@@ -14,13 +14,32 @@ vLLM's decode recomputes the last prompt token itself, so SGLang's aux slots sta
 from __future__ import annotations
 
 from kvtransport.spi.errors import MemoryLayoutError
-from kvtransport.spi.page_geometry import DTYPE_BYTES, engine_of, geometry_of
+from kvtransport.spi.page_geometry import DTYPE_BYTES, engine_of, geometry_of, page_tokens
 from kvtransport.spi.tp_map import ShardedLayout, check_shape, held_heads, total_heads_of
 
-__all__ = ["cross_engine_problems"]
+__all__ = ["SGLANG_DTYPES", "cross_engine_problems", "kv_dtype"]
 
 #: (prefill engine, decode engine) pairs kvtransport maps.
 SERVED = frozenset({("sglang", "vllm")})
+
+
+#: SGLang's KV dtype names (``--kv-cache-dtype``, ``kv_cache_dtype_str``) as torch names.
+SGLANG_DTYPES = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float": "float32",
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+}
+
+
+def kv_dtype(layout: ShardedLayout) -> str:
+    """The KV's element type by torch's name: what the layout resolved (``extra["kv_dtype"]``,
+    SGLang's ``auto`` resolved to the model's dtype), else its ``dtype``, SGLang's names mapped."""
+    name = str(layout.extra.get("kv_dtype") or layout.dtype)
+    return SGLANG_DTYPES.get(name, name)
 
 
 def _role(layout: ShardedLayout) -> str:
@@ -55,17 +74,37 @@ def cross_engine_problems(
     if direction:
         return [direction]
     problems = []
+    # The cheap numbers first: a peer's layout comes over the network, and the geometry is
+    # built only for pools that could map (page_geometry bounds it as well).
+    for layout, where in ((a, mine), (b, theirs)):
+        if not (0 < layout.tp_size <= 1 << 16 and 0 <= layout.tp_rank < layout.tp_size):
+            problems.append(f"tp_rank {layout.tp_rank} of tp_size {layout.tp_size} {where}")
+        if not (0 <= layout.total_kv_heads <= 1 << 16 and 0 <= layout.num_kv_heads <= 1 << 16):
+            problems.append(f"num_kv_heads {layout.num_kv_heads}, total_kv_heads {layout.total_kv_heads} {where}")
+        if a.kv_split == "mla" and layout.num_kv_heads > 1:
+            problems.append(f"num_kv_heads {layout.num_kv_heads} {where}: MLA's latent is one head")
+    tokens = (page_tokens(a), page_tokens(b))
+    if tokens[0] != tokens[1]:
+        problems.append(
+            f"page_size: pages of {tokens[0]} tokens {mine}, {tokens[1]} {theirs}: run both with the same page size "
+            "(SGLang --page-size, vLLM --block-size)"
+        )
+    if problems:
+        return problems
     if a.state_types or b.state_types:
         problems.append(
             f"state buffers ({', '.join(sorted(set(a.state_types) | set(b.state_types)))}): across engines kvtransport "
             "moves models whose KV is attention pages only"
         )
-    for name in ("kv_split", "dtype", "num_layers"):
+    for name in ("kv_split", "num_layers"):
         x, y = getattr(a, name), getattr(b, name)
         if x != y:
             problems.append(f"{name}: {x!r} {mine}, {y!r} {theirs}")
-    if a.dtype == b.dtype and a.dtype not in DTYPE_BYTES:
-        problems.append(f"dtype: {a.dtype!r} on both sides is not one kvtransport can check across engines")
+    dtypes = (kv_dtype(a), kv_dtype(b))
+    if dtypes[0] != dtypes[1]:
+        problems.append(f"dtype: {dtypes[0]!r} {mine}, {dtypes[1]!r} {theirs}")
+    elif dtypes[0] not in DTYPE_BYTES:
+        problems.append(f"dtype: {dtypes[0]!r} on both sides is not one kvtransport can check across engines")
     if problems:
         return problems
     if a.tp_size % b.tp_size and b.tp_size % a.tp_size:
@@ -90,11 +129,6 @@ def cross_engine_problems(
         ga, gb = geometry_of(a), geometry_of(b)
     except MemoryLayoutError as exc:
         return [*problems, f"page geometry: {exc}"]
-    if ga.tokens != gb.tokens:
-        problems.append(
-            f"page_size: pages of {ga.tokens} tokens {mine}, {gb.tokens} {theirs}: run both with the same page size "
-            "(SGLang --page-size, vLLM --block-size)"
-        )
     if ga.unit != gb.unit:
         problems.append(f"head size: {ga.unit} bytes a head {mine}, {gb.unit} {theirs}")
     return problems

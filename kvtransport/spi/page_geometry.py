@@ -36,11 +36,18 @@ __all__ = [
     "different_engines",
     "engine_of",
     "geometry_of",
+    "page_tokens",
     "plan_regroup",
     "regroup",
 ]
 
 I64 = npt.NDArray[np.int64]
+
+#: The most (layer, part, token, head) entries one page's geometry may have: a peer's layout
+#: arrives at handshake, and a page of a real model has thousands (Llama-3-70B: 80 layers x
+#: K/V x 16 tokens x 8 heads = 20,480), so a layout far beyond this is refused before any array
+#: is built for it.
+MAX_PAGE_ENTRIES = 1 << 21
 
 #: Bytes of one element of the KV dtypes both engines name alike (torch's names).
 DTYPE_BYTES = {
@@ -128,12 +135,27 @@ def geometry_of(layout: EngineLayout) -> PageGeometry:
             f"a page's geometry needs the layers ({layers}), the KV heads a rank holds ({layout.num_kv_heads}) and "
             f"KV pages of one size (got {sorted(set(items))[:4]})"
         )
+    tokens = page_tokens(layout)
+    if not 0 < layers * parts * tokens * heads <= MAX_PAGE_ENTRIES:
+        raise MemoryLayoutError(
+            f"a page of {layers} layers x {parts} parts x {tokens} tokens x {heads} heads: more than "
+            f"{MAX_PAGE_ENTRIES} pieces (or none), which no model kvtransport maps has"
+        )
     engine = engine_of(layout) or "sglang"  # an unnamed pool: SGLang's shape, kvtransport's own
     if engine == "sglang":
         return _sglang(layout, layers, parts, heads, items)
     if engine == "vllm":
         return _vllm(layout, layers, parts, heads, items)
     raise MemoryLayoutError(f"no page geometry is known for engine {engine!r}")
+
+
+def page_tokens(layout: EngineLayout) -> int:
+    """Tokens one page of ``layout`` holds (vLLM: its ``block_size``; SGLang: ``page_size``),
+    read without building the geometry (0 when the layout does not say)."""
+    if engine_of(layout) == "vllm":
+        tokens = layout.extra.get("block_size")
+        return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0 else 0
+    return max(int(layout.page_size), 0)
 
 
 def _sglang(layout: EngineLayout, layers: int, parts: int, heads: int, items: tuple[int, ...]) -> PageGeometry:
@@ -266,7 +288,7 @@ def plan_regroup(
         if which.size and (int(which.max()) >= len(regions) or int(which.min()) < 0):
             raise InvalidPages(f"the regroup table names {side} region {int(which.max())} of {len(regions)}")
         items = np.array([int(r.item_len) for r in regions], dtype=np.int64)
-        if which.size and bool(((offset + n) > items[which]).any()):
+        if which.size and bool(((offset < 0) | ((offset + n) > items[which])).any()):
             raise InvalidPages(f"the regroup table runs past a {side} page")
     if not src_pages.size or not sr.size:
         empty = np.zeros(0, dtype=np.uint64)

@@ -1,7 +1,10 @@
 """``kvtransport bench --prefill-tp P --decode-tp D``: a model's KV moved between P prefill ranks
 and D decode ranks (one process each, the per-rank layouts of the model's sharding), every byte
 of every head checked on the decode ranks, against the equal-TP transfer of the same bytes
-(one prefill rank to one decode rank, whole pages) in the same run, on the same driver.
+(one prefill rank to one decode rank, whole pages) in the same run, on the same driver. With
+``--decode-engine vllm`` the prefill ranks' pools are SGLang's and the decode ranks' vLLM's
+(LBNHC): the pages are regrouped per head on the way (``spi.page_geometry``), and the
+comparison is the same bytes between two pools of one engine.
 
 Timing, per request: from the first prefill rank's ``send`` until the last decode rank's
 request is complete (every source's part arrived). Requests alternate which of the two
@@ -42,28 +45,40 @@ class Ranks:
             p.close()
 
 
-def _rank(workload: Workload, driver: str, name: str, tp: int, rank: int, timeout: float) -> PeerProcess:
+def _rank(
+    workload: Workload, driver: str, name: str, tp: int, rank: int, timeout: float, engine: str = ""
+) -> PeerProcess:
     heads = len(held_heads(workload.kv_heads, tp, rank))
     item = workload.page_tokens * heads * workload.head_dim * workload.dtype_bytes
     return PeerProcess(
         *("--driver", driver or "auto", "--pages", str(workload.pool_pages), "--layers", str(workload.regions)),
         *("--item", str(item), "--aux-slots", "0", "--private", "--name", name),
-        *("--tp", f"{workload.kv_heads},{tp},{rank}"),
+        *("--tp", f"{workload.kv_heads},{tp},{rank}", "--engine", engine),
         timeout=timeout,
     )
 
 
-def deploy(workload: Workload, driver: str, prefill_tp: int, decode_tp: int, timeout: float) -> Ranks:
+def deploy(
+    workload: Workload,
+    driver: str,
+    prefill_tp: int,
+    decode_tp: int,
+    timeout: float,
+    engines: tuple[str, str] = ("", ""),
+) -> Ranks:
+    """P prefill and D decode rank processes, each decode rank connected to its sources;
+    ``engines``: the engines whose pools the two sides are shaped as (``("sglang", "vllm")``:
+    SGLang prefill ranks feeding vLLM decode ranks, the pages regrouped on the way)."""
     if workload.page_tokens != 16:
         raise KVTransportError("the unequal-TP bench uses 16-token pages")
     ranks = Ranks(prefill_tp, decode_tp)
     try:
         for p in range(prefill_tp):
-            ranks.prefill.append(_rank(workload, driver, f"prefill{p}", prefill_tp, p, timeout))
+            ranks.prefill.append(_rank(workload, driver, f"prefill{p}", prefill_tp, p, timeout, engines[0]))
             ranks.prefill[-1].call("fill_heads", timeout=timeout)
         accepted = [0] * prefill_tp
         for d in range(decode_tp):
-            ranks.decode.append(_rank(workload, driver, f"decode{d}", decode_tp, d, timeout))
+            ranks.decode.append(_rank(workload, driver, f"decode{d}", decode_tp, d, timeout, engines[1]))
             ranks.links[d] = []
             for p in sources(prefill_tp, decode_tp, d):
                 answer = ranks.decode[d].call("connect", address=ranks.prefill[p].address, timeout=timeout)
@@ -92,7 +107,7 @@ def transfer(ranks: Ranks, tag: str, src: list[int], dst: list[int], timeout: fl
             ranks.prefill[p].call("send", conn=k, transfers={f"{tag}.d{d}": [src]}, timeout=timeout)
     finished = 0.0
     for d in ranks.links:
-        answer = ranks.decode[d].call("wait", tags=[f"{tag}.d{d}"], timeout=timeout)
+        answer = ranks.decode[d].call("wait", tags=[f"{tag}.d{d}"], wait_s=timeout, timeout=timeout + 10)
         state = answer["states"][f"{tag}.d{d}"]
         if state[0] != "SUCCESS":
             raise KVTransportError(f"decode rank {d} ended {tag} in {state[0]}: {state[2]}")
@@ -115,6 +130,8 @@ class TPReport:
     unequal_s: list[float] = field(default_factory=list)
     equal_s: list[float] = field(default_factory=list)
     mismatches: list[str] = field(default_factory=list)
+    #: The engines the two sides' pools are shaped as ('' for kvtransport's own).
+    engines: tuple[str, str] = ("", "")
 
     def figures(self) -> dict[str, Any]:
         nbytes = self.workload.request_bytes
@@ -137,6 +154,7 @@ class TPReport:
             "negotiated": self.negotiated,
             "prefill_tp": self.prefill_tp,
             "decode_tp": self.decode_tp,
+            "engines": list(self.engines),
             "workload": self.workload.describe(),
             "requests": len(self.unequal_s),
             "figures": self.figures(),
@@ -145,16 +163,19 @@ class TPReport:
 
     def render(self) -> str:
         f = self.figures()
+        across = f", {self.engines[0]} prefill -> {self.engines[1]} decode" if any(self.engines) else ""
         lines = [
-            f"kvtransport bench, prefill TP {self.prefill_tp} -> decode TP {self.decode_tp}, driver {self.driver}",
+            f"kvtransport bench, prefill TP {self.prefill_tp} -> decode TP {self.decode_tp}{across}, "
+            f"driver {self.driver}",
             f"  workload    {self.workload.describe()}",
         ]
         if self.negotiated:
             lines.append(f"  chosen      {self.driver} by the negotiation: {self.negotiated}")
         if "unequal" in f:
             u = f["unequal"]
+            label = f"{self.engines[0]}->{self.engines[1]}" if any(self.engines) else "   "
             lines.append(
-                f"  TP {self.prefill_tp}->{self.decode_tp}    {u['gbps']:6.2f} GB/s   p50 {u['p50_ms']:8.1f} ms"
+                f"  TP {self.prefill_tp}->{self.decode_tp} {label} {u['gbps']:6.2f} GB/s   p50 {u['p50_ms']:8.1f} ms"
             )
         if "equal" in f:
             e = f["equal"]
@@ -162,7 +183,8 @@ class TPReport:
                 f"  TP 1->1       {e['gbps']:6.2f} GB/s   p50 {e['p50_ms']:8.1f} ms   (the same bytes, whole pages)"
             )
         if "ratio" in f:
-            lines.append(f"  ratio       {f['ratio']:.2f}x (unequal / equal TP, medians)")
+            what = "regrouped across engines" if any(self.engines) else "unequal"
+            lines.append(f"  ratio       {f['ratio']:.2f}x ({what} / equal TP, one engine's whole pages, medians)")
         verdict = "OK" if self.ok else "FAILED: " + "; ".join(self.mismatches[:3])
         lines.append(f"  integrity   {verdict}: every head of every page checked on every decode rank")
         return "\n".join(lines)
@@ -177,11 +199,12 @@ def run(
     compare_equal: bool = True,
     timeout: float = 120.0,
     progress: TextIO | None = None,
+    engines: tuple[str, str] = ("", ""),
 ) -> TPReport:
-    report = TPReport(workload, driver, prefill_tp, decode_tp)
+    report = TPReport(workload, driver, prefill_tp, decode_tp, engines=engines)
     deployments: dict[str, Ranks] = {}
     try:
-        deployments["unequal"] = deploy(workload, driver, prefill_tp, decode_tp, timeout)
+        deployments["unequal"] = deploy(workload, driver, prefill_tp, decode_tp, timeout, engines)
         if not driver:  # negotiated: the equal-TP comparison runs on the driver it chose
             chosen = sorted(set(deployments["unequal"].decisions))
             if len({name for name, _ in chosen}) != 1:

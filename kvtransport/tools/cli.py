@@ -324,6 +324,11 @@ def _add_bench(sub: Any) -> None:
     sweep.add_argument("--plot", metavar="FILE.png", help="draw bandwidth and latency per path (needs [plot])")
     p.add_argument("--prefill-tp", type=int, default=1, help="prefill ranks (processes), each holding its heads")
     p.add_argument("--decode-tp", type=int, default=1, help="decode ranks (processes), each holding its heads")
+    p.add_argument(
+        "--decode-engine",
+        choices=("vllm",),
+        help="prefill ranks shaped as SGLang's pools, decode ranks as this engine's: pages regrouped on the way",
+    )
     p.set_defaults(func=bench_cmd)
 
 
@@ -484,7 +489,7 @@ def bench_cmd(args: argparse.Namespace) -> int:
     # Mooncake logs every set-up step at INFO; keep the report readable (MC_LOG_LEVEL=INFO
     # in the environment brings it back).
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
-    if (args.prefill_tp, args.decode_tp) != (1, 1):
+    if (args.prefill_tp, args.decode_tp) != (1, 1) or args.decode_engine:
         if args.in_flight is not None:
             raise KVTransportError(
                 "--in-flight runs between one prefill and one decode rank, not with --prefill-tp/--decode-tp"
@@ -554,7 +559,13 @@ def _bench_tp(args: argparse.Namespace, workload: Any) -> int:
         raise KVTransportError("the unequal-TP bench runs on host memory")
     with native_stdout_to_stderr():
         report = bench_tp.run(
-            workload, args.driver, args.prefill_tp, args.decode_tp, timeout=args.timeout, progress=sys.stderr
+            workload,
+            args.driver,
+            args.prefill_tp,
+            args.decode_tp,
+            timeout=args.timeout,
+            progress=sys.stderr,
+            engines=("sglang", args.decode_engine) if args.decode_engine else ("", ""),
         )
     print(bench_tp.main_json(report) if args.json else report.render())
     return 0 if report.ok else 1

@@ -62,18 +62,30 @@ class KVPool:
     mla: bool = False
     #: Tokens per page (the layout's ``page_size``; both sides must agree).
     page_tokens: int = PAGE_TOKENS
+    #: The serving engine whose pool this one is shaped as (``bench --decode-engine``): ''
+    #: (kvtransport's own: a buffer per region, none named), ``sglang`` (the same buffers, its
+    #: layout naming SGLang and a prefill role), or ``vllm`` (vLLM 0.33's LBNHC: one buffer per
+    #: layer, a head's K and V side by side in each token; ``num_layers`` still counts SGLang's
+    #: K and V buffers, ``item_len`` SGLang's page).
+    engine: str = ""
     _cuda: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         allocate = shm.allocate if self.shared else shm.allocate_private
-        size = self.num_pages * self.item_len
+        if self.engine not in ("", "sglang", "vllm") or (self.engine == "vllm" and (self.mla or self.num_layers % 2)):
+            raise ValueError(f"a pool shaped as {self.engine!r} with {self.num_layers} buffers (MLA: {self.mla})")
+        vllm = self.engine == "vllm"
+        #: This pool's buffers and their page size (vLLM: a K and a V page in one).
+        self.region_count = self.num_layers // 2 if vllm else self.num_layers
+        self.region_item = 2 * self.item_len if vllm else self.item_len
+        size = self.num_pages * self.region_item
         if self.device is None:
-            self.buffers: list[Any] = [allocate(size) for _ in range(self.num_layers)]
+            self.buffers: list[Any] = [allocate(size) for _ in range(self.region_count)]
         else:
             from kvtransport.staging.cuda_copy import CudaDriver
 
             self._cuda = CudaDriver(self.device)
-            self.buffers = [DeviceBuffer(self._cuda, size) for _ in range(self.num_layers)]
+            self.buffers = [DeviceBuffer(self._cuda, size) for _ in range(self.region_count)]
         self.aux = [allocate(self.aux_slots * self.aux_item_len)] if self.aux_slots else []
         self.state_buffers: list[list[Any]] = [
             [self._buffer(allocate, items * item_len) for _ in range(buffers)]
@@ -84,7 +96,7 @@ class KVPool:
         self.regions = RegionSet.from_kv_args(
             [b.ptr for b in self.buffers],
             [b.size for b in self.buffers],
-            [self.item_len] * self.num_layers,
+            [self.region_item] * self.region_count,
             kind=kind,
             aux_data_ptrs=[b.ptr for b in self.aux],
             aux_data_lens=[b.size for b in self.aux],
@@ -95,6 +107,28 @@ class KVPool:
             state_groups=[buffers for _, _, buffers in self.state],
         )
         total, tp_size, tp_rank = self.tp if self.tp is not None else (0, 1, 0)
+        heads = len(self._heads())
+        if self.engine:
+            extra: dict[str, Any] = {"engine": "sglang", "role": "prefill"}
+            if vllm:
+                extra = {"engine": "vllm", "block_size": self.page_tokens, "token_layout": "NHD", "packing": "layer"}
+            head_bytes = self.item_len // (self.page_tokens * heads)
+            self.layout = KVLayout(
+                page_size=self.page_tokens,
+                dtype="bfloat16",
+                num_layers=self.num_layers // 2,
+                kv_split="kv",
+                num_kv_heads=heads,
+                head_dim=head_bytes if vllm else 0,  # C: K and V, head_bytes / 2 bf16 elements each
+                tp_size=tp_size,
+                tp_rank=tp_rank,
+                total_kv_heads=total or heads,
+                kv_item_lens=(self.region_item,) * self.region_count,
+                aux_item_lens=(self.aux_item_len,) * len(self.aux),
+                memory=kind,
+                extra=extra,
+            )
+            return
         self.layout = KVLayout(
             page_size=self.page_tokens,
             dtype="bfloat16",
@@ -133,9 +167,9 @@ class KVPool:
         for b in self.buffers:
             if isinstance(b, DeviceBuffer):
                 for p in idx.tolist():
-                    self._cuda.memset(b.ptr + p * self.item_len, 0xA5, self.item_len)
+                    self._cuda.memset(b.ptr + p * self.region_item, 0xA5, self.region_item)
             else:
-                b.array.reshape(self.num_pages, self.item_len)[idx] = 0xA5
+                b.array.reshape(self.num_pages, self.region_item)[idx] = 0xA5
 
     def poison_state(self, group: int, items: list[int]) -> None:
         """Overwrite ``items`` of every buffer of state group ``group`` (host memory)."""
@@ -152,11 +186,11 @@ class KVPool:
         for p in pages:
             crc = 0
             for b in buffers:
-                start = p * self.item_len
+                start = p * self.region_item
                 if isinstance(b, DeviceBuffer):
-                    crc = zlib.crc32(b.read(start, self.item_len), crc)
+                    crc = zlib.crc32(b.read(start, self.region_item), crc)
                 else:
-                    crc = zlib.crc32(b.array[start : start + self.item_len].tobytes(), crc)
+                    crc = zlib.crc32(b.array[start : start + self.region_item].tobytes(), crc)
             out.append(crc)
         return out
 
@@ -196,6 +230,8 @@ class KVPool:
         first difference."""
         heads = self._heads()
         dst = np.asarray(dst_pages, dtype=np.int64)
+        if self.engine == "vllm":
+            return self._check_vllm_heads(np.asarray(src_pages), dst, heads)
         for i, b in enumerate(self.buffers):
             got = b.array.reshape(self.num_pages, -1)[dst].reshape(len(dst_pages), self.page_tokens, len(heads), -1)
             want = self._head_rows(i, np.asarray(src_pages), heads)
@@ -206,6 +242,23 @@ class KVPool:
                     f"region {i}: page {dst_pages[k]} (from {src_pages[k]}) token {t} local head {h} (global "
                     f"{heads[h]}) differs; {len(bad)} bytes in all"
                 )
+        return ""
+
+    def _check_vllm_heads(self, src: np.ndarray[Any, Any], dst: np.ndarray[Any, Any], heads: range) -> str:
+        """``check_heads`` of a vLLM-shaped pool fed by SGLang-shaped ranks: in each token of
+        layer ``l``'s block, head ``h``'s content is the K row SGLang's region ``l`` holds for it,
+        then the V row of region ``layers + l`` (vLLM's ``content[:dim]``, ``content[dim:]``)."""
+        layers = self.region_count
+        for layer, b in enumerate(self.buffers):
+            got = b.array.reshape(self.num_pages, -1)[dst].reshape(len(dst), self.page_tokens, len(heads), 2, -1)
+            for part, region in enumerate((layer, layers + layer)):
+                bad = np.argwhere(got[:, :, :, part, :] != self._head_rows(region, src, heads))
+                if bad.size:
+                    k, t, h, _ = (int(x) for x in bad[0])
+                    return (
+                        f"layer {layer} {'KV'[part]}: block {int(dst[k])} (from page {int(src[k])}) token {t} "
+                        f"local head {h} (global {heads[h]}) differs; {len(bad)} bytes in all"
+                    )
         return ""
 
     def state_digests(self, group: int, items: list[int]) -> list[int]:

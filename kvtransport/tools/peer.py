@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mla", action="store_true", help="the buffers hold MLA's latent")
     p.add_argument("--listen", default="tcp://127.0.0.1:0", help="the endpoint's listen address")
     p.add_argument("--page-tokens", type=int, default=PAGE_TOKENS, help="tokens per page of the layout")
+    p.add_argument("--engine", default="", choices=("", "sglang", "vllm"), help="shape the pool as this engine's")
     p.add_argument("--cpus", default="", help="run on these CPUs only, comma-separated (bench --pin)")
     args = p.parse_args(argv)
     if args.cpus:
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         tp=tuple(int(x) for x in args.tp.split(",")) if args.tp else None,  # type: ignore[arg-type]
         mla=args.mla,
         page_tokens=args.page_tokens,
+        engine=args.engine,
     )
     if args.seed:
         pool.fill(args.seed)
@@ -190,7 +192,8 @@ def _run(cmd: dict[str, Any], session: _Session) -> dict[str, Any]:
                 t.send(chunk, last=last, **extra)
         return {"ok": True}
     if op == "wait":
-        deadline = time.monotonic() + cmd.get("timeout", 10)
+        # ``wait_s``: a driving process's own step timeout (its ``call`` keeps ``timeout``).
+        deadline = time.monotonic() + cmd.get("wait_s", cmd.get("timeout", 10))
         for tag in cmd["tags"]:
             try:
                 transfers[tag].wait(max(0.0, deadline - time.monotonic()))

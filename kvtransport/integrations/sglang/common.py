@@ -82,10 +82,10 @@ def kv_memory(args: KVArgs, server_args: Any) -> MemoryKind:
 
 
 def kv_dtype_name(args: KVArgs, server_args: Any) -> str:
-    """The KV's dtype as the layout states it: SGLang's resolved ``kv_cache_dtype_str``, or,
-    where that is ``auto`` (the model's own dtype), the dtype SGLang's ``ModelConfig`` resolves
-    for the model (``float32`` weights run as ``float16``...): another engine's decode compares
-    it with its own, and ``auto`` would say nothing."""
+    """The KV's dtype for another engine's decode to compare (the layout's ``extra["kv_dtype"]``;
+    ``dtype`` keeps SGLang's own string, which SGLang peers compare as before): SGLang's resolved
+    ``kv_cache_dtype_str``, or, where that is ``auto`` (the model's own dtype), the dtype SGLang's
+    ``ModelConfig`` resolves for the model (``float32`` weights run as ``float16``...)."""
     name = str(getattr(args, "kv_cache_dtype_str", "") or "")
     if name and name != "auto":
         return name

@@ -144,7 +144,7 @@ class KVTransportKVManager(BaseKVManager):
         regions = regions_of(args, memory)
         layout = KVLayout(
             page_size=int(args.page_size),
-            dtype=kv_dtype_name(args, server_args),
+            dtype=str(getattr(args, "kv_cache_dtype_str", "") or "unknown"),
             num_layers=len(args.kv_data_ptrs) // (1 if is_mla_backend else 2) or 1,
             kv_item_lens=tuple(int(n) for n in args.kv_item_lens),
             memory=memory,
@@ -159,7 +159,8 @@ class KVTransportKVManager(BaseKVManager):
             state_types=state_types,
             state_item_lens=regions.state_item_lens,
             # The role too: a vLLM decode may pair with an SGLang prefill (spi.cross_engine).
-            extra={"engine": "sglang", "role": self.mode},
+            # and the KV dtype by name where SGLang says ``auto`` (spi.cross_engine compares it).
+            extra={"engine": "sglang", "role": self.mode, "kv_dtype": kv_dtype_name(args, server_args)},
         )
         self.timeouts = sglang_timeouts()
         #: Prefill with ``KVTRANSPORT_LAYERWISE=1``: how chunks go layer by layer

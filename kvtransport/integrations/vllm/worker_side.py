@@ -417,6 +417,7 @@ class WorkerSide:
             t = load.transfer
             if t is None:
                 if load.error is not None or load.cancelled:
+                    self._tell_prefill(load, load.cancelled or str(load.error))
                     self._finish(load, ok=False)  # nothing was announced: nothing can land
                 return
             if load.error is None and load.cancelled == "" and t.state is State.SUCCESS:
@@ -453,6 +454,27 @@ class WorkerSide:
                 self._finish(load, ok=False)
         except KVTransportError as exc:
             load.error = exc
+
+    def _tell_prefill(self, load: _Load, reason: str) -> None:
+        """``load`` ended before its blocks were announced: the prefill ranks it would have
+        announced to hear so (now, or once the connection is up), and give back the blocks they
+        hold for the request at once, not when its lease runs out."""
+        remote, connecting = load.remote, load.connecting
+        if remote is None or connecting is None:
+            return
+        tag = request_tag(remote.request_id, remote.tp_size, self.tp_size, self.tp_rank)
+        message = f"decode request {load.request} ended before it announced its blocks: {reason}"
+
+        def tell(done: concurrent.futures.Future[tuple[Connection, ...]]) -> None:
+            if done.cancelled() or done.exception() is not None:
+                return  # no connection: nothing to tell (the prefill's lease returns its blocks)
+            for conn in done.result():
+                try:
+                    conn.abort(tag, message)
+                except KVTransportError as exc:  # the connection closed meanwhile
+                    log.debug("request %s: telling prefill of the end failed: %s", load.request, exc)
+
+        connecting.add_done_callback(tell)
 
     def _finish(self, load: _Load, *, ok: bool) -> None:
         self._loads.pop(load.request, None)
