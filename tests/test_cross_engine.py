@@ -323,3 +323,70 @@ def test_sglang_dtype_names_are_compared_as_torch_names(sglang: str, vllm: str, 
     # SGLang's resolved name for ``auto`` (extra["kv_dtype"]) is what counts when it states one.
     resolved = dataclasses.replace(prefill, extra={**prefill.extra, "kv_dtype": vllm})
     assert (resolved.incompatibilities(decode) == []) is (vllm in ("bfloat16", "float8_e4m3fn", "float16"))
+
+
+MUTABLE = ("page_size", "num_layers", "kv_item_lens", "num_kv_heads", "total_kv_heads", "tp_size", "tp_rank")
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    layout=st.sampled_from(sorted(VLLM_LAYOUTS)),
+    layers=st.integers(1, 3),
+    total_heads=st.sampled_from([1, 2, 4]),
+    dim=st.sampled_from([2, 4]),
+    block=st.sampled_from([1, 2, 4]),
+    tps=tp_pairs,
+    data=st.data(),
+)
+def test_any_peer_layout_is_refused_with_reasons_or_maps_within_its_pages(
+    layout: str, layers: int, total_heads: int, dim: int, block: int, tps: tuple[int, int], data: st.DataObject
+) -> None:
+    """A pair of pools that map, and then, half the time, one field of either side's layout
+    changed to what a hostile or misconfigured peer could send (a huge, negative or zero number,
+    an odd extra): the check answers with reasons (never an exception, quickly), the same from
+    both ends, and a pair it accepts regroups every run inside both sides' pages."""
+    import dataclasses
+    import time
+
+    prefill_tp, decode_tp = tps
+    if (total_heads % prefill_tp and prefill_tp % total_heads) or (total_heads % decode_tp and decode_tp % total_heads):
+        return
+    p_rank, d_rank = data.draw(st.integers(0, prefill_tp - 1)), data.draw(st.integers(0, decode_tp - 1))
+    p_heads, d_heads = len(held_heads(total_heads, prefill_tp, p_rank)), len(held_heads(total_heads, decode_tp, d_rank))
+    sides = [
+        SglangPool(layers, 2, block, p_heads, dim, prefill_tp, p_rank, total_heads).layout,
+        VllmPool(layout, layers, 2, block, block, d_heads, dim, decode_tp, d_rank, total_heads).layout,
+    ]
+    if data.draw(st.booleans()):
+        side = data.draw(st.integers(0, 1))
+        field = data.draw(st.sampled_from([*MUTABLE, "block_size", "dtype", "kv_split"]))
+        value = data.draw(st.sampled_from([0, -1, 3, 1 << 20, 1 << 40]))
+        old = sides[side]
+        if field == "kv_item_lens":
+            sides[side] = dataclasses.replace(old, kv_item_lens=(abs(value) + 1,) * len(old.kv_item_lens))
+        elif field == "block_size":
+            sides[side] = dataclasses.replace(old, extra={**old.extra, "block_size": value})
+        elif field == "dtype":
+            sides[side] = dataclasses.replace(old, dtype=data.draw(st.sampled_from(["float32", "mxfp8", "auto"])))
+        elif field == "kv_split":
+            sides[side] = dataclasses.replace(old, kv_split=data.draw(st.sampled_from(["mla", "??"])))
+        else:
+            sides[side] = dataclasses.replace(old, **{field: value})
+    a, b = sides
+    started = time.monotonic()
+    problems = a.incompatibilities(b)
+    assert time.monotonic() - started < 1.0
+    assert bool(problems) == bool(b.incompatibilities(a))  # the same answer from both ends
+    if problems:
+        return
+    for src, dst in ((a, b), (b, a)):
+        shape = pair_shape(src, dst)
+        if shape.regroup is None:
+            assert shape.kind == "none"
+            continue
+        table = shape.regroup
+        assert bool((table.src_offset >= 0).all() and (table.dst_offset >= 0).all())
+        assert bool((table.src_offset + table.length <= src.kv_item_lens[0]).all())
+        assert bool((table.dst_offset + table.length <= dst.kv_item_lens[0]).all())
+        assert int(table.src_region.max()) < len(src.kv_item_lens)
+        assert int(table.dst_region.max()) < len(dst.kv_item_lens)

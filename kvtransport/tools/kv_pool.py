@@ -232,16 +232,12 @@ class KVPool:
         dst = np.asarray(dst_pages, dtype=np.int64)
         if self.engine == "vllm":
             return self._check_vllm_heads(np.asarray(src_pages), dst, heads)
+        src = np.asarray(src_pages, dtype=np.int64)
         for i, b in enumerate(self.buffers):
             got = b.array.reshape(self.num_pages, -1)[dst].reshape(len(dst_pages), self.page_tokens, len(heads), -1)
-            want = self._head_rows(i, np.asarray(src_pages), heads)
-            bad = np.argwhere(got != want)
-            if bad.size:
-                k, t, h, _ = (int(x) for x in bad[0])
-                return (
-                    f"region {i}: page {dst_pages[k]} (from {src_pages[k]}) token {t} local head {h} (global "
-                    f"{heads[h]}) differs; {len(bad)} bytes in all"
-                )
+            wrong = _first_difference(got, self._head_rows(i, src, heads), src, dst, heads, f"region {i}: page")
+            if wrong:
+                return wrong
         return ""
 
     def _check_vllm_heads(self, src: np.ndarray[Any, Any], dst: np.ndarray[Any, Any], heads: range) -> str:
@@ -252,13 +248,12 @@ class KVPool:
         for layer, b in enumerate(self.buffers):
             got = b.array.reshape(self.num_pages, -1)[dst].reshape(len(dst), self.page_tokens, len(heads), 2, -1)
             for part, region in enumerate((layer, layers + layer)):
-                bad = np.argwhere(got[:, :, :, part, :] != self._head_rows(region, src, heads))
-                if bad.size:
-                    k, t, h, _ = (int(x) for x in bad[0])
-                    return (
-                        f"layer {layer} {'KV'[part]}: block {int(dst[k])} (from page {int(src[k])}) token {t} "
-                        f"local head {h} (global {heads[h]}) differs; {len(bad)} bytes in all"
-                    )
+                want = self._head_rows(region, src, heads)
+                wrong = _first_difference(
+                    got[:, :, :, part, :], want, src, dst, heads, f"layer {layer} {'KV'[part]}: block"
+                )
+                if wrong:
+                    return wrong
         return ""
 
     def state_digests(self, group: int, items: list[int]) -> list[int]:
@@ -292,3 +287,22 @@ def _random_bytes(rng: np.random.Generator, size: int) -> np.ndarray[Any, np.dty
     if size % 8:
         data[words * 8 :] = rng.integers(0, 256, size % 8, dtype=np.uint8)
     return data
+
+
+def _first_difference(
+    got: np.ndarray[Any, Any],
+    want: np.ndarray[Any, Any],
+    src: np.ndarray[Any, Any],
+    dst: np.ndarray[Any, Any],
+    heads: range,
+    where: str,
+) -> str:
+    """'' when ``got`` ([pages, tokens, heads, bytes]) is ``want``; else where it first differs."""
+    bad = np.argwhere(got != want)
+    if not bad.size:
+        return ""
+    k, t, h, _ = (int(x) for x in bad[0])
+    return (
+        f"{where} {int(dst[k])} (from {int(src[k])}) token {t} local head {h} (global {heads[h]}) differs; "
+        f"{len(bad)} bytes in all"
+    )
