@@ -1064,8 +1064,8 @@ def new_req(spec: dict[str, Any], mode: DisaggregationMode, bootstrap_port: int)
         "",
         prompt_of(spec),
         params,
-        return_logprob=True,
-        top_logprobs_num=TOP_LOGPROBS,
+        return_logprob=bool(spec.get("return_logprob", True)),
+        top_logprobs_num=TOP_LOGPROBS if spec.get("return_logprob", True) else 0,
         bootstrap_host="127.0.0.1",
         bootstrap_port=bootstrap_port,
         bootstrap_room=spec["room"],
@@ -1393,7 +1393,7 @@ def run_decode(inst: Instance, specs: list[dict[str, Any]], timeout: float) -> d
         # Transferred requests wait for a prebuilt batch: checked here first, then run through it.
         for req in s.waiting_queue:
             transferred = time.time()  # SGLang's pop_transferred saw the transfer succeed
-            results[req.rid] = {**verify_decode(inst, req), "transferred": transferred}
+            results[req.rid] = {**verify_decode(inst, req, specs_by_rid[req.rid]), "transferred": transferred}
             announced(req)
         run_prebuilt(inst)
         # When a failed request's pages went back (at once, or after SGLang's deferred release).
@@ -1479,10 +1479,11 @@ def run_prebuilt(inst: Instance) -> None:
                 release_kv_cache(req, inst.tree_cache, checkpoint=True)
 
 
-def verify_decode(inst: Instance, req: Req) -> dict[str, Any]:
+def verify_decode(inst: Instance, req: Req, spec: dict[str, Any]) -> dict[str, Any]:
     """Every KV byte of the request's whole prompt (with a decode-side prefix: the prefix pages
     its radix tree gave, and the pages that came over the wire), every byte of its state (the
-    SWA window, the mamba slot), and what _commit_transfer_to_req read from its aux row."""
+    SWA window, the mamba slot), and what _commit_transfer_to_req read from its aux row (what
+    the harness's prefill writes there, or the spec's ``expect_aux``: another engine's prefill)."""
     room = req.bootstrap_room
     n = len(req.origin_input_ids)
     # What decode's DecodePreallocQueue promised prefill as decode_prefix_len (its tree's match).
@@ -1514,6 +1515,8 @@ def verify_decode(inst: Instance, req: Req) -> dict[str, Any]:
         "top_val": [float(torch.tensor(v, dtype=torch.float32)) for v in vals],
         "top_idx": idxs,
     }
+    if spec.get("expect_aux") is not None:
+        want = dict(spec["expect_aux"])
     bad = {k: (aux[k], want[k]) for k in want if aux[k] != want[k]}
     if bad and not error:
         error = f"aux row differs: {bad}"

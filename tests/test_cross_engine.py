@@ -1,5 +1,7 @@
-"""An SGLang prefill's pages regrouped into a vLLM decode's blocks (spi.page_geometry, the
-"regroup" pair shape), and the handshake's answer for every pairing of the two engines.
+"""An SGLang prefill's pages regrouped into a vLLM decode's blocks and a vLLM prefill's blocks
+into an SGLang decode's pages (spi.page_geometry, the "regroup" pair shape), the first token's
+handoff into SGLang's aux slot (spi.handoff), and the handshake's answer for every pairing of
+the two engines.
 
 The two pools are built the way each engine builds them, independently of the geometry code
 under test: SGLang's as ``MHATokenToKVPool`` does (a ``[tokens, heads, dim]`` K and V buffer per
@@ -13,6 +15,7 @@ view (``content[:dim]`` is K, ``content[dim:]`` V, as vLLM's attention backends 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 
 import numpy as np
 import pytest
@@ -24,6 +27,7 @@ from kvtransport.integrations.vllm.layout import describe_kv_caches
 from kvtransport.negotiation.negotiate import check_layouts
 from kvtransport.runtime.planning import PairPlan
 from kvtransport.spi.errors import InvalidPages, LayoutMismatch
+from kvtransport.spi.handoff import HANDOFF_SLOT_BYTES
 from kvtransport.spi.memory import HOST, KVLayout, Region, RegionSet
 from kvtransport.spi.tp_map import held_heads, pair_shape, sources
 
@@ -203,11 +207,160 @@ def _hello_check(a: KVLayout, b: KVLayout) -> None:
     check_layouts(hello(a, "decode"), hello(b, "prefill"))  # type: ignore[arg-type]
 
 
-def test_a_vllm_prefill_cannot_feed_an_sglang_decode() -> None:
-    decode = SglangPool(2, 4, 4, 2, 8, 1, 0, 2).layout
-    decode = KVLayout.from_dict({**decode.to_dict(), "extra": {"engine": "sglang", "role": "decode"}})
-    prefill = VllmPool("LBNHC", 2, 4, 4, 4, 2, 8, 1, 0).layout
-    with pytest.raises(LayoutMismatch, match="a vLLM prefill cannot feed an SGLang decode"):
+#: SGLang 0.5.23's aux rows without logprob options (MetadataBuffers: output_ids, cached_tokens,
+#: four logprob rows, top-k p and index, hidden states, bootstrap_room), 64 bytes but the hidden
+#: states' row; what its decode states of them (common.aux_rows, checked against SGLang's own
+#: MetadataBuffers in test_sglang_aux_rows.py).
+SGLANG_AUX = (64, 64, 64, 64, 16, 16, 64, 128, 64, 64)
+SGLANG_ROWS = {"output_ids": 0, "cached_tokens": 1, "bootstrap_room": 9}
+
+
+def as_sglang_decode(layout: KVLayout, **extra: object) -> KVLayout:
+    """An SGLang pool's layout as its decode states it (role, aux rows, no speculative decoding)."""
+    stated = {"engine": "sglang", "role": "decode", "aux_rows": SGLANG_ROWS, "speculative": False} | extra
+    return dataclasses.replace(layout, aux_item_lens=SGLANG_AUX, extra={k: v for k, v in stated.items() if v != "-"})
+
+
+def as_vllm_prefill(pool: VllmPool) -> tuple[RegionSet, KVLayout, np.ndarray]:
+    """A vLLM pool with the handoff arena the connector registers beside it (connector.py)."""
+    arena = np.zeros((4, HANDOFF_SLOT_BYTES), dtype=np.uint8)
+    region = Region(int(arena.ctypes.data), arena.nbytes, HOST, HANDOFF_SLOT_BYTES, "aux[handoff]")
+    regions = dataclasses.replace(pool.regions, aux=(region,))
+    return regions, dataclasses.replace(pool.layout, aux_item_lens=(HANDOFF_SLOT_BYTES,)), arena
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    layout=st.sampled_from(sorted(VLLM_LAYOUTS)),
+    layers=st.integers(1, 3),
+    total_heads=st.sampled_from([1, 2, 4]),
+    dim=st.sampled_from([2, 4, 8]),
+    block=st.sampled_from([1, 2, 4, 8]),
+    kernel_split=st.sampled_from([1, 2]),
+    tps=tp_pairs,
+    data=st.data(),
+)
+def test_vllm_blocks_land_in_sglang_pages(layout, layers, total_heads, dim, block, kernel_split, tps, data) -> None:
+    """The reverse direction: a vLLM prefill rank's blocks (every layout vLLM resolves, kernel
+    blocks smaller than a block) regrouped into an SGLang decode rank's K and V pages, each head
+    of each token read back where SGLang's attention reads it (``k_buffer[layer][slot, head]``)."""
+    prefill_tp, decode_tp = tps
+    if (total_heads % prefill_tp and prefill_tp % total_heads) or (total_heads % decode_tp and decode_tp % total_heads):
+        return
+    kernel = block // kernel_split if block % kernel_split == 0 and layout.startswith("L") else block
+    decode_rank = data.draw(st.integers(0, decode_tp - 1))
+    dst_heads = len(held_heads(total_heads, decode_tp, decode_rank))
+    decode = SglangPool(layers, 6, block, dst_heads, dim, decode_tp, decode_rank, total_heads)
+    for buf in (*decode.k, *decode.v):
+        buf.fill_(-1.0)
+    decode_layout = as_sglang_decode(decode.layout)
+    n = data.draw(st.integers(1, 5))
+    src_pages = data.draw(st.lists(st.integers(0, 5), min_size=n, max_size=n, unique=True))
+    dst_pages = data.draw(st.lists(st.integers(0, 5), min_size=n, max_size=n, unique=True))
+    written = torch.zeros(dst_heads, dtype=torch.bool)
+    for prefill_rank in sources(prefill_tp, decode_tp, decode_rank):
+        src_heads = len(held_heads(total_heads, prefill_tp, prefill_rank))
+        prefill = VllmPool(layout, layers, 6, block, kernel, src_heads, dim, prefill_tp, prefill_rank, total_heads)
+        for _, view in prefill.views:
+            view.copy_(torch.randn(view.shape, dtype=torch.float16))
+        regions, prefill_layout, _ = as_vllm_prefill(prefill)
+        check_layouts_ok(prefill_layout, decode_layout)
+        plan = PairPlan(regions, prefill_layout, decode.regions, decode_layout, max_run_bytes=None)
+        assert plan.sending.kind in ("regroup", "none")
+        execute(plan, src_pages, dst_pages)
+        for h_global in held_heads(total_heads, prefill_tp, prefill_rank):
+            hd = h_global - decode.first_head
+            if not 0 <= hd < dst_heads or written[hd]:
+                continue
+            written[hd] = True
+            hs = h_global - prefill.first_head
+            for sp, dp in zip(src_pages, dst_pages, strict=True):
+                for t in range(block):
+                    for layer in range(layers):
+                        for part, buf in enumerate((decode.k, decode.v)):
+                            want = prefill.token(layer, sp, t, part)[hs]
+                            assert torch.equal(buf[layer][dp * block + t, hd], want), (layer, part, sp, dp, t)
+    assert bool(written.all())
+    for b in (b for b in range(6) if b not in dst_pages):
+        assert bool((decode.k[0][b * block : (b + 1) * block] == -1).all())
+
+
+def test_the_first_token_handoff_goes_into_the_named_rows_of_the_aux_slot() -> None:
+    """With the last chunk, a vLLM prefill writes three rows of the SGLang decode's aux slot from
+    its handoff slot: the token, the cached prefix and the room, each where the decode said it
+    keeps them, and nothing else of the slot; the decode expects exactly those bytes."""
+    from types import SimpleNamespace
+
+    from kvtransport.spi.handoff import handoff_between, slot_content
+    from kvtransport.spi.inbound import Claim
+
+    decode = SglangPool(2, 4, 4, 2, 8, 1, 0, 2)
+    rows = [np.full((8, n), 0xAB, dtype=np.uint8) for n in SGLANG_AUX]  # 8 aux slots a row
+    decode_regions = RegionSet(
+        kv=decode.regions.kv,
+        aux=tuple(Region(int(r.ctypes.data), r.nbytes, HOST, r.shape[1], f"aux{i}") for i, r in enumerate(rows)),
+    )
+    decode_layout = as_sglang_decode(decode.layout)
+    regions, prefill_layout, arena = as_vllm_prefill(VllmPool("LBNHC", 2, 4, 4, 4, 2, 8, 1, 0))
+    handoff = handoff_between(prefill_layout, decode_layout)
+    assert handoff is not None and handoff.rows == (0, 1, 9)
+    content = slot_content(handoff, token=4242, cached_tokens=48, room=2**62 + 5)
+    arena[3, : len(content)] = np.frombuffer(content, dtype=np.uint8)
+    plan = PairPlan(regions, prefill_layout, decode_regions, decode_layout, max_run_bytes=None)
+    transfer = SimpleNamespace(
+        tag="7", dst_pages=np.asarray([2]), dst_page_list=None, sent_pages=0, dst_aux=5, dst_state=()
+    )
+    runs, _ = plan.chunk_runs(transfer, np.asarray([0]), True, 3, None)  # type: ignore[arg-type]
+    for s_, d_, n in zip(runs.src.tolist(), runs.dst.tolist(), runs.length.tolist(), strict=True):
+        ctypes.memmove(d_, s_, n)
+    assert rows[0][5].view("<i4")[0] == 4242 and not rows[0][5].view("<i4")[1:].any()
+    assert list(rows[1][5].view("<i4")[:3]) == [48, 48, 0]
+    assert rows[9][5].view("<u8")[0] == 2**62 + 5
+    for i, row in enumerate(rows):  # other rows, and other slots of these rows, untouched
+        for slot in range(8):
+            if not (slot == 5 and i in (0, 1, 9)):
+                assert bool((row[slot] == 0xAB).all()), (i, slot)
+    # The decode side counts the same bytes for the announcement (its KV pages plus the rows).
+    reader = PairPlan(decode_regions, decode_layout, regions, prefill_layout, max_run_bytes=None)
+    claim = Claim(np.asarray([2], dtype=np.int64), aux=5)
+    assert reader.expected_bytes(claim) == runs.total_bytes
+    # Between two SGLang ranks the slot still moves whole, region by region.
+    sglang_prefill = dataclasses.replace(decode_layout, extra={"engine": "sglang", "role": "prefill"})
+    whole = PairPlan(decode_regions, decode_layout, decode_regions, sglang_prefill, max_run_bytes=None)
+    assert whole.expected_bytes(claim) == decode.regions.kv[0].item_len * 4 + sum(SGLANG_AUX)
+
+
+@pytest.mark.parametrize(
+    ("decode_extra", "vllm_change", "reason"),
+    [
+        ({}, {}, ""),
+        ({"speculative": True}, {}, "speculative decoding"),
+        ({"aux_rows": "-"}, {}, "does not state which aux regions"),
+        ({"aux_rows": {"output_ids": 0, "cached_tokens": 1, "bootstrap_room": 10}}, {}, "outside its 10 aux regions"),
+        ({"aux_rows": {"output_ids": 0, "cached_tokens": 0, "bootstrap_room": 9}}, {}, "one region twice"),
+        ({"aux_rows": {"output_ids": 0, "cached_tokens": 4, "bootstrap_room": 9}}, {}, "cached_tokens row has 16"),
+        ({}, {"aux_item_lens": ()}, "no handoff slots"),
+        ({}, {"extra": {"engine": "vllm", "role": "decode"}}, "neither prefills"),
+        ({"role": "both"}, {}, "only SGLang prefill and decode ranks pair"),
+    ],
+)
+def test_a_vllm_prefill_feeds_an_sglang_decode_only_with_what_it_needs(
+    decode_extra: dict[str, object], vllm_change: dict[str, object], reason: str
+) -> None:
+    """The handshake's answer for a vLLM instance and an SGLang decode, the same from both ends:
+    accepted when the decode says where its first-token rows are and needs nothing more; else
+    refused, naming what is missing."""
+    decode = as_sglang_decode(SglangPool(2, 4, 4, 2, 8, 1, 0, 2).layout, **decode_extra)
+    _, prefill, _ = as_vllm_prefill(VllmPool("LBNHC", 2, 4, 4, 4, 2, 8, 1, 0))
+    if vllm_change:
+        prefill = dataclasses.replace(prefill, **vllm_change)
+    if not reason:
+        check_layouts_ok(prefill, decode)
+        _hello_check(decode, prefill)
+        return
+    assert reason in " ".join(prefill.incompatibilities(decode))
+    assert reason in " ".join(decode.incompatibilities(prefill))
+    with pytest.raises(LayoutMismatch, match=reason):
         _hello_check(decode, prefill)
 
 

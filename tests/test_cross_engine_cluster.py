@@ -1,12 +1,18 @@
-"""An SGLang prefill feeding a vLLM decode, each engine's own scheduler in its own process: the
-SGLang prefill rank of tests/sglang_scheduler.py (SGLang 0.5.23's scheduler, pools and
-kvtransport's SGLang backend, in the SGLang environment), the vLLM decode instance of
+"""Each engine's prefill feeding the other's decode, each engine's own scheduler in its own
+process: the SGLang ranks of tests/sglang_scheduler.py (SGLang 0.5.23's scheduler, pools and
+kvtransport's SGLang backend, in the SGLang environment), the vLLM instances of
 tests/vllm_engine.py (vLLM 0.33's scheduler and the connector, in the vLLM environment), and
-the proxy between them: the test sends one prompt to both, under one bootstrap room, with the
-``kv_transfer_params`` ``params_for_sglang_prefill`` makes from SGLang's bootstrap registry.
-vLLM's decode then checks every token of every layer, head, K and V of what landed in its
-blocks against the KV the SGLang prefill's stand-in model wrote (tests/model_content.py), read
-where vLLM's attention reads it."""
+the proxy between them: the test sends one prompt to both, under one bootstrap room.
+
+- SGLang prefill -> vLLM decode: vLLM's decode gets the ``kv_transfer_params``
+  ``params_for_sglang_prefill`` makes from SGLang's bootstrap registry, then checks every token
+  of every layer, head, K and V of what landed in its blocks against the KV the SGLang
+  prefill's stand-in model wrote (tests/model_content.py), read where vLLM's attention reads it.
+- vLLM prefill -> SGLang decode: vLLM's prefill registers at the bootstrap address SGLang's
+  decode is given (``sglang_bootstrap``) and gets ``params_for_sglang_decode``; SGLang's decode
+  checks every byte of the prompt's KV in its pages against the same model's KV, and commits the
+  token vLLM sampled from its aux slot (SGLang's own ``_commit_transfer_to_req``, which also
+  refuses a slot written for another room)."""
 
 from __future__ import annotations
 
@@ -19,10 +25,11 @@ from typing import Any
 import pytest
 
 from kvtransport.integrations.vllm.from_sglang import params_for_sglang_prefill
+from kvtransport.integrations.vllm.to_sglang import params_for_sglang_decode
 from kvtransport.runtime.auth import load_secret
 
 from .conftest import require_engines
-from .test_sglang_scheduler import Cluster, Topo
+from .test_sglang_scheduler import Cluster, Topo, kv_bytes
 from .vllm_cluster import SECRET, Instance, engine_config, instance_env, require_vllm
 
 #: The SGLang harness's tiny Llama (tests/test_sglang_scheduler.py): 2 layers, 2 KV heads of 16,
@@ -109,3 +116,84 @@ def test_an_sglang_prefill_feeds_a_vllm_decode_byte_exact(
         assert stats["free_blocks"] == stats["num_blocks"] - 1, stats  # vLLM's null block aside
     finally:
         decode.close()
+
+
+@pytest.fixture(scope="module")
+def sglang_decode() -> Iterator[Cluster]:
+    """One SGLang decode rank and no SGLang prefill: vLLM prefills."""
+    require_engines()
+    require_vllm()
+    with tempfile.TemporaryDirectory(prefix="sglang-xengine-decode-") as tmp:
+        cluster = Cluster(Path(tmp), Topo(tp=0), Topo(tp=1), env={"KVTRANSPORT_SECRET": SECRET})
+        try:
+            yield cluster
+        finally:
+            cluster.close()
+
+
+#: What the vLLM stand-in model samples first (tests/vllm_engine.py: 100 + tokens generated).
+VLLM_FIRST_TOKEN = 100
+
+
+@pytest.mark.parametrize(
+    ("driver", "prefill_tp", "layout"),
+    [
+        # vLLM at TP 2 (a head each) into one SGLang rank (both heads): the two vLLM ranks write
+        # their head of every token into SGLang's pages, the first of them the aux slot too
+        ("nixl-ucx", 2, None),
+        # token-major blocks (LBNHC, a GPU backend's), TP 1 -> 1
+        ("mooncake-gdr", 1, "LBNHC"),
+    ],
+)
+def test_a_vllm_prefill_feeds_an_sglang_decode_byte_exact(
+    sglang_decode: Cluster, driver: str, prefill_tp: int, layout: str | None
+) -> None:
+    cluster = sglang_decode
+    cluster.configure(page_size=16, driver=driver)
+    bootstrap = f"127.0.0.1:{cluster.bootstrap_port}"
+    config = engine_config(prefill_tp, prefix_caching=False, **MODEL, **({"layouts": [layout]} if layout else {}))
+    config["extra"] = {**config["extra"], "sglang_bootstrap": bootstrap}
+    prefill = Instance("prefill", config, instance_env(driver))
+    try:
+        specs = []
+        for n in [15, 16, 17, 48, 100]:
+            room = cluster.room()
+            specs.append(
+                {
+                    "rid": f"v{room}",
+                    "room": room,
+                    "prompt_len": n,
+                    "tokens": prompt(room, n),
+                    "max_new_tokens": 2,
+                    # vLLM's prefill hands no logprobs (params_for_sglang_decode refuses them)
+                    "return_logprob": False,
+                    "expect_aux": {"output_id": VLLM_FIRST_TOKEN, "cached_tokens": 0},
+                }
+            )
+        outcome: dict[str, Any] = {}
+        sglang = threading.Thread(target=lambda: outcome.setdefault("out", cluster.run(specs, timeout=60)))
+        sglang.start()
+        for spec in specs:
+            prefill.send(
+                op="prefill", id=spec["rid"], tokens=spec["tokens"], params=params_for_sglang_decode(spec["room"])
+            )
+        ended = {spec["rid"]: prefill.wait("finished", spec["rid"], timeout=90)["reason"] for spec in specs}
+        sglang.join(timeout=120)
+        out = outcome["out"]
+        [rank] = cluster.decode
+        for spec in specs:
+            rid, n = spec["rid"], spec["prompt_len"]
+            assert ended[rid] == "length", (rid, ended[rid])
+            [got] = out.decode[rid]
+            assert got["state"] == "success", (rid, got)
+            # Every byte of the prompt's KV, every layer, head, K and V, where SGLang reads it.
+            assert got["tokens"] == n and got["kv_bytes"] == kv_bytes(n, rank), (rid, got)
+            assert got["aux"]["output_id"] == VLLM_FIRST_TOKEN and got["aux"]["logprob"] is None, (rid, got)
+        for name, (count, first) in out.stray_pages.items():
+            assert count == 0, f"{name}: {count} pages written outside every request's, e.g. {first}"
+        assert not any(any(c.values()) for c in out.leaks.values()), out.leaks
+        stats = prefill.settle()
+        assert stats["holding"] == 0 and all(w["held"] == 0 for w in stats["workers"]), stats
+        assert stats["free_blocks"] == stats["num_blocks"] - 1, stats  # vLLM's null block aside
+    finally:
+        prefill.close()

@@ -394,10 +394,10 @@ def test_an_unpairable_tp_fails_the_load_with_the_sizes(caplog: pytest.LogCaptur
         assert "prefill runs attention TP=3, this decode rank TP=2" in caplog.text
 
 
-def test_an_sglang_decode_and_a_vllm_prefill_are_refused_at_handshake() -> None:
-    """Each engine's layout says which engine it is (and SGLang's its role): a vLLM instance
-    paired with an SGLang decode fails the handshake (LayoutMismatch, with the reason) instead
-    of moving pages SGLang's decode could not use without prefill's aux slots."""
+def test_an_sglang_decode_that_names_no_aux_rows_is_refused_a_vllm_prefill_at_handshake() -> None:
+    """Each engine's layout says which engine it is (and SGLang's its role and aux rows): a vLLM
+    instance paired with an SGLang decode that does not say where its first-token rows lie fails
+    the handshake (LayoutMismatch, with the reason) instead of writing the token blind."""
     pools = [KVPool(PAGES, LAYERS, ITEM, 0), KVPool(PAGES, LAYERS, ITEM, 0)]
     endpoints = []
     try:
@@ -406,7 +406,9 @@ def test_an_sglang_decode_and_a_vllm_prefill_are_refused_at_handshake() -> None:
             endpoints.append(
                 Endpoint(pool.regions, layout, drivers={"fake": FakeDriver}, name=extra["engine"], timeouts=FAST)
             )
-        with pytest.raises(NegotiationError, match=r"LayoutMismatch.*an SGLang decode .*a vLLM prefill cannot feed"):
+        with pytest.raises(
+            NegotiationError, match=r"LayoutMismatch.*a vLLM prefill .*cannot feed the SGLang decode.*aux_rows"
+        ):
             endpoints[1].connect(endpoints[0].address)
         same = dataclasses.replace(pools[0].layout, extra={"engine": "vllm"})
         assert not same.incompatibilities(dataclasses.replace(pools[1].layout, extra={"engine": "vllm"}))

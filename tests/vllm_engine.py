@@ -9,7 +9,8 @@ the decode side can check every transferred token of every layer, head and K/V.
 Run as ``python tests/vllm_engine.py '<config json>'``; commands arrive as JSON lines on stdin,
 events leave as JSON lines on stdout (tests/test_vllm.py drives two of these as a proxy would):
 
-- ``{"op": "prefill", "id", "tokens"}`` -> ``{"event": "prefilled", "id", "params"}``
+- ``{"op": "prefill", "id", "tokens"[, "params"]}`` -> ``{"event": "prefilled", "id", "params"}`` (for
+  an SGLang decode, ``params`` name its room, and the event is ``finished``)
 - ``{"op": "decode", "id", "tokens", "params", "max_tokens"}`` -> ``{"event": "loaded", "id",
   "checked", "bad"}`` when vLLM first schedules it after the load, then ``{"event": "finished",
   "id", "reason"}``
@@ -179,6 +180,9 @@ class Engine:
     # -- the stand-in model ------------------------------------------------------------------
 
     def write_kv(self, rank: int, req_id: str, start: int, count: int) -> None:
+        if self.cfg.get("content") == "sglang":
+            self.write_sglang_kv(rank, req_id, start, count)
+            return
         tokens = self.tokens[req_id]
         blocks = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
         local = self.heads // self.tp
@@ -191,6 +195,26 @@ class Engine:
                 for kv in (0, 1):  # a head's content is its K, then its V
                     value = token_value(layer, kv, pos, tokens[pos], heads, dims)
                     self.caches[rank][name][block, :, slot, kv * d : (kv + 1) * d] = value.to(self.dtype)
+
+    def write_sglang_kv(self, rank: int, req_id: str, start: int, count: int) -> None:
+        """``write_kv`` of the KV the SGLang harness's stand-in model computes
+        (tests/model_content.py), where vLLM's attention writes it: a head's K in
+        ``content[:head_size]`` of its token, its V in ``content[head_size:]``."""
+        tokens = self.tokens[req_id]
+        end = min(start + count, len(tokens))
+        if end <= start:
+            return
+        blocks = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+        local, d = self.heads // self.tp, self.head_size
+        keys = model_content.token_keys(tokens)[start:end]
+        positions = torch.arange(start, end)
+        heads = torch.arange(rank * local, (rank + 1) * local)
+        for layer, name in enumerate(self.layer_names):
+            view = self.caches[rank][name]
+            for kv in (0, 1):
+                content = model_content.kv_content(keys, layer, positions, heads, d, kv, self.dtype)
+                for i, pos in enumerate(range(start, end)):
+                    view[blocks[pos // self.bs], :, pos % self.bs, kv * d : (kv + 1) * d] = content[i]
 
     def check_kv(self, req_id: str, upto: int) -> tuple[int, int]:
         """(tokens checked, tokens wrong) over every rank, layer, K/V and head."""
@@ -336,7 +360,7 @@ class Engine:
     def handle(self, cmd: dict[str, Any]) -> list[dict[str, Any]]:
         op = cmd["op"]
         if op == "prefill":
-            self.add(cmd["id"], cmd["tokens"], 1, {"do_remote_decode": True})
+            self.add(cmd["id"], cmd["tokens"], 1, cmd.get("params") or {"do_remote_decode": True})
         elif op == "decode":
             self.add(cmd["id"], cmd["tokens"], cmd.get("max_tokens", 2), cmd["params"])
         elif op == "local":

@@ -22,6 +22,7 @@ import numpy.typing as npt
 from kvtransport.runtime.checks import NO_ITEMS, check_aux, state_items
 from kvtransport.runtime.chunk import Chunk
 from kvtransport.spi.errors import InvalidPages
+from kvtransport.spi.handoff import Handoff, handoff_between
 from kvtransport.spi.inbound import Claim
 from kvtransport.spi.memory import KVLayout, RegionSet
 from kvtransport.spi.plan import (
@@ -62,7 +63,13 @@ class PairPlan:
         # Per page and per aux slot, over every region (a model has dozens): asked for at each
         # announcement and each "done", the same for the connection's life.
         self._received_per_page = self.receiving.kv_bytes_per_page(tuple(r.item_len for r in regions.kv))
-        self._aux_slot_bytes = sum(r.item_len for r in regions.aux)
+        #: A vLLM prefill's first-token handoff into an SGLang decode's aux slot (this side
+        #: writes it, or reads it): rows of the reader's slot, not the slot region by region.
+        self._handoff_out: Handoff | None = handoff_between(layout, peer_layout)
+        handoff_in = handoff_between(peer_layout, layout)
+        self._aux_slot_bytes = (
+            handoff_in.total_bytes if handoff_in is not None else sum(r.item_len for r in regions.aux)
+        )
 
     def shape(self, *, sending: bool) -> PairShape:
         return self.sending if sending else self.receiving
@@ -150,12 +157,24 @@ class PairPlan:
             if transfer.dst_aux < 0:
                 raise InvalidPages(f"transfer {tag!r}: aux sent but the receiver announced no aux slot")
             check_aux(aux, self.regions, f"transfer {tag!r} source aux")
-            tail.append(plan(self.regions.aux, self.peer_regions.aux, [aux], [transfer.dst_aux]))
+            if self._handoff_out is not None:
+                tail.append(self._handoff_runs(self._handoff_out, aux, transfer.dst_aux))
+            else:
+                tail.append(plan(self.regions.aux, self.peer_regions.aux, [aux], [transfer.dst_aux]))
         if state is not None and not last:
             raise InvalidPages(f"transfer {tag!r}: state items go with the last chunk")
         if last and primary and (state or transfer.dst_state):
             tail.append(self.state_runs(tag, state or (), transfer.dst_state))
         return Chunk(src, dst, start, stop, Runs.concat(tail) if tail else Runs.empty())
+
+    def _handoff_runs(self, handoff: Handoff, slot: int, dst_slot: int) -> Runs:
+        """The runs of a first-token handoff: this side's slot ``slot`` of its one aux region
+        (the rows back to back) into the rows of the peer's aux slot ``dst_slot`` (checked
+        against the peer's regions when it was announced)."""
+        arena = self.regions.aux[0]
+        base = arena.ptr + slot * arena.item_len
+        dst = [self.peer_regions.aux[r].ptr + dst_slot * self.peer_regions.aux[r].item_len for r in handoff.rows]
+        return Runs.of_lists([base + off for off in handoff.offsets], dst, list(handoff.lengths))
 
     def part_runs(self, chunk: Chunk, kv: Sequence[int] | None, *, tail: bool) -> Runs:
         """The runs of ``chunk``'s pages in KV regions ``kv`` (``None``: all), with its aux

@@ -1,26 +1,27 @@
 """Whether a prefill of one serving engine can feed a decode of another, decided at handshake:
-the one pairing kvtransport serves (an SGLang prefill rank writing a vLLM decode rank's blocks),
-and why every other is refused.
+the two pairings kvtransport serves (an SGLang prefill rank writing a vLLM decode rank's blocks,
+and a vLLM prefill rank writing an SGLang decode rank's pages and the first token's handoff into
+its aux slot), and why every other is refused.
 
-The refused direction, a vLLM prefill feeding an SGLang decode, is refused for what SGLang's
-decode needs beyond the pages: it takes the request's first output token, its logprobs and top
-logprobs, the cached-token count and (with speculative decoding) hidden states from the aux
-slots its prefill writes (``MetadataBuffers``), and finds prefill through SGLang's bootstrap
-registry. vLLM's prefill hands a connector none of that (``request_finished`` sees the request,
-not its logprobs) and registers nowhere SGLang looks. The other way round nothing is missing:
-vLLM's decode recomputes the last prompt token itself, so SGLang's aux slots stay at home.
+Each direction needs something of the other engine beyond the pages. vLLM's decode recomputes
+the last prompt token itself, so an SGLang prefill keeps its aux slots at home. SGLang's decode
+reads the first output token, the cached-token count and the room from the aux slot its prefill
+writes (:mod:`kvtransport.spi.handoff`): a vLLM prefill writes those three; what it cannot
+write (hidden states for speculative decoding) makes the pair refused here, and what a request
+may ask for beyond them (logprobs) is refused by the proxy's helper for that request.
 """
 
 from __future__ import annotations
 
 from kvtransport.spi.errors import MemoryLayoutError
+from kvtransport.spi.handoff import HANDOFF_SLOT_BYTES, handoff_problem
 from kvtransport.spi.page_geometry import DTYPE_BYTES, engine_of, geometry_of, page_tokens
 from kvtransport.spi.tp_map import ShardedLayout, check_shape, held_heads, total_heads_of
 
 __all__ = ["SGLANG_DTYPES", "cross_engine_problems", "kv_dtype"]
 
 #: (prefill engine, decode engine) pairs kvtransport maps.
-SERVED = frozenset({("sglang", "vllm")})
+SERVED = frozenset({("sglang", "vllm"), ("vllm", "sglang")})
 
 
 #: SGLang's KV dtype names (``--kv-cache-dtype``, ``kv_cache_dtype_str``) as torch names.
@@ -51,16 +52,27 @@ def _direction_problem(a: ShardedLayout, b: ShardedLayout, mine: str, theirs: st
     ends = {engine_of(a): (a, mine), engine_of(b): (b, theirs)}
     if set(ends) != {"sglang", "vllm"}:
         return (
-            f"engine: {engine_of(a)} {mine}, {engine_of(b)} {theirs}: kvtransport maps an SGLang prefill onto a vLLM "
-            "decode only (docs/vllm.md, 'Across engines')"
+            f"engine: {engine_of(a)} {mine}, {engine_of(b)} {theirs}: kvtransport maps pools of SGLang and vLLM "
+            "only (docs/vllm.md, 'Across engines')"
         )
-    sglang, where = ends["sglang"]
-    if _role(sglang) != "prefill":
+    (sglang, where), (vllm, there) = ends["sglang"], ends["vllm"]
+    role = _role(sglang)
+    if role == "prefill":
+        return ""  # vLLM decodes (a kv_both instance may too): its blocks take the pages
+    if role != "decode":
         return (
-            f"engine: an SGLang {_role(sglang)} {where} paired with a vLLM instance: a vLLM prefill cannot feed an "
-            "SGLang decode, which reads the first output token, its logprobs and the cached-token count from aux slots "
-            "its prefill writes, and vLLM's prefill hands a connector none of them; kvtransport feeds a vLLM decode "
-            "from an SGLang prefill only (docs/vllm.md, 'Across engines')"
+            f"engine: an SGLang {role} {where} paired with a vLLM instance: only SGLang prefill and decode ranks pair"
+        )
+    if _role(vllm) == "decode":
+        return f"engine: an SGLang decode {where} and a vLLM decode {there}: neither prefills"
+    problem = handoff_problem(sglang)
+    if problem:
+        return f"engine: a vLLM prefill {there} cannot feed the SGLang decode {where}: {problem}"
+    if tuple(vllm.aux_item_lens) != (HANDOFF_SLOT_BYTES,):
+        return (
+            f"engine: the vLLM instance {there} has no handoff slots of {HANDOFF_SLOT_BYTES} bytes (aux_item_lens "
+            f"{list(vllm.aux_item_lens)[:4]}): it cannot hand SGLang's decode the first token (run the same "
+            "kvtransport release on both)"
         )
     return ""
 

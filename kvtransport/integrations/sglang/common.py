@@ -81,6 +81,22 @@ def kv_memory(args: KVArgs, server_args: Any) -> MemoryKind:
     return MemoryKind(int(args.gpu_id)) if is_device_pointer(int(args.kv_data_ptrs[0])) else HOST
 
 
+def model_kv_heads(server_args: Any, attn_tp_size: int) -> tuple[int, int]:
+    """(KV heads of one attention-TP rank, the model's KV heads) as SGLang's ``ModelConfig``
+    counts them (its pools are built with ``get_num_kv_heads(attn_tp_size)``): what a decode
+    rank's ``KVArgs`` lack (SGLang sets ``kv_head_num`` there only with its staging buffer, after
+    the manager started), and what another engine's prefill regroups its pages by. ``(0, 0)``
+    when the config cannot be read (the layout then states none, as before)."""
+    try:
+        from sglang.srt.configs.model_config import ModelConfig
+
+        config = ModelConfig.from_server_args(server_args)
+        return int(config.get_num_kv_heads(attn_tp_size)), int(config.get_total_num_kv_heads())
+    except Exception as exc:  # noqa: BLE001 - an unreadable config states no heads
+        log.debug("reading the model's KV heads: %s", exc)
+        return 0, 0
+
+
 def kv_dtype_name(args: KVArgs, server_args: Any) -> str:
     """The KV's dtype for another engine's decode to compare (the layout's ``extra["kv_dtype"]``;
     ``dtype`` keeps SGLang's own string, which SGLang peers compare as before): SGLang's resolved
@@ -125,15 +141,44 @@ def state_types_of(args: KVArgs) -> tuple[str, ...]:
     return types
 
 
-def decode_allocation_policy(server_args: Any) -> str:
-    """``--disaggregation-decode-allocation-policy`` as the scheduler runs with it: SGLang's
-    published configuration, else the server-args object (``early`` when neither says)."""
+def _setting(bag: str, name: str, server_args: Any, default: Any) -> Any:
+    """One of SGLang's settings as the scheduler runs with it: its published configuration
+    (``runtime_context.get_<bag>()``), else the server-args object, else ``default``."""
     try:
-        from sglang.srt.runtime_context import get_disagg
+        from sglang.srt import runtime_context
 
-        return str(get_disagg().disaggregation_decode_allocation_policy)
+        return getattr(getattr(runtime_context, f"get_{bag}")(), name)
     except (ImportError, ValueError, RuntimeError, AttributeError):
-        return str(getattr(server_args, "disaggregation_decode_allocation_policy", None) or "early")
+        value = getattr(server_args, name, None)
+        return default if value is None else value
+
+
+def decode_allocation_policy(server_args: Any) -> str:
+    """``--disaggregation-decode-allocation-policy`` as the scheduler runs with it (``early``
+    when neither SGLang's published configuration nor the server args say)."""
+    return str(_setting("disagg", "disaggregation_decode_allocation_policy", server_args, None) or "early")
+
+
+def speculative(server_args: Any) -> bool:
+    """Whether the scheduler runs speculative decoding (its aux slots then carry hidden states)."""
+    algorithm = _setting("spec", "speculative_algorithm", server_args, None)
+    return bool(algorithm) and str(algorithm).upper() not in ("NONE", "SPECULATIVEALGORITHM.NONE")
+
+
+def aux_rows(args: KVArgs, server_args: Any) -> dict[str, int] | None:
+    """Which of ``KVArgs``' aux regions hold the rows a vLLM prefill writes for this decode
+    (spi.handoff): SGLang 0.5.23's ``MetadataBuffers.get_buf_infos`` puts ``output_ids`` and
+    ``cached_tokens`` first and ``bootstrap_room`` last, or last but one when
+    ``--disaggregation-enable-kv-checksum`` adds the checksum row after it. ``None`` when the
+    regions do not look like that (another SGLang): the handshake then refuses a vLLM prefill
+    rather than write into rows it cannot name."""
+    lens = [int(n) for n in getattr(args, "aux_item_lens", [])]
+    checksum = bool(_setting("disagg", "disaggregation_enable_kv_checksum", server_args, False))
+    room = len(lens) - (2 if checksum else 1)
+    # Ten rows at least (the nine SGLang always has, and the room's); each of the three 64 bytes.
+    if len(lens) < 10 or any(lens[i] != 64 for i in (0, 1, room)):
+        return None
+    return {"output_ids": 0, "cached_tokens": 1, "bootstrap_room": room}
 
 
 def unserved_parallelism(topology: RankTopology) -> str:

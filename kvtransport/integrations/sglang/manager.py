@@ -21,11 +21,14 @@ from kvtransport.integrations.sglang.common import (
     BaseKVManager,
     KVArgs,
     _env_flag,
+    aux_rows,
     decode_allocation_policy,
     kv_dtype_name,
     kv_memory,
+    model_kv_heads,
     regions_of,
     sglang_timeouts,
+    speculative,
     state_types_of,
     unserved_parallelism,
 )
@@ -142,6 +145,10 @@ class KVTransportKVManager(BaseKVManager):
         state_types = state_types_of(args)
         memory = kv_memory(args, server_args)
         regions = regions_of(args, memory)
+        heads, total_heads = int(getattr(args, "kv_head_num", 0) or 0), int(getattr(args, "total_kv_head_num", 0) or 0)
+        if self.mode == "decode" and not is_mla_backend and not heads:
+            # A vLLM prefill regroups its blocks into this rank's pages by head (spi.page_geometry).
+            heads, total_heads = model_kv_heads(server_args, self.tp_size)
         layout = KVLayout(
             page_size=int(args.page_size),
             dtype=str(getattr(args, "kv_cache_dtype_str", "") or "unknown"),
@@ -149,10 +156,10 @@ class KVTransportKVManager(BaseKVManager):
             kv_item_lens=tuple(int(n) for n in args.kv_item_lens),
             memory=memory,
             kv_split="mla" if is_mla_backend else "kv",
-            num_kv_heads=int(getattr(args, "kv_head_num", 0) or 0),
+            num_kv_heads=heads,
             # Prefill's KVArgs carry the model's KV heads (decode's only with SGLang's staging):
             # what unequal TP shards by, and either side stating it is enough.
-            total_kv_heads=int(getattr(args, "total_kv_head_num", 0) or 0),
+            total_kv_heads=total_heads,
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
             aux_item_lens=tuple(int(n) for n in getattr(args, "aux_item_lens", [])),
@@ -160,7 +167,18 @@ class KVTransportKVManager(BaseKVManager):
             state_item_lens=regions.state_item_lens,
             # The role too: a vLLM decode may pair with an SGLang prefill (spi.cross_engine).
             # and the KV dtype by name where SGLang says ``auto`` (spi.cross_engine compares it).
-            extra={"engine": "sglang", "role": self.mode, "kv_dtype": kv_dtype_name(args, server_args)},
+            # A decode says which aux regions a vLLM prefill writes its first token's handoff
+            # into (spi.handoff), and whether speculative decoding needs more than those.
+            extra={
+                "engine": "sglang",
+                "role": self.mode,
+                "kv_dtype": kv_dtype_name(args, server_args),
+                **(
+                    {"aux_rows": aux_rows(args, server_args), "speculative": speculative(server_args)}
+                    if self.mode == "decode"
+                    else {}
+                ),
+            },
         )
         self.timeouts = sglang_timeouts()
         #: Prefill with ``KVTRANSPORT_LAYERWISE=1``: how chunks go layer by layer

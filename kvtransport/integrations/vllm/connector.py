@@ -19,11 +19,13 @@ docs/vllm.md has the deployment and the settings.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
@@ -34,11 +36,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtransport.integrations.vllm.layout import describe_kv_caches
 from kvtransport.integrations.vllm.scheduler_side import Orders, SchedulerSide
+from kvtransport.integrations.vllm.sglang_registry import SGLangRegistration, parse_bootstrap
 from kvtransport.integrations.vllm.worker_side import WorkerSide
 from kvtransport.runtime.auth import load_secret
 from kvtransport.runtime.endpoint import Endpoint
 from kvtransport.spi.env import env_flag, env_number
 from kvtransport.spi.errors import ConfigError
+from kvtransport.spi.handoff import HANDOFF_SLOT_BYTES
+from kvtransport.spi.memory import HOST, Region
 
 if TYPE_CHECKING:
     import torch
@@ -55,6 +60,9 @@ DEFAULT_LEASE_S = 480.0
 ENV_LISTEN_HOST = "KVTRANSPORT_VLLM_LISTEN_HOST"
 #: SGLang's layer-wise switch (integrations.sglang.layerwise), said to have no effect here.
 ENV_LAYERWISE = "KVTRANSPORT_LAYERWISE"
+#: Slots of a worker's handoff arena: the first-token handoffs to SGLang decodes it can be
+#: writing at once (one a request from its announcement to its last write; spi.handoff).
+HANDOFF_SLOTS = 1024
 
 
 @dataclass
@@ -117,6 +125,14 @@ class KVTransportConnector(KVConnectorBase_V1):
             )
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
+        self._registration: SGLangRegistration | None = None
+        if self._extra.get("sglang_bootstrap"):
+            parse_bootstrap(self._extra["sglang_bootstrap"])  # a typo fails at start, on every role
+            if int(getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1) > 1:
+                raise ConfigError(
+                    "kv_connector_extra_config['sglang_bootstrap'] registers one vLLM instance as one SGLang prefill "
+                    "instance of one DP rank: run SGLang decodes' vLLM prefills with data_parallel_size 1"
+                )
         self._failed_blocks: set[int] = set()
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(self.engine_id, self.block_size, self.tp_size, load_secret())
@@ -194,14 +210,28 @@ class KVTransportConnector(KVConnectorBase_V1):
             total_kv_heads=int(config.model_config.get_total_num_kv_heads()),
         )
         host = _listen_host(self._extra)
+        # The first-token handoffs an SGLang decode reads from its aux slot are written from
+        # here (spi.handoff): registered with the KV, on the host as SGLang's aux slots are.
+        self._arena = np.zeros((HANDOFF_SLOTS, HANDOFF_SLOT_BYTES), dtype=np.uint8)
+        arena = Region(int(self._arena.ctypes.data), self._arena.nbytes, HOST, HANDOFF_SLOT_BYTES, "aux[handoff]")
         endpoint = Endpoint(
-            kv.regions,
-            kv.layout,
+            dataclasses.replace(kv.regions, aux=(arena,)),
+            dataclasses.replace(kv.layout, aux_item_lens=(HANDOFF_SLOT_BYTES,)),
             listen=f"tcp://{host}:0",
             name=f"vllm:{self.engine_id[:12]}:tp{tp_rank}",
         )
         lease = float(self._extra.get("lease_s") or env_number(ENV_LEASE, DEFAULT_LEASE_S))
-        self.worker = WorkerSide(endpoint, tp_rank=tp_rank, tp_size=self.tp_size, lease_s=lease)
+        self.worker = WorkerSide(
+            endpoint, tp_rank=tp_rank, tp_size=self.tp_size, lease_s=lease, handoff_arena=self._arena
+        )
+        if self._extra.get("sglang_bootstrap"):
+            self._registration = SGLangRegistration(
+                str(self._extra["sglang_bootstrap"]),
+                endpoint,
+                tp_rank=tp_rank,
+                tp_size=self.tp_size,
+                block_size=self.block_size,
+            )
         if env_flag(ENV_LAYERWISE, False):
             # vLLM's P/D flow hands a request to decode only once prefill finished it (and its
             # NIXL push mode writes after request_finished too): there is no announced
@@ -238,7 +268,7 @@ class KVTransportConnector(KVConnectorBase_V1):
             return
         worker = self._work()
         for hold in meta.orders.holds:
-            worker.hold(hold.request, hold.blocks)
+            worker.hold(hold.request, hold.blocks, hold.name, hold.handoff)
         for load in meta.orders.loads:
             if load.remote is None:
                 worker.fail_load(load.request, load.blocks, ConfigError(load.error))
@@ -272,6 +302,9 @@ class KVTransportConnector(KVConnectorBase_V1):
         return failed
 
     def shutdown(self) -> None:
+        if self._registration is not None:
+            self._registration.close()
+            self._registration = None
         if self.worker is not None:
             self.worker.close()
         if self.scheduler is not None:

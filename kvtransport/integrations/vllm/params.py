@@ -36,6 +36,7 @@ __all__ = [
     "parse",
     "prompt_digest",
     "request_id_problem",
+    "sglang_room",
     "sign",
     "verify",
 ]
@@ -103,6 +104,18 @@ def is_remote_decode(params: Mapping[str, Any] | None) -> bool:
 def is_remote_prefill(params: Mapping[str, Any] | None) -> bool:
     """Decode side: the request's KV comes from a prefill instance."""
     return isinstance(params, Mapping) and params.get("do_remote_prefill") is True
+
+
+def sglang_room(params: Mapping[str, Any] | None) -> int | None:
+    """Prefill side: the SGLang bootstrap room the proxy gave a request whose decode is an
+    SGLang instance (``kv_transfer_params["sglang_room"]``), ``None`` for a vLLM decode;
+    :class:`ConfigError` for a room SGLang could not have made."""
+    if not isinstance(params, Mapping) or params.get("sglang_room") is None:
+        return None
+    room = params["sglang_room"]
+    if not isinstance(room, int) or isinstance(room, bool) or not 0 < room < 2**63:
+        raise ConfigError(f"kv_transfer_params['sglang_room'] must be an integer in [1, 2**63), got {_show(room)}")
+    return room
 
 
 def request_id_problem(request_id: str) -> str:

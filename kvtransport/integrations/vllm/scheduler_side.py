@@ -20,6 +20,7 @@ from kvtransport.integrations.vllm.params import (
     parse,
     prompt_digest,
     request_id_problem,
+    sglang_room,
     sign,
     verify,
 )
@@ -28,15 +29,29 @@ from kvtransport.spi.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HoldOrder", "LoadOrder", "Orders", "SchedulerSide"]
+__all__ = ["Handoff", "HoldOrder", "LoadOrder", "Orders", "SchedulerSide"]
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """Prefill for an SGLang decode: what its aux slot gets with the KV (spi.handoff): the
+    first output token, the prefix found cached, and the bootstrap room the proxy named."""
+
+    token: int
+    cached_tokens: int
+    room: int
 
 
 @dataclass(frozen=True)
 class HoldOrder:
-    """Prefill: hold ``blocks`` of ``request`` until decode read them."""
+    """Prefill: hold ``blocks`` of ``request`` until decode read them; decode names them
+    ``name`` (the request's id, or for an SGLang decode its bootstrap room), and an SGLang
+    decode gets ``handoff`` in its aux slot."""
 
     request: str
     blocks: tuple[int, ...]
+    name: str = ""
+    handoff: Handoff | None = None
 
 
 @dataclass(frozen=True)
@@ -147,9 +162,17 @@ class SchedulerSide:
                 self.tp_size,
             )
             return False, None
-        self._orders.holds.append(HoldOrder(request.request_id, tuple(int(b) for b in block_ids)))
-        self.holding.add(request.request_id)
         num_tokens = int(request.num_computed_tokens)
+        blocks = tuple(int(b) for b in block_ids)
+        try:
+            room = sglang_room(params)
+        except ConfigError as exc:
+            log.error("kvtransport vLLM prefill: request %s cannot be offered to decode: %s", request.request_id, exc)
+            return False, None
+        if room is not None:
+            return self._hold_for_sglang(request, blocks, room, num_tokens)
+        self._orders.holds.append(HoldOrder(request.request_id, blocks, request.request_id))
+        self.holding.add(request.request_id)
         remote = RemotePrefill(
             engine_id=self.engine_id,
             request_id=request.request_id,
@@ -161,6 +184,34 @@ class SchedulerSide:
             prompt_sha256=prompt_digest(request.prompt_token_ids or (), num_tokens),
         )
         return True, sign(remote, self.secret).to_params()
+
+    def _hold_for_sglang(
+        self, request: Any, blocks: tuple[int, ...], room: int, num_tokens: int
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``finished`` for an SGLang decode: held under the room (the tag SGLang's decode
+        announces), with the first token for its aux slot. SGLang's decode finds the ranks at
+        the bootstrap registry they registered with (``sglang_bootstrap``), not in params."""
+        output = list(getattr(request, "output_token_ids", ()) or ())
+        if not output:
+            log.error(
+                "kvtransport vLLM prefill: request %s (SGLang room %d) finished without an output token: an SGLang "
+                "decode needs the first one (send it with max_tokens=1)",
+                request.request_id,
+                room,
+            )
+            return False, None
+        cached = max(0, int(getattr(request, "num_cached_tokens", 0) or 0))
+        handoff = Handoff(int(output[0]), cached, room)
+        self._orders.holds.append(HoldOrder(request.request_id, blocks, str(room), handoff))
+        self.holding.add(request.request_id)
+        return True, {
+            "do_remote_prefill": False,
+            "do_remote_decode": False,
+            "sglang_room": room,
+            "remote_engine_id": self.engine_id,
+            "tp_size": self.tp_size,
+            "remote_num_tokens": num_tokens,
+        }
 
     def sent(self, requests: Sequence[str] | set[str]) -> None:
         """Workers reported these requests' blocks released (read by decode or expired)."""

@@ -30,6 +30,7 @@ import numpy.typing as npt
 
 from kvtransport.integrations.pairing import pairing_problem, request_tag, tp_pairing_problem
 from kvtransport.integrations.vllm.params import RemotePrefill
+from kvtransport.integrations.vllm.scheduler_side import Handoff
 from kvtransport.runtime.endpoint import Connection, Endpoint, State, Transfer
 from kvtransport.runtime.fanin import FanIn, PartialAnnouncement, expect_from
 from kvtransport.spi.errors import (
@@ -40,6 +41,7 @@ from kvtransport.spi.errors import (
     LayoutMismatch,
     TransferTimeout,
 )
+from kvtransport.spi.handoff import handoff_between, slot_content
 from kvtransport.spi.page_geometry import different_engines
 from kvtransport.spi.tp_map import sources, targets
 
@@ -72,14 +74,21 @@ class StepResults:
 
 @dataclass
 class _Held:
-    """Prefill: one finished request's blocks, held for the decode ranks this rank feeds."""
+    """Prefill: one finished request's blocks, held for the decode ranks this rank feeds
+    (which announce them as ``name``; an SGLang decode's also take ``handoff`` in their aux
+    slot, written from this rank's handoff slot ``slot``)."""
 
     request: str
     blocks: npt.NDArray[np.int64]
     deadline: float
+    name: str = ""
+    handoff: Handoff | None = None
     parts: dict[str, Transfer] = field(default_factory=dict)
     targets: list[str] = field(default_factory=list)
     sent: bool = False
+    #: The decode ranks are SGLang's (pages named by token prefix, the aux slot written).
+    sglang: bool = False
+    slot: int = -1
 
 
 @dataclass
@@ -125,8 +134,14 @@ class WorkerSide:
         tp_size: int,
         lease_s: float,
         clock: Callable[[], float] = time.monotonic,
+        handoff_arena: npt.NDArray[np.uint8] | None = None,
     ) -> None:
         self.endpoint = endpoint
+        #: Prefill for SGLang decodes: the registered aux region (slots of
+        #: ``HANDOFF_SLOT_BYTES``) each request's first-token handoff is written from, one slot a
+        #: request being sent; ``None``: this rank feeds vLLM decodes only.
+        self._arena = handoff_arena
+        self._free_slots = list(range(handoff_arena.shape[0] - 1, -1, -1)) if handoff_arena is not None else []
         timeouts = endpoint.timeouts
         #: Decode: a load connects within ``connect`` (all its sources), prefill starts writing
         #: within ``bootstrap`` of the announcement (it held the request before decode heard of
@@ -156,16 +171,31 @@ class WorkerSide:
 
     # -- prefill ------------------------------------------------------------------------------
 
-    def hold(self, request: str, blocks: Sequence[int]) -> None:
-        """Hold ``blocks`` (the request's computed blocks, in order) until decode read them."""
+    def hold(self, request: str, blocks: Sequence[int], name: str = "", handoff: Handoff | None = None) -> None:
+        """Hold ``blocks`` (the request's computed blocks, in order) until decode read them;
+        decode announces them as ``name`` (the request's id unless said), and an SGLang decode's
+        aux slot takes ``handoff``."""
         if request in self._held:
             log.warning("request %s: blocks already held for decode; the second hold is ignored", request)
             return
-        self._held[request] = _Held(request, np.asarray(blocks, dtype=np.int64), self._clock() + self.lease_s)
+        held = _Held(
+            request, np.asarray(blocks, dtype=np.int64), self._clock() + self.lease_s, name or request, handoff
+        )
+        self._held[request] = held
+        if any(h.name == held.name for h in self._held.values() if h is not held):
+            # Two requests under one SGLang room: decode's announcement could reach either. The
+            # second goes back at once (its tag is the first's, which must not be refused).
+            log.error(
+                "kvtransport vLLM prefill: request %s is offered to decode as %r, as another held request is; its "
+                "blocks are released",
+                request,
+                held.name,
+            )
+            self._release(held)
 
     def _bind(self, held: _Held) -> None:
         ep = self.endpoint
-        for tag in held.targets or [held.request]:
+        for tag in held.targets or [held.name]:
             if tag in held.parts:
                 continue
             conn = ep.announced(tag)
@@ -180,8 +210,9 @@ class WorkerSide:
             if not held.targets:
                 layout = conn.peer_layout
                 assert layout is not None  # pairing_problem checked it
+                held.sglang = different_engines(layout, ep.layout)
                 held.targets = [
-                    request_tag(held.request, self.tp_size, layout.tp_size, d)
+                    request_tag(held.name, self.tp_size, layout.tp_size, d)
                     for d in targets(self.tp_size, self.tp_rank, layout.tp_size)
                 ]
 
@@ -192,6 +223,16 @@ class WorkerSide:
             self._give_back(held, f"the decode ranks hold different prefixes {sorted(prefixes)} (blocks)")
             return
         prefix = prefixes.pop()
+        if held.sglang:
+            # SGLang's decode names the prefix it holds in tokens (its decode_prefix_len), of
+            # whole pages as long as its pages are these blocks.
+            size = int(self.endpoint.layout.extra.get("block_size", 1)) or 1
+            if prefix % size:
+                self._give_back(
+                    held, f"decode holds a prefix of {prefix} tokens, not whole blocks of {size}", InvalidPages
+                )
+                return
+            prefix //= size
         wanted = sorted({int(p.dst_pages.size) if p.dst_pages is not None else -1 for p in parts})
         count = wanted[0] if len(wanted) == 1 else -1
         if count < 0 or prefix < 0 or prefix + count > held.blocks.size:
@@ -203,9 +244,38 @@ class WorkerSide:
             )
             return
         src = held.blocks[prefix : prefix + count]
+        aux = None
+        if any(p.dst_aux >= 0 for p in parts):
+            aux = self._write_handoff(held)
+            if aux is None:
+                return
         for part in parts:
-            part.send(src, last=True)
+            part.send(src, last=True, aux=aux if part.dst_aux >= 0 else None)
         held.sent = True
+
+    def _write_handoff(self, held: _Held) -> int | None:
+        """The slot of this rank's handoff arena holding ``held``'s first-token handoff for the
+        SGLang decode that announced an aux slot (``None``: given back, with the reason)."""
+        conn = next(iter(held.parts.values())).connection if held.parts else None
+        rows = handoff_between(self.endpoint.layout, conn.peer_layout) if conn is not None else None
+        if held.handoff is None or rows is None:
+            self._give_back(
+                held,
+                "decode announced an aux slot for the first token, but the request was not offered to an SGLang "
+                "decode (kv_transfer_params without 'sglang_room')",
+            )
+            return None
+        if self._arena is None or not self._free_slots:
+            why = "has no handoff arena" if self._arena is None else "has no free handoff slot"
+            self._give_back(held, f"this rank {why} for the first token SGLang's decode reads")
+            return None
+        slot = self._free_slots.pop()
+        held.slot = slot
+        content = slot_content(
+            rows, token=held.handoff.token, cached_tokens=held.handoff.cached_tokens, room=held.handoff.room
+        )
+        self._arena[slot, : len(content)] = np.frombuffer(content, dtype=np.uint8)
+        return slot
 
     def _give_back(self, held: _Held, reason: str, kind: type[KVTransportError] = KVTransportError) -> None:
         """Nothing more of ``held`` is sent: its announcers hear so, its blocks go back."""
@@ -214,7 +284,7 @@ class WorkerSide:
         for part in held.parts.values():
             if not part.state.final:
                 part.abort(message)
-        for tag in held.targets or [held.request]:
+        for tag in held.targets or [held.name]:
             if tag not in held.parts:
                 try:
                     self.endpoint.refuse(tag, message)
@@ -228,6 +298,9 @@ class WorkerSide:
             held.deadline = -1.0  # released once the aborted parts are final
 
     def _release(self, held: _Held) -> None:
+        if held.slot >= 0:
+            self._free_slots.append(held.slot)
+            held.slot = -1
         self._held.pop(held.request, None)
         self._results.finished_sending.add(held.request)
 
