@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -218,6 +219,22 @@ def test_bench_across_engines_regroups_sglang_pages_into_vllm_blocks_with_every_
     assert report["engines"] == ["sglang", "vllm"] and report["decode_tp"] == 2, report
     assert report["driver"] in ("mooncake-staged", "nixl-staged"), report
     assert "regrouped per head between vllm and sglang pools" in report["negotiated"], report
+    assert report["integrity"] == {"ok": True, "mismatches": []}
+    assert report["figures"]["ratio"] > 0
+
+
+def test_bench_across_engines_regroups_vllm_blocks_into_sglang_pages_with_every_head_checked() -> None:
+    """``--prefill-engine vllm``: vLLM-shaped prefill ranks (blocks and the handoff arena) at TP
+    2 feeding an SGLang-shaped decode rank (its pages and stated aux rows), every head of every
+    page checked in SGLang's K and V buffers against what the two vLLM ranks held."""
+    require_engines()
+    args = ["bench", "--requests", "2", "--prompt-tokens", "64", "--layers", "2", "--json"]
+    proc = run_cli(*args, "--prefill-engine", "vllm", "--prefill-tp", "2", timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["engines"] == ["vllm", "sglang"] and report["prefill_tp"] == 2, report
+    regrouped = r"regrouped per head between (vllm and sglang|sglang and vllm) pools"
+    assert re.search(regrouped, report["negotiated"]), report
     assert report["integrity"] == {"ok": True, "mismatches": []}
     assert report["figures"]["ratio"] > 0
 

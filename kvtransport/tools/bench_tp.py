@@ -3,8 +3,9 @@ and D decode ranks (one process each, the per-rank layouts of the model's shardi
 of every head checked on the decode ranks, against the equal-TP transfer of the same bytes
 (one prefill rank to one decode rank, whole pages) in the same run, on the same driver. With
 ``--decode-engine vllm`` the prefill ranks' pools are SGLang's and the decode ranks' vLLM's
-(LBNHC): the pages are regrouped per head on the way (``spi.page_geometry``), and the
-comparison is the same bytes between two pools of one engine.
+(LBNHC), with ``--prefill-engine vllm`` the other way round: the pages are regrouped per head
+on the way (``spi.page_geometry``), and the comparison is the same bytes between two pools of
+one engine.
 
 Timing, per request: from the first prefill rank's ``send`` until the last decode rank's
 request is complete (every source's part arrived). Requests alternate which of the two
@@ -46,14 +47,14 @@ class Ranks:
 
 
 def _rank(
-    workload: Workload, driver: str, name: str, tp: int, rank: int, timeout: float, engine: str = ""
+    workload: Workload, driver: str, name: str, tp: int, rank: int, timeout: float, engine: str = "", role: str = ""
 ) -> PeerProcess:
     heads = len(held_heads(workload.kv_heads, tp, rank))
     item = workload.page_tokens * heads * workload.head_dim * workload.dtype_bytes
     return PeerProcess(
         *("--driver", driver or "auto", "--pages", str(workload.pool_pages), "--layers", str(workload.regions)),
         *("--item", str(item), "--aux-slots", "0", "--private", "--name", name),
-        *("--tp", f"{workload.kv_heads},{tp},{rank}", "--engine", engine),
+        *("--tp", f"{workload.kv_heads},{tp},{rank}", "--engine", engine, "--role", role or "prefill"),
         timeout=timeout,
     )
 
@@ -68,7 +69,8 @@ def deploy(
 ) -> Ranks:
     """P prefill and D decode rank processes, each decode rank connected to its sources;
     ``engines``: the engines whose pools the two sides are shaped as (``("sglang", "vllm")``:
-    SGLang prefill ranks feeding vLLM decode ranks, the pages regrouped on the way)."""
+    SGLang prefill ranks feeding vLLM decode ranks, the pages regrouped on the way; or the
+    reverse)."""
     if workload.page_tokens != 16:
         raise KVTransportError("the unequal-TP bench uses 16-token pages")
     ranks = Ranks(prefill_tp, decode_tp)
@@ -78,7 +80,7 @@ def deploy(
             ranks.prefill[-1].call("fill_heads", timeout=timeout)
         accepted = [0] * prefill_tp
         for d in range(decode_tp):
-            ranks.decode.append(_rank(workload, driver, f"decode{d}", decode_tp, d, timeout, engines[1]))
+            ranks.decode.append(_rank(workload, driver, f"decode{d}", decode_tp, d, timeout, engines[1], "decode"))
             ranks.links[d] = []
             for p in sources(prefill_tp, decode_tp, d):
                 answer = ranks.decode[d].call("connect", address=ranks.prefill[p].address, timeout=timeout)

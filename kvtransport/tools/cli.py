@@ -329,6 +329,11 @@ def _add_bench(sub: Any) -> None:
         choices=("vllm",),
         help="prefill ranks shaped as SGLang's pools, decode ranks as this engine's: pages regrouped on the way",
     )
+    p.add_argument(
+        "--prefill-engine",
+        choices=("vllm",),
+        help="prefill ranks shaped as this engine's pools, decode ranks as SGLang's: pages regrouped on the way",
+    )
     p.set_defaults(func=bench_cmd)
 
 
@@ -489,7 +494,7 @@ def bench_cmd(args: argparse.Namespace) -> int:
     # Mooncake logs every set-up step at INFO; keep the report readable (MC_LOG_LEVEL=INFO
     # in the environment brings it back).
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
-    if (args.prefill_tp, args.decode_tp) != (1, 1) or args.decode_engine:
+    if (args.prefill_tp, args.decode_tp) != (1, 1) or args.decode_engine or args.prefill_engine:
         if args.in_flight is not None:
             raise KVTransportError(
                 "--in-flight runs between one prefill and one decode rank, not with --prefill-tp/--decode-tp"
@@ -565,10 +570,21 @@ def _bench_tp(args: argparse.Namespace, workload: Any) -> int:
             args.decode_tp,
             timeout=args.timeout,
             progress=sys.stderr,
-            engines=("sglang", args.decode_engine) if args.decode_engine else ("", ""),
+            engines=_engines(args),
         )
     print(bench_tp.main_json(report) if args.json else report.render())
     return 0 if report.ok else 1
+
+
+def _engines(args: argparse.Namespace) -> tuple[str, str]:
+    """The engines the bench's prefill and decode pools are shaped as (('', ''): kvtransport's)."""
+    if args.decode_engine and args.prefill_engine:
+        raise KVTransportError("--decode-engine and --prefill-engine: one of the two sides is SGLang's, name the other")
+    if args.decode_engine:
+        return "sglang", args.decode_engine
+    if args.prefill_engine:
+        return args.prefill_engine, "sglang"
+    return "", ""
 
 
 def main(argv: Sequence[str] | None = None) -> int:

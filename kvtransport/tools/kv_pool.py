@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtransport.spi.handoff import HANDOFF_ROWS, HANDOFF_SLOT_BYTES
 from kvtransport.spi.memory import KVLayout, MemoryKind, RegionSet
 from kvtransport.tools import shm
 
@@ -42,6 +43,21 @@ class DeviceBuffer:
             self.ptr = 0
 
 
+#: Aux slots of an engine-shaped pool (the bench announces none: the handshake needs the rows).
+ENGINE_AUX_SLOTS = 8
+
+
+def _engine_aux(engine: str, role: str) -> tuple[int, ...] | None:
+    """The aux regions' item lengths of a pool shaped as ``engine``'s in ``role``: a vLLM
+    worker's handoff arena (one region of slots), an SGLang decode's handoff rows (one region a
+    row, 64 bytes as in SGLang 0.5.23), none for an SGLang prefill; ``None``: not an engine's."""
+    if engine == "vllm":
+        return (HANDOFF_SLOT_BYTES,)
+    if engine == "sglang":
+        return (64,) * len(HANDOFF_ROWS) if role == "decode" else ()
+    return None
+
+
 @dataclass
 class KVPool:
     num_pages: int
@@ -62,18 +78,23 @@ class KVPool:
     mla: bool = False
     #: Tokens per page (the layout's ``page_size``; both sides must agree).
     page_tokens: int = PAGE_TOKENS
-    #: The serving engine whose pool this one is shaped as (``bench --decode-engine``): ''
-    #: (kvtransport's own: a buffer per region, none named), ``sglang`` (the same buffers, its
-    #: layout naming SGLang and a prefill role), or ``vllm`` (vLLM 0.33's LBNHC: one buffer per
-    #: layer, a head's K and V side by side in each token; ``num_layers`` still counts SGLang's
-    #: K and V buffers, ``item_len`` SGLang's page).
+    #: The serving engine whose pool this one is shaped as (``bench --decode-engine`` /
+    #: ``--prefill-engine``): '' (kvtransport's own: a buffer per region, none named),
+    #: ``sglang`` (the same buffers, its layout naming SGLang and ``role``; a decode states aux
+    #: rows for the first token's handoff, spi.handoff), or ``vllm`` (vLLM 0.33's LBNHC: one
+    #: buffer per layer, a head's K and V side by side in each token, and the connector's
+    #: handoff arena; ``num_layers`` still counts SGLang's K and V buffers, ``item_len``
+    #: SGLang's page). The aux slots of an engine's pool are that engine's, not ``aux_slots``.
     engine: str = ""
+    role: str = "prefill"
     _cuda: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         allocate = shm.allocate if self.shared else shm.allocate_private
         if self.engine not in ("", "sglang", "vllm") or (self.engine == "vllm" and (self.mla or self.num_layers % 2)):
             raise ValueError(f"a pool shaped as {self.engine!r} with {self.num_layers} buffers (MLA: {self.mla})")
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(f"a pool's role is prefill or decode, not {self.role!r}")
         vllm = self.engine == "vllm"
         #: This pool's buffers and their page size (vLLM: a K and a V page in one).
         self.region_count = self.num_layers // 2 if vllm else self.num_layers
@@ -86,7 +107,11 @@ class KVPool:
 
             self._cuda = CudaDriver(self.device)
             self.buffers = [DeviceBuffer(self._cuda, size) for _ in range(self.region_count)]
-        self.aux = [allocate(self.aux_slots * self.aux_item_len)] if self.aux_slots else []
+        aux_lens = _engine_aux(self.engine, self.role)
+        if aux_lens is None:
+            aux_lens = (self.aux_item_len,) if self.aux_slots else ()
+        slots = ENGINE_AUX_SLOTS if self.engine else self.aux_slots
+        self.aux = [allocate(slots * n) for n in aux_lens]
         self.state_buffers: list[list[Any]] = [
             [self._buffer(allocate, items * item_len) for _ in range(buffers)]
             for items, item_len, buffers in self.state
@@ -100,7 +125,7 @@ class KVPool:
             kind=kind,
             aux_data_ptrs=[b.ptr for b in self.aux],
             aux_data_lens=[b.size for b in self.aux],
-            aux_item_lens=[self.aux_item_len] * len(self.aux),
+            aux_item_lens=list(aux_lens),
             state_data_ptrs=[b.ptr for b in flat],
             state_data_lens=[b.size for b in flat],
             state_item_lens=[item_len for _, item_len, buffers in self.state for _ in range(buffers)],
@@ -109,7 +134,9 @@ class KVPool:
         total, tp_size, tp_rank = self.tp if self.tp is not None else (0, 1, 0)
         heads = len(self._heads())
         if self.engine:
-            extra: dict[str, Any] = {"engine": "sglang", "role": "prefill"}
+            extra: dict[str, Any] = {"engine": "sglang", "role": self.role}
+            if self.role == "decode":
+                extra |= {"aux_rows": {name: i for i, name in enumerate(HANDOFF_ROWS)}, "speculative": False}
             if vllm:
                 extra = {"engine": "vllm", "block_size": self.page_tokens, "token_layout": "NHD", "packing": "layer"}
             head_bytes = self.item_len // (self.page_tokens * heads)
@@ -124,7 +151,7 @@ class KVPool:
                 tp_rank=tp_rank,
                 total_kv_heads=total or heads,
                 kv_item_lens=(self.region_item,) * self.region_count,
-                aux_item_lens=(self.aux_item_len,) * len(self.aux),
+                aux_item_lens=aux_lens,
                 memory=kind,
                 extra=extra,
             )
@@ -220,9 +247,17 @@ class KVPool:
         return ((row[..., None] + byte) % 251).astype(np.uint8)
 
     def fill_heads(self) -> None:
-        """Every page of every region: rows of heads a peer can check without this pool."""
+        """Every page of every region: rows of heads a peer can check without this pool. A
+        vLLM-shaped pool holds in layer ``l``'s block, for each token and head, the K row an
+        SGLang-shaped pool's region ``l`` holds, then the V row of its region ``layers + l``."""
+        pages = np.arange(self.num_pages)
         for i, b in enumerate(self.buffers):
-            b.array[:] = self._head_rows(i, np.arange(self.num_pages), self._heads()).reshape(-1)
+            if self.engine == "vllm":
+                k = self._head_rows(i, pages, self._heads())
+                v = self._head_rows(self.region_count + i, pages, self._heads())
+                b.array[:] = np.stack([k, v], axis=3).reshape(-1)
+            else:
+                b.array[:] = self._head_rows(i, pages, self._heads()).reshape(-1)
 
     def check_heads(self, src_pages: list[int], dst_pages: list[int]) -> str:
         """'' when page ``dst_pages[k]`` holds, in every region, what :meth:`fill_heads` of a

@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--listen", default="tcp://127.0.0.1:0", help="the endpoint's listen address")
     p.add_argument("--page-tokens", type=int, default=PAGE_TOKENS, help="tokens per page of the layout")
     p.add_argument("--engine", default="", choices=("", "sglang", "vllm"), help="shape the pool as this engine's")
+    p.add_argument("--role", default="prefill", choices=("prefill", "decode"), help="the engine pool's role")
     p.add_argument("--cpus", default="", help="run on these CPUs only, comma-separated (bench --pin)")
     args = p.parse_args(argv)
     if args.cpus:
@@ -79,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         mla=args.mla,
         page_tokens=args.page_tokens,
         engine=args.engine,
+        role=args.role,
     )
     if args.seed:
         pool.fill(args.seed)
