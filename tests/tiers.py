@@ -109,6 +109,7 @@ FULL: dict[str, list[str]] = {
     "test_bench": [
         "test_bench_with_unequal_tp_checks_every_head*",
         "test_bench_across_engines_regroups_sglang_pages_into_vllm_blocks_with_every_head_checked",
+        "test_bench_across_engines_regroups_vllm_blocks_into_sglang_pages_with_every_head_checked",
         "test_bench_moves_verified_bytes_and_compares_with_the_raw_engine[None]",
         "test_bench_pin_runs_each_process_on_cpus_of_its_own_and_gives_them_back",
         "test_bench_compares_a_staged_driver_with_the_driver_it_stages_over",
@@ -140,7 +141,12 @@ FULL: dict[str, list[str]] = {
         "test_different_tp_sizes_without_the_models_heads_are_refused_clearly*",
         "test_pages_wait_for_the_forward_sglang_asked_the_sender_to_wait_for*",
     ],
-    "test_sglang_plugin": ["test_without_the_plugin_sglang_refuses_the_backend_name"],
+    # SGLang's own argument resolution in a process (seconds); the manager's refusal of the
+    # same policy is in the fast tier (test_sglang)
+    "test_sglang_plugin": [
+        "test_without_the_plugin_sglang_refuses_the_backend_name",
+        "test_sglang_refuses_the_prefill_complete_allocation_policy_for_this_backend",
+    ],
     "test_engine_faults": [
         "test_peer_advertising_unusable_connection_info_is_refused_and_others_still_served*",
         "test_decode_killed_mid_transfer_fails_typed_and_prefill_serves_others[mooncake-gdr]",
