@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -330,6 +331,27 @@ def test_the_first_token_handoff_goes_into_the_named_rows_of_the_aux_slot() -> N
     assert whole.expected_bytes(claim) == decode.regions.kv[0].item_len * 4 + sum(SGLANG_AUX)
 
 
+def test_a_handoff_row_smaller_than_stated_is_refused_before_a_byte_is_written() -> None:
+    """The planner's own check, behind the handshake's: rows are written where the peer's
+    regions lie, with the lengths its layout states; a row region with smaller items (which
+    the handshake refuses) raises InvalidPages instead of writing over the next slot."""
+    decode = SglangPool(2, 4, 4, 2, 8, 1, 0, 2)
+    lens = (*SGLANG_AUX[:9], 8)
+    rows = [np.zeros((8, n), dtype=np.uint8) for n in lens]
+    decode_regions = RegionSet(
+        kv=decode.regions.kv,
+        aux=tuple(Region(int(r.ctypes.data), r.nbytes, HOST, r.shape[1], f"aux{i}") for i, r in enumerate(rows)),
+    )
+    regions, prefill_layout, _ = as_vllm_prefill(VllmPool("LBNHC", 2, 4, 4, 4, 2, 8, 1, 0))
+    plan = PairPlan(regions, prefill_layout, decode_regions, as_sglang_decode(decode.layout), max_run_bytes=None)
+    transfer = SimpleNamespace(
+        tag="7", dst_pages=np.asarray([2]), dst_page_list=None, sent_pages=0, dst_aux=7, dst_state=()
+    )
+    with pytest.raises(InvalidPages, match="aux row 9 cannot take 64 bytes"):
+        plan.chunk_runs(transfer, np.asarray([0]), True, 0, None)  # type: ignore[arg-type]
+    assert not any(r.any() for r in rows)
+
+
 @pytest.mark.parametrize(
     ("decode_extra", "vllm_change", "reason"),
     [
@@ -341,6 +363,7 @@ def test_the_first_token_handoff_goes_into_the_named_rows_of_the_aux_slot() -> N
         ({"aux_rows": {"output_ids": 0, "cached_tokens": 4, "bootstrap_room": 9}}, {}, "cached_tokens row has 16"),
         ({}, {"aux_item_lens": ()}, "no handoff slots"),
         ({}, {"extra": {"engine": "vllm", "role": "decode"}}, "neither prefills"),
+        ({"role": "prefill"}, {"extra": {"engine": "vllm", "role": "prefill"}}, "neither decodes"),
         ({"role": "both"}, {}, "only SGLang prefill and decode ranks pair"),
     ],
 )

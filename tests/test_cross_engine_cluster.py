@@ -151,7 +151,7 @@ def test_a_vllm_prefill_feeds_an_sglang_decode_byte_exact(
     cluster = sglang_decode
     cluster.configure(page_size=16, driver=driver)
     bootstrap = f"127.0.0.1:{cluster.bootstrap_port}"
-    config = engine_config(prefill_tp, prefix_caching=False, **MODEL, **({"layouts": [layout]} if layout else {}))
+    config = engine_config(prefill_tp, **MODEL, **({"layouts": [layout]} if layout else {}))
     config["extra"] = {**config["extra"], "sglang_bootstrap": bootstrap}
     prefill = Instance("prefill", config, instance_env(driver))
     try:
@@ -170,14 +170,23 @@ def test_a_vllm_prefill_feeds_an_sglang_decode_byte_exact(
                     "expect_aux": {"output_id": VLLM_FIRST_TOKEN, "cached_tokens": 0},
                 }
             )
+        # Sent once the others ended: its first two blocks are the 48-token prompt's, found in
+        # vLLM's prefix cache, which SGLang's decode reports as its cached tokens.
+        room = cluster.room()
+        shared = specs[3]["tokens"][:32] + prompt(room, 16)
+        late = {**specs[3], "rid": f"v{room}", "room": room, "tokens": shared}
+        late["expect_aux"] = {"output_id": VLLM_FIRST_TOKEN, "cached_tokens": 32}
         outcome: dict[str, Any] = {}
-        sglang = threading.Thread(target=lambda: outcome.setdefault("out", cluster.run(specs, timeout=60)))
+        sglang = threading.Thread(target=lambda: outcome.setdefault("out", cluster.run([*specs, late], timeout=60)))
         sglang.start()
-        for spec in specs:
-            prefill.send(
-                op="prefill", id=spec["rid"], tokens=spec["tokens"], params=params_for_sglang_decode(spec["room"])
-            )
-        ended = {spec["rid"]: prefill.wait("finished", spec["rid"], timeout=90)["reason"] for spec in specs}
+        ended = {}
+        for batch in (specs, [late]):
+            for spec in batch:
+                prefill.send(
+                    op="prefill", id=spec["rid"], tokens=spec["tokens"], params=params_for_sglang_decode(spec["room"])
+                )
+            ended |= {spec["rid"]: prefill.wait("finished", spec["rid"], timeout=90)["reason"] for spec in batch}
+        specs.append(late)
         sglang.join(timeout=120)
         out = outcome["out"]
         [rank] = cluster.decode

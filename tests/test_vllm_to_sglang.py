@@ -23,12 +23,12 @@ import pytest
 import torch
 
 from kvtransport.integrations.pairing import request_tag
-from kvtransport.integrations.vllm.scheduler_side import Handoff, SchedulerSide
+from kvtransport.integrations.vllm.scheduler_side import FirstToken, SchedulerSide
 from kvtransport.integrations.vllm.sglang_registry import parse_bootstrap
 from kvtransport.integrations.vllm.to_sglang import new_room, params_for_sglang_decode, sglang_decode_fields
 from kvtransport.integrations.vllm.worker_side import StepResults, WorkerSide
 from kvtransport.runtime.endpoint import Endpoint, Timeouts
-from kvtransport.spi.errors import ConfigError
+from kvtransport.spi.errors import ConfigError, KVTransportError
 from kvtransport.spi.memory import HOST, Region, RegionSet
 from kvtransport.testing.fake import FakeDriver
 
@@ -39,14 +39,14 @@ BLOCK = 4
 # -- the scheduler side ---------------------------------------------------------------------
 
 
-def _finished(rid: str, params: dict[str, Any] | None, output: list[int], cached: int = 0) -> SimpleNamespace:
+def _finished(rid: str, params: dict[str, Any] | None, output: list[int]) -> SimpleNamespace:
+    """A request as vLLM 0.33's ``Request`` is at ``request_finished`` (no cached count on it)."""
     return SimpleNamespace(
         request_id=rid,
         prompt_token_ids=list(range(40)),
         kv_transfer_params=params,
         num_computed_tokens=40,
         output_token_ids=output,
-        num_cached_tokens=cached,
     )
 
 
@@ -54,12 +54,35 @@ def test_a_request_for_an_sglang_decode_is_held_under_its_room_with_the_first_to
     side = SchedulerSide("engine-p", BLOCK, 2)
     side.set_addresses({0: "tcp://p:1", 1: "tcp://p:2"})
     room = 2**62 + 9
-    delay, params = side.finished(_finished("r1", params_for_sglang_decode(room), [777, 5], 16), [4, 5], completed=True)
+    request = _finished("r1", params_for_sglang_decode(room), [777, 5])
+    # vLLM's scheduler asks for external tokens with the prefix it found cached (block-aligned):
+    # that is the cached count SGLang's decode reports. A prefill request loads nothing.
+    assert side.matched_tokens(request, 16) == (0, False)
+    delay, params = side.finished(request, [4, 5], completed=True)
     assert delay is True and params is not None
     assert params["sglang_room"] == room and params["do_remote_prefill"] is False
     (hold,) = side.take_orders().holds
-    assert (hold.request, hold.blocks, hold.name, hold.handoff) == ("r1", (4, 5), str(room), Handoff(777, 16, room))
-    assert side.holding == {"r1"}
+    assert (hold.request, hold.blocks, hold.name, hold.first_token) == (
+        "r1",
+        (4, 5),
+        str(room),
+        FirstToken(777, 16, room),
+    )
+    assert side.holding == {"r1"} and not side._cached
+    # Without a prefix hit (or if vLLM never asked), the count is 0; either way nothing stays.
+    side.finished(_finished("r2", params_for_sglang_decode(room + 1), [1]), [6], completed=True)
+    assert side.take_orders().holds[0].first_token == FirstToken(1, 0, room + 1) and not side._cached
+
+
+def test_the_cached_counts_waiting_for_request_finished_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests vLLM scheduled but never finished (it calls request_finished for every request
+    it frees) cannot grow the table past its bound; a request for a vLLM decode is not kept."""
+    monkeypatch.setattr("kvtransport.integrations.vllm.scheduler_side.MAX_PENDING", 4)
+    side = SchedulerSide("engine-p", BLOCK, 1)
+    for i in range(10):
+        side.matched_tokens(_finished(f"r{i}", params_for_sglang_decode(i + 1), []), 8)
+    side.matched_tokens(_finished("v", {"do_remote_decode": True}, []), 8)
+    assert list(side._cached) == ["r6", "r7", "r8", "r9"]
 
 
 @pytest.mark.parametrize(
@@ -99,9 +122,17 @@ def test_the_proxy_gives_both_engines_the_same_room() -> None:
     assert sglang_decode_fields("[fd00::1]:9000", room)["bootstrap_host"] == "fd00::1"
 
 
-@pytest.mark.parametrize("ask", [{"logprobs": True}, {"top_logprobs": 5}])
-def test_a_request_asking_for_logprobs_is_refused_for_a_vllm_prefill(ask: dict[str, Any]) -> None:
-    with pytest.raises(ConfigError, match="logprobs cannot be prefilled by vLLM"):
+@pytest.mark.parametrize(
+    ("ask", "named"),
+    [
+        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 5}, "top logprobs"),
+        ({"token_ids_logprob": [7, 9]}, "token_ids_logprob"),
+        ({"return_sampling_mask": True}, "a sampling mask"),
+    ],
+)
+def test_a_request_asking_for_what_vllm_cannot_hand_over_is_refused(ask: dict[str, Any], named: str) -> None:
+    with pytest.raises(ConfigError, match=f"asking for {named} cannot be prefilled by vLLM"):
         params_for_sglang_decode(3, **ask)
 
 
@@ -206,7 +237,7 @@ def test_the_blocks_after_decodes_prefix_and_the_first_token_reach_sglang() -> N
     blocks 4 and 5 (not 3) into them, and the token, cached prefix and room into the slot."""
     room = 2**40 + 3
     with vllm_prefill_and_sglang_decode(arena_slots=2) as pair:
-        pair.prefill.hold("r", [3, 4, 5], str(room), Handoff(4242, 4, room))
+        pair.prefill.hold("r", [3, 4, 5], str(room), FirstToken(4242, 4, room))
         transfer = _announce(pair, str(room), [5, 0], slot=2, prefix_tokens=BLOCK)
         sent = _until_final(pair, [transfer])
         assert transfer.state.name == "SUCCESS", transfer.error
@@ -229,7 +260,7 @@ def test_handoff_slots_are_one_a_request_and_come_back_after_it() -> None:
     a third request."""
     with vllm_prefill_and_sglang_decode(arena_slots=1, delay=1.0) as pair:
         for name, token in (("11", 101), ("12", 102), ("13", 103)):
-            pair.prefill.hold(f"r{name}", [1], name, Handoff(token, 0, int(name)))
+            pair.prefill.hold(f"r{name}", [1], name, FirstToken(token, 0, int(name)))
         first = _announce(pair, "11", [2], slot=0)
         deadline = time.monotonic() + 5
         while not pair.prefill._held["r11"].sent:  # its write posted: the slot is taken
@@ -252,7 +283,7 @@ def test_handoff_slots_are_one_a_request_and_come_back_after_it() -> None:
 
 def test_an_arena_of_no_slots_gives_every_sglang_request_back_with_the_reason() -> None:
     with vllm_prefill_and_sglang_decode(arena_slots=0) as pair:
-        pair.prefill.hold("r", [1, 2], "21", Handoff(5, 0, 21))
+        pair.prefill.hold("r", [1, 2], "21", FirstToken(5, 0, 21))
         transfer = _announce(pair, "21", [0, 1], slot=0)
         sent = _until_final(pair, [transfer])
         assert transfer.state.name != "SUCCESS" and "no free handoff slot" in str(transfer.error)
@@ -273,7 +304,7 @@ def test_a_request_held_without_a_handoff_is_not_written_into_an_sglang_decode()
 
 def test_a_prefix_that_is_not_whole_blocks_is_refused_with_the_sizes() -> None:
     with vllm_prefill_and_sglang_decode(arena_slots=2) as pair:
-        pair.prefill.hold("r", [1, 2, 3], "41", Handoff(5, 0, 41))
+        pair.prefill.hold("r", [1, 2, 3], "41", FirstToken(5, 0, 41))
         transfer = _announce(pair, "41", [0], slot=0, prefix_tokens=BLOCK + 1)
         _until_final(pair, [transfer])
         assert f"prefix of {BLOCK + 1} tokens, not whole blocks of {BLOCK}" in str(transfer.error)
@@ -284,11 +315,59 @@ def test_a_second_request_under_a_held_room_is_released_at_once(caplog: pytest.L
     """Two requests the proxy gave one room: decode's announcement names the room, so only the
     first may answer it; the second's blocks go back to vLLM on the next step."""
     with vllm_prefill_and_sglang_decode(arena_slots=2) as pair:
-        pair.prefill.hold("a", [1], "51", Handoff(1, 0, 51))
-        pair.prefill.hold("b", [2], "51", Handoff(2, 0, 51))
+        pair.prefill.hold("a", [1], "51", FirstToken(1, 0, 51))
+        pair.prefill.hold("b", [2], "51", FirstToken(2, 0, 51))
         assert "as another held request is" in caplog.text
         assert pair.prefill.poll().finished_sending == {"b"}
         transfer = _announce(pair, "51", [0], slot=1)
         sent = _until_final(pair, [transfer])
         assert transfer.state.name == "SUCCESS", transfer.error
         assert sent.finished_sending == {"a"} and _token_row(pair, 1) == 1
+
+
+def test_a_handoff_slot_comes_back_when_the_decode_goes_away_mid_write() -> None:
+    """The slot is the request's from its write until its transfer ends, however it ends: a
+    decode that closes while the write (1 s) is in flight fails the transfer, and the slot
+    and the blocks go back."""
+    with vllm_prefill_and_sglang_decode(arena_slots=1, delay=1.0) as pair:
+        pair.prefill.hold("r", [1], "61", FirstToken(6, 0, 61))
+        _announce(pair, "61", [2], slot=0)
+        deadline = time.monotonic() + 5
+        while not pair.prefill._held["r"].sent:
+            assert time.monotonic() < deadline
+            pair.prefill.poll()
+            time.sleep(0.005)
+        assert pair.prefill._free_slots == []
+        pair.decode.close()
+        sent = StepResults()
+        deadline = time.monotonic() + 10
+        while "r" not in sent.finished_sending:
+            assert time.monotonic() < deadline, pair.prefill.stats()
+            sent.finished_sending |= pair.prefill.poll().finished_sending
+            time.sleep(0.01)
+        assert pair.prefill._free_slots == [0] and pair.prefill.held == 0 and not pair.prefill._names
+
+
+def test_a_decode_stating_other_aux_rows_than_it_registered_is_refused_and_others_served() -> None:
+    """A buggy or hostile SGLang decode whose layout states a 512-byte room row over a 64-byte
+    registered one would have the handoff write across other slots' rows: the prefill refuses
+    its handshake (the stated lengths must be the registered ones) and serves the next decode."""
+    with vllm_prefill_and_sglang_decode(arena_slots=2) as pair:
+        stated = as_sglang_decode(pair.sglang.layout)
+        liar = Endpoint(
+            pair.decode.regions,
+            dataclasses.replace(stated, aux_item_lens=(*SGLANG_AUX[:9], 512)),
+            drivers={"fake": FakeDriver},
+            name="liar",
+            timeouts=FAST,
+        )
+        try:
+            with pytest.raises(KVTransportError, match=r"aux items of .* its regions hold"):
+                liar.connect(pair.prefill.address)
+        finally:
+            liar.close()
+        pair.prefill.hold("r", [1], "71", FirstToken(7, 0, 71))
+        transfer = _announce(pair, "71", [0], slot=1)
+        _until_final(pair, [transfer])
+        assert transfer.state.name == "SUCCESS", transfer.error
+        assert _token_row(pair, 1) == 7

@@ -83,6 +83,14 @@ def read_peer(msg_hello: Any, msg_regions: Any) -> tuple[Hello, RegionSet]:
         )
     if hello.layout is not None and hello.layout.state_item_lens not in ((), regions.state_item_lens):
         raise ProtocolError("the peer's layout describes other state buffers than its regions hold")
+    # A first-token handoff into an SGLang decode writes rows of the lengths its layout states
+    # (spi.handoff): they must be the registered aux regions' own.
+    aux_lens = tuple(r.item_len for r in regions.aux)
+    if hello.layout is not None and hello.layout.aux_item_lens not in ((), aux_lens):
+        raise ProtocolError(
+            f"the peer's layout says aux items of {list(hello.layout.aux_item_lens)[:4]}... bytes, its regions hold "
+            f"{list(aux_lens)[:4]}..."
+        )
     return hello, regions
 
 

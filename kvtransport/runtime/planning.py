@@ -172,8 +172,16 @@ class PairPlan:
         (the rows back to back) into the rows of the peer's aux slot ``dst_slot`` (checked
         against the peer's regions when it was announced)."""
         arena = self.regions.aux[0]
+        peer = self.peer_regions.aux
+        # The rows and lengths come from the peer's stated layout, the addresses from its
+        # regions (the handshake checked they agree): every row stays inside its own item.
+        if not 0 <= slot < arena.num_items or arena.item_len < handoff.total_bytes:
+            raise InvalidPages(f"handoff slot {slot} is outside this side's arena of {arena.num_items} slots")
+        for r, n in zip(handoff.rows, handoff.lengths, strict=True):
+            if r >= len(peer) or n > peer[r].item_len or dst_slot >= peer[r].num_items:
+                raise InvalidPages(f"the peer's aux row {r} cannot take {n} bytes in slot {dst_slot}")
         base = arena.ptr + slot * arena.item_len
-        dst = [self.peer_regions.aux[r].ptr + dst_slot * self.peer_regions.aux[r].item_len for r in handoff.rows]
+        dst = [peer[r].ptr + dst_slot * peer[r].item_len for r in handoff.rows]
         return Runs.of_lists([base + off for off in handoff.offsets], dst, list(handoff.lengths))
 
     def part_runs(self, chunk: Chunk, kv: Sequence[int] | None, *, tail: bool) -> Runs:

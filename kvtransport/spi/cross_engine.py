@@ -58,13 +58,15 @@ def _direction_problem(a: ShardedLayout, b: ShardedLayout, mine: str, theirs: st
     (sglang, where), (vllm, there) = ends["sglang"], ends["vllm"]
     role = _role(sglang)
     if role == "prefill":
+        if _role(vllm) == "prefill":
+            return f"engine: an SGLang prefill {where} and a vLLM prefill (kv_producer) {there}: neither decodes"
         return ""  # vLLM decodes (a kv_both instance may too): its blocks take the pages
     if role != "decode":
         return (
             f"engine: an SGLang {role} {where} paired with a vLLM instance: only SGLang prefill and decode ranks pair"
         )
     if _role(vllm) == "decode":
-        return f"engine: an SGLang decode {where} and a vLLM decode {there}: neither prefills"
+        return f"engine: an SGLang decode {where} and a vLLM decode (kv_consumer) {there}: neither prefills"
     problem = handoff_problem(sglang)
     if problem:
         return f"engine: a vLLM prefill {there} cannot feed the SGLang decode {where}: {problem}"

@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from kvtransport.spi.page_geometry import engine_of
+
 __all__ = ["HANDOFF_ROWS", "HANDOFF_SLOT_BYTES", "Handoff", "handoff_between", "handoff_problem", "slot_content"]
 
 #: The rows a vLLM prefill writes into an SGLang decode's aux slot, in the order they lie in the
@@ -56,12 +58,9 @@ class Handoff:
         return sum(self.lengths)
 
 
-def _engine(layout: Any) -> str:
-    return str(layout.extra.get("engine") or "")
-
-
-def _role(layout: Any) -> str:
-    return str(layout.extra.get("role") or "")
+def _is_sglang_decode(layout: Any) -> bool:
+    """Whether ``layout`` is an SGLang decode rank's (its stated engine and role)."""
+    return engine_of(layout) == "sglang" and layout.extra.get("role") == "decode"
 
 
 def handoff_problem(reader: Any) -> str:
@@ -75,8 +74,8 @@ def handoff_problem(reader: Any) -> str:
     stated = reader.extra.get("aux_rows")
     if not isinstance(stated, Mapping) or set(stated) != set(HANDOFF_ROWS):
         return (
-            f"the SGLang decode does not state which aux regions hold {', '.join(HANDOFF_ROWS)} (extra 'aux_rows'; "
-            "its kvtransport is older than this one?)"
+            f"the SGLang decode does not state which aux regions hold {', '.join(HANDOFF_ROWS)} (extra 'aux_rows'): "
+            "its kvtransport is older than 0.7.0, or it did not recognise SGLang's aux buffers (it says so at start)"
         )
     lens = tuple(reader.aux_item_lens)
     rows = [stated[name] for name in HANDOFF_ROWS]
@@ -102,7 +101,7 @@ def handoff_between(writer: Any, reader: Any) -> Handoff | None:
     region by region, or not at all)."""
     if writer is None or reader is None:
         return None
-    if _engine(writer) != "vllm" or _engine(reader) != "sglang" or _role(reader) != "decode":
+    if engine_of(writer) != "vllm" or not _is_sglang_decode(reader):
         return None
     if handoff_problem(reader):
         return None

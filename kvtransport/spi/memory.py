@@ -17,7 +17,7 @@ from typing import Any
 
 from kvtransport.spi.cross_engine import cross_engine_problems
 from kvtransport.spi.errors import MemoryLayoutError
-from kvtransport.spi.page_geometry import different_engines
+from kvtransport.spi.page_geometry import different_engines, engine_of
 from kvtransport.spi.tp_map import unequal_tp_problems
 
 _CUDA_KIND = re.compile(r"^cuda:(\d{1,4})$")
@@ -381,6 +381,9 @@ class KVLayout:
         # Unequal TP shards MHA heads differently on the two sides: per-rank page sizes and
         # head counts differ, and tp_map decides what each pair of ranks moves.
         sliced = self.tp_size != other.tp_size and self.kv_split == other.kv_split == "kv"
+        # vLLM instances move no aux slot between them: their aux region is the handoff arena
+        # for SGLang decodes (spi.handoff, new in 0.7.0), which an older peer does not have.
+        both_vllm = engine_of(self) == engine_of(other) == "vllm"
         for name in (
             "page_size",
             "dtype",
@@ -399,6 +402,8 @@ class KVLayout:
                 # sizes (kv_item_lens, checked too) already mean the bytes line up.
                 continue
             if sliced and name in ("num_kv_heads", "kv_item_lens"):
+                continue
+            if both_vllm and name == "aux_item_lens":
                 continue
             if a != b:
                 problems.append(f"{name}: {a!r} {mine}, {b!r} {theirs}")

@@ -175,8 +175,9 @@ def aux_rows(args: KVArgs, server_args: Any) -> dict[str, int] | None:
     lens = [int(n) for n in getattr(args, "aux_item_lens", [])]
     checksum = bool(_setting("disagg", "disaggregation_enable_kv_checksum", server_args, False))
     room = len(lens) - (2 if checksum else 1)
-    # Ten rows at least (the nine SGLang always has, and the room's); each of the three 64 bytes.
-    if len(lens) < 10 or any(lens[i] != 64 for i in (0, 1, room)):
+    # The nine rows SGLang always has and the room's, with DSA's top-k row (+1) and the sampling
+    # mask's three (+3) or not: any other count is an SGLang whose rows may have moved.
+    if len(lens) - checksum not in (10, 11, 13, 14) or any(lens[i] != 64 for i in (0, 1, room)):
         return None
     return {"output_ids": 0, "cached_tokens": 1, "bootstrap_room": room}
 

@@ -149,6 +149,13 @@ class KVTransportKVManager(BaseKVManager):
         if self.mode == "decode" and not is_mla_backend and not heads:
             # A vLLM prefill regroups its blocks into this rank's pages by head (spi.page_geometry).
             heads, total_heads = model_kv_heads(server_args, self.tp_size)
+        handoff_rows = aux_rows(args, server_args) if self.mode == "decode" else None
+        if self.mode == "decode" and handoff_rows is None:
+            log.warning(
+                "kvtransport SGLang decode: its %d aux buffers are not in the order kvtransport knows (SGLang "
+                "0.5.23's MetadataBuffers); a vLLM prefill cannot feed this instance (SGLang prefills can)",
+                len(getattr(args, "aux_item_lens", []) or []),
+            )
         layout = KVLayout(
             page_size=int(args.page_size),
             dtype=str(getattr(args, "kv_cache_dtype_str", "") or "unknown"),
@@ -174,9 +181,7 @@ class KVTransportKVManager(BaseKVManager):
                 "role": self.mode,
                 "kv_dtype": kv_dtype_name(args, server_args),
                 **(
-                    {"aux_rows": aux_rows(args, server_args), "speculative": speculative(server_args)}
-                    if self.mode == "decode"
-                    else {}
+                    {"aux_rows": handoff_rows, "speculative": speculative(server_args)} if self.mode == "decode" else {}
                 ),
             },
         )

@@ -60,6 +60,9 @@ DEFAULT_LEASE_S = 480.0
 ENV_LISTEN_HOST = "KVTRANSPORT_VLLM_LISTEN_HOST"
 #: SGLang's layer-wise switch (integrations.sglang.layerwise), said to have no effect here.
 ENV_LAYERWISE = "KVTRANSPORT_LAYERWISE"
+#: vLLM's ``kv_role`` as the role a layout states.
+_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
+
 #: Slots of a worker's handoff arena: the first-token handoffs to SGLang decodes it can be
 #: writing at once (one a request from its announcement to its last write; spi.handoff).
 HANDOFF_SLOTS = 1024
@@ -216,7 +219,16 @@ class KVTransportConnector(KVConnectorBase_V1):
         arena = Region(int(self._arena.ctypes.data), self._arena.nbytes, HOST, HANDOFF_SLOT_BYTES, "aux[handoff]")
         endpoint = Endpoint(
             dataclasses.replace(kv.regions, aux=(arena,)),
-            dataclasses.replace(kv.layout, aux_item_lens=(HANDOFF_SLOT_BYTES,)),
+            dataclasses.replace(
+                kv.layout,
+                aux_item_lens=(HANDOFF_SLOT_BYTES,),
+                # The role kv_role gives this instance: an SGLang decode pairs with a vLLM
+                # prefill only (spi.cross_engine).
+                extra={
+                    **kv.layout.extra,
+                    "role": _ROLES.get(str(self._vllm_config.kv_transfer_config.kv_role), "both"),
+                },
+            ),
             listen=f"tcp://{host}:0",
             name=f"vllm:{self.engine_id[:12]}:tp{tp_rank}",
         )
@@ -268,7 +280,7 @@ class KVTransportConnector(KVConnectorBase_V1):
             return
         worker = self._work()
         for hold in meta.orders.holds:
-            worker.hold(hold.request, hold.blocks, hold.name, hold.handoff)
+            worker.hold(hold.request, hold.blocks, hold.name, hold.first_token)
         for load in meta.orders.loads:
             if load.remote is None:
                 worker.fail_load(load.request, load.blocks, ConfigError(load.error))

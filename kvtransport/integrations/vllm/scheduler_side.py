@@ -29,11 +29,14 @@ from kvtransport.spi.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Handoff", "HoldOrder", "LoadOrder", "Orders", "SchedulerSide"]
+#: Requests scheduled for an SGLang decode whose cached count waits for request_finished.
+MAX_PENDING = 65_536
+
+__all__ = ["FirstToken", "HoldOrder", "LoadOrder", "Orders", "SchedulerSide"]
 
 
 @dataclass(frozen=True)
-class Handoff:
+class FirstToken:
     """Prefill for an SGLang decode: what its aux slot gets with the KV (spi.handoff): the
     first output token, the prefix found cached, and the bootstrap room the proxy named."""
 
@@ -46,12 +49,12 @@ class Handoff:
 class HoldOrder:
     """Prefill: hold ``blocks`` of ``request`` until decode read them; decode names them
     ``name`` (the request's id, or for an SGLang decode its bootstrap room), and an SGLang
-    decode gets ``handoff`` in its aux slot."""
+    decode gets ``first_token`` in its aux slot."""
 
     request: str
     blocks: tuple[int, ...]
     name: str = ""
-    handoff: Handoff | None = None
+    first_token: FirstToken | None = None
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,9 @@ class SchedulerSide:
         #: Each TP rank's control address, from the workers' handshake metadata.
         self.addresses: dict[int, str] = {}
         self._params: dict[str, RemotePrefill | ConfigError] = {}
+        #: Prefill for SGLang decodes: the tokens of each request's prompt found in vLLM's prefix
+        #: cache when it was scheduled (its first-token handoff's cached count).
+        self._cached: dict[str, int] = {}
         self._orders = Orders()
         #: Prefill: requests whose blocks the workers hold for decode.
         self.holding: set[str] = set()
@@ -113,6 +119,14 @@ class SchedulerSide:
         beyond what this instance holds, asynchronously. Unusable params still take the load
         path, which then fails with their error (never a silent local prefill)."""
         params = request.kv_transfer_params
+        if isinstance(params, Mapping) and params.get("sglang_room") is not None:
+            # Prefill for an SGLang decode: the prefix vLLM found cached is the cached count
+            # SGLang's decode reports (vLLM's Request keeps none to read at request_finished).
+            # vLLM calls request_finished for every request it frees, which pops it; the bound
+            # is for requests it never scheduled.
+            if len(self._cached) >= MAX_PENDING and request.request_id not in self._cached:
+                self._cached.pop(next(iter(self._cached)))
+            self._cached[request.request_id] = max(0, int(num_computed_tokens))
         if not is_remote_prefill(params):
             return 0, False
         remote = self._remote(request)
@@ -143,6 +157,7 @@ class SchedulerSide:
         for decode and returns the params decode needs (``True``: vLLM frees the blocks only
         once a worker reports it finished sending)."""
         self._params.pop(request.request_id, None)
+        cached = self._cached.pop(request.request_id, 0)
         params = request.kv_transfer_params
         if not is_remote_decode(params) or not completed or not block_ids:
             return False, None
@@ -170,7 +185,7 @@ class SchedulerSide:
             log.error("kvtransport vLLM prefill: request %s cannot be offered to decode: %s", request.request_id, exc)
             return False, None
         if room is not None:
-            return self._hold_for_sglang(request, blocks, room, num_tokens)
+            return self._hold_for_sglang(request, blocks, room, num_tokens, cached)
         self._orders.holds.append(HoldOrder(request.request_id, blocks, request.request_id))
         self.holding.add(request.request_id)
         remote = RemotePrefill(
@@ -186,7 +201,7 @@ class SchedulerSide:
         return True, sign(remote, self.secret).to_params()
 
     def _hold_for_sglang(
-        self, request: Any, blocks: tuple[int, ...], room: int, num_tokens: int
+        self, request: Any, blocks: tuple[int, ...], room: int, num_tokens: int, cached: int
     ) -> tuple[bool, dict[str, Any] | None]:
         """``finished`` for an SGLang decode: held under the room (the tag SGLang's decode
         announces), with the first token for its aux slot. SGLang's decode finds the ranks at
@@ -200,9 +215,8 @@ class SchedulerSide:
                 room,
             )
             return False, None
-        cached = max(0, int(getattr(request, "num_cached_tokens", 0) or 0))
-        handoff = Handoff(int(output[0]), cached, room)
-        self._orders.holds.append(HoldOrder(request.request_id, blocks, str(room), handoff))
+        first = FirstToken(int(output[0]), cached, room)
+        self._orders.holds.append(HoldOrder(request.request_id, blocks, str(room), first))
         self.holding.add(request.request_id)
         return True, {
             "do_remote_prefill": False,

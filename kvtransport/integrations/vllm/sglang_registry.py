@@ -51,23 +51,32 @@ class SGLangRegistration:
         self.server: BootstrapServer | None = None
         if tp_rank == 0 and discovery is None:
             self.server = BootstrapServer(host, port)
-        name = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        self.directory: Directory = directory_for(name, discovery)
-        layout = endpoint.layout
-        self.directory.keep_registered(
-            {
-                "address": str(endpoint.address),
-                "tp_rank": tp_rank,
-                "tp_size": tp_size,
-                "dp_rank": 0,
-                "dp_size": 1,
-                "follow_bootstrap_room": True,
-                "page_size": block_size,
-                "kv_cache_dtype": str(layout.dtype)[:64],
-                "endpoint": endpoint.name,
-            },
-            first_wait=FIRST_WAIT_S,
-        )
+        directory: Directory | None = None
+        try:
+            name = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            self.directory = directory = directory_for(name, discovery)
+            layout = endpoint.layout
+            self.directory.keep_registered(
+                {
+                    "address": str(endpoint.address),
+                    "tp_rank": tp_rank,
+                    "tp_size": tp_size,
+                    "dp_rank": 0,
+                    "dp_size": 1,
+                    "follow_bootstrap_room": True,
+                    "page_size": block_size,
+                    "kv_cache_dtype": str(layout.dtype)[:64],
+                    "endpoint": endpoint.name,
+                },
+                first_wait=FIRST_WAIT_S,
+            )
+        except BaseException:
+            # Started but never registered: the registry's port and threads go with it.
+            if directory is not None:
+                directory.close()
+            if self.server is not None:
+                self.server.close()
+            raise
         log.info(
             "kvtransport vLLM worker tp=%d/%d registered for SGLang decodes at %s%s",
             tp_rank,

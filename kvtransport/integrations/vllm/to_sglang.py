@@ -11,13 +11,15 @@ request's blocks under the room; each SGLang decode rank announces its pages und
 vLLM worker writes them, regrouped into SGLang's pages, with the first token's handoff in the
 decode's aux slot (spi.handoff).
 
-SGLang's decode reads a request's first-token logprobs from that aux slot too; vLLM's prefill
-hands a connector none, so a request asking for logprobs is refused here (prefill it on SGLang).
+SGLang's decode reads a request's first-token logprobs and sampling mask from that aux slot too;
+vLLM's prefill hands a connector none, so a request asking for either is refused here (prefill it
+on SGLang).
 """
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 from typing import Any
 
 from kvtransport.integrations.vllm.sglang_registry import parse_bootstrap
@@ -33,21 +35,40 @@ def new_room() -> int:
 
 
 def _room(room: int) -> int:
+    """``room`` if SGLang could have made it, else :class:`ConfigError` with the range."""
     if isinstance(room, bool) or not isinstance(room, int) or not 0 < room < 2**63:
         raise ConfigError(f"bootstrap room must be a whole number in [1, 2**63), got {room!r}")
     return room
 
 
-def params_for_sglang_decode(room: int, *, logprobs: bool = False, top_logprobs: int = 0) -> dict[str, Any]:
+def params_for_sglang_decode(
+    room: int,
+    *,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
+    token_ids_logprob: Sequence[int] | None = None,
+    return_sampling_mask: bool = False,
+) -> dict[str, Any]:
     """``kv_transfer_params`` for the vLLM prefill request whose KV the SGLang decode request of
-    bootstrap room ``room`` reads. ``logprobs``/``top_logprobs``: what the client asked of the
-    request; :class:`ConfigError` if any, since SGLang's decode would read the first token's
-    logprobs from an aux slot a vLLM prefill cannot fill."""
-    if logprobs or top_logprobs:
+    bootstrap room ``room`` reads. The keywords: what the client asked of the request (SGLang's
+    ``return_logprob``, ``top_logprobs_num``, ``token_ids_logprob``, ``return_sampling_mask``);
+    :class:`ConfigError` if any, since SGLang's decode would read the first token's logprobs or
+    sampling mask from aux rows a vLLM prefill cannot fill (it would report zeros)."""
+    asked = [
+        name
+        for name, value in (
+            ("logprobs", logprobs),
+            ("top logprobs", top_logprobs),
+            ("token_ids_logprob", token_ids_logprob),
+            ("a sampling mask", return_sampling_mask),
+        )
+        if value
+    ]
+    if asked:
         raise ConfigError(
-            "a request asking for logprobs cannot be prefilled by vLLM for an SGLang decode: SGLang's decode reads "
-            "the first token's logprobs from the aux slot its prefill writes, and vLLM's prefill hands a connector "
-            "none (prefill such requests on SGLang)"
+            f"a request asking for {' and '.join(asked)} cannot be prefilled by vLLM for an SGLang decode: SGLang's "
+            "decode reads the first token's from the aux slot its prefill writes, and vLLM's prefill hands a "
+            "connector none (prefill such requests on SGLang)"
         )
     return {"do_remote_decode": True, "sglang_room": _room(room)}
 

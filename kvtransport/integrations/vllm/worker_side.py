@@ -30,7 +30,7 @@ import numpy.typing as npt
 
 from kvtransport.integrations.pairing import pairing_problem, request_tag, tp_pairing_problem
 from kvtransport.integrations.vllm.params import RemotePrefill
-from kvtransport.integrations.vllm.scheduler_side import Handoff
+from kvtransport.integrations.vllm.scheduler_side import FirstToken
 from kvtransport.runtime.endpoint import Connection, Endpoint, State, Transfer
 from kvtransport.runtime.fanin import FanIn, PartialAnnouncement, expect_from
 from kvtransport.spi.errors import (
@@ -75,14 +75,14 @@ class StepResults:
 @dataclass
 class _Held:
     """Prefill: one finished request's blocks, held for the decode ranks this rank feeds
-    (which announce them as ``name``; an SGLang decode's also take ``handoff`` in their aux
+    (which announce them as ``name``; an SGLang decode's also take ``first_token`` in their aux
     slot, written from this rank's handoff slot ``slot``)."""
 
     request: str
     blocks: npt.NDArray[np.int64]
     deadline: float
     name: str = ""
-    handoff: Handoff | None = None
+    first_token: FirstToken | None = None
     parts: dict[str, Transfer] = field(default_factory=dict)
     targets: list[str] = field(default_factory=list)
     sent: bool = False
@@ -155,6 +155,8 @@ class WorkerSide:
         self.lease_s = lease_s
         self._clock = clock
         self._held: dict[str, _Held] = {}
+        #: The name decode announces each held request under -> the request (one each).
+        self._names: dict[str, str] = {}
         self._loads: dict[str, _Load] = {}
         self._peers_lock = threading.Lock()
         self._failed_at: dict[str, float] = {}
@@ -171,18 +173,18 @@ class WorkerSide:
 
     # -- prefill ------------------------------------------------------------------------------
 
-    def hold(self, request: str, blocks: Sequence[int], name: str = "", handoff: Handoff | None = None) -> None:
+    def hold(self, request: str, blocks: Sequence[int], name: str = "", first_token: FirstToken | None = None) -> None:
         """Hold ``blocks`` (the request's computed blocks, in order) until decode read them;
         decode announces them as ``name`` (the request's id unless said), and an SGLang decode's
-        aux slot takes ``handoff``."""
+        aux slot takes ``first_token``."""
         if request in self._held:
             log.warning("request %s: blocks already held for decode; the second hold is ignored", request)
             return
         held = _Held(
-            request, np.asarray(blocks, dtype=np.int64), self._clock() + self.lease_s, name or request, handoff
+            request, np.asarray(blocks, dtype=np.int64), self._clock() + self.lease_s, name or request, first_token
         )
         self._held[request] = held
-        if any(h.name == held.name for h in self._held.values() if h is not held):
+        if self._names.setdefault(held.name, request) != request:
             # Two requests under one SGLang room: decode's announcement could reach either. The
             # second goes back at once (its tag is the first's, which must not be refused).
             log.error(
@@ -256,14 +258,19 @@ class WorkerSide:
     def _write_handoff(self, held: _Held) -> int | None:
         """The slot of this rank's handoff arena holding ``held``'s first-token handoff for the
         SGLang decode that announced an aux slot (``None``: given back, with the reason)."""
-        conn = next(iter(held.parts.values())).connection if held.parts else None
-        rows = handoff_between(self.endpoint.layout, conn.peer_layout) if conn is not None else None
-        if held.handoff is None or rows is None:
+        if held.first_token is None:
             self._give_back(
                 held,
                 "decode announced an aux slot for the first token, but the request was not offered to an SGLang "
                 "decode (kv_transfer_params without 'sglang_room')",
             )
+            return None
+        # The decode ranks taking the slot (one, SGLang's first) state where its rows lie.
+        mine = self.endpoint.layout
+        stated = {handoff_between(mine, p.connection.peer_layout) for p in held.parts.values() if p.dst_aux >= 0}
+        rows = stated.pop() if len(stated) == 1 else None
+        if rows is None:
+            self._give_back(held, "the decode ranks announcing an aux slot do not state one set of handoff rows")
             return None
         if self._arena is None or not self._free_slots:
             why = "has no handoff arena" if self._arena is None else "has no free handoff slot"
@@ -272,7 +279,10 @@ class WorkerSide:
         slot = self._free_slots.pop()
         held.slot = slot
         content = slot_content(
-            rows, token=held.handoff.token, cached_tokens=held.handoff.cached_tokens, room=held.handoff.room
+            rows,
+            token=held.first_token.token,
+            cached_tokens=held.first_token.cached_tokens,
+            room=held.first_token.room,
         )
         self._arena[slot, : len(content)] = np.frombuffer(content, dtype=np.uint8)
         return slot
@@ -302,6 +312,8 @@ class WorkerSide:
             self._free_slots.append(held.slot)
             held.slot = -1
         self._held.pop(held.request, None)
+        if self._names.get(held.name) == held.request:
+            del self._names[held.name]
         self._results.finished_sending.add(held.request)
 
     def _poll_held(self, held: _Held, now: float) -> None:
