@@ -2,11 +2,14 @@
 kvtransport's own endpoint, on the same requests, the same connection and the same driver.
 
 A prefill process holds each request's blocks: through the connector's worker side (``hold``,
-then its per-step ``poll`` binds decode's announcement and writes) or through the endpoint
-directly (it waits for the announcement and sends). This process is decode: through the
-connector (``load``, then ``poll`` until the request is reported) or directly (``expect``, then
-``wait``). Both sides poll as tightly in both modes, so the difference is the connector's
-bookkeeping: its orders, its connection cache, its pairing checks and its reports. Requests
+then its per-step ``poll`` binds decode's announcement, writes, and learns the writes are done)
+or through the endpoint directly (it waits for the announcement, sends, and polls the sender
+until done). This process is decode: through the connector (``load``, then ``poll`` until the
+request is reported) or directly (``expect``, then its state polled until final). Both sides
+poll at the same cadence in both modes, until the same moment, so the difference is the
+connector's bookkeeping: its orders, its connection cache, its pairing checks and its reports
+(on 2 cores a side that polls while the other waits slows the transfer it shares the CPUs with,
+which would be counted as the connector's). Requests
 alternate between the modes (drift on a noisy machine hits both alike); the figures are
 medians, and the last bytes of every request are checked.
 
@@ -63,13 +66,16 @@ def serve(argv: list[str]) -> int:
     side = _worker(pool, args.driver, "bench-vllm-prefill")
     raw: dict[str, np.ndarray[Any, Any]] = {}
     senders: dict[str, Transfer] = {}
+    #: Sent through the endpoint, polled until done: an engine frees the blocks only then, as
+    #: the connector's worker side does.
+    sending: list[Transfer] = []
     reply({"address": side.address, "name": side.endpoint.name})
     fd, buffer = sys.stdin.fileno(), b""
     try:
         while True:
             # An engine step polls between forwards; 0.1 ms stands for the fastest step (a spin
             # that never waits would starve the endpoint's I/O thread of the GIL).
-            ready, _, _ = select.select([fd], [], [], STEP_S if (raw or side.held) else 0.05)
+            ready, _, _ = select.select([fd], [], [], STEP_S if (raw or sending or side.held) else 0.05)
             if ready:
                 chunk = os.read(fd, 1 << 16)
                 if not chunk:
@@ -88,6 +94,7 @@ def serve(argv: list[str]) -> int:
                         raw[cmd["tag"]] = pages
                     reply({"ok": True})
             side.poll()
+            sending = [t for t in sending if not t.state.final]
             for tag in list(raw):
                 sender = senders.get(tag)
                 if sender is None:
@@ -97,7 +104,7 @@ def serve(argv: list[str]) -> int:
                     sender = senders[tag] = conn.sender(tag)  # once: a second would be a duplicate
                 if sender.state is not State.BOOTSTRAPPING:  # the announcement is filed
                     sender.send(raw.pop(tag), last=True)
-                    del senders[tag]
+                    sending.append(senders.pop(tag))
     finally:
         side.close()
         pool.close()
@@ -133,8 +140,17 @@ def run(
             peer.call("offer", tag=tag, first=first, count=blocks, mode=mode)
             started = time.perf_counter()
             if mode == "raw":
+                # Polled at the connector's cadence, not waited on: a decode engine learns of
+                # either kind of completion at a step, and a waiting decode would leave the
+                # CPUs to the transfer that a polling one shares with it.
                 t: Transfer = conn.expect(tag, dst)
-                t.wait(60)
+                deadline = started + 60
+                while not t.state.final:
+                    if time.perf_counter() > deadline:
+                        raise KVTransportError(f"request {tag}: not complete through the endpoint within 60 s")
+                    time.sleep(STEP_S)
+                if t.state is not State.SUCCESS:
+                    raise KVTransportError(f"request {tag} failed through the endpoint: {t.error}")
             else:
                 remote = RemotePrefill("bench", tag, 1, (peer.address,), blocks * PAGE_TOKENS, blocks, PAGE_TOKENS)
                 side.load(tag, dst, 0, remote)
