@@ -207,32 +207,30 @@ def test_bench_with_unequal_tp_checks_every_head(prefill_tp: int, decode_tp: int
     assert figures["unequal"]["gbps"] > 0 and figures["equal"]["gbps"] > 0 and figures["ratio"] > 0
 
 
-def test_bench_across_engines_regroups_sglang_pages_into_vllm_blocks_with_every_head_checked() -> None:
-    """``--decode-engine vllm``: SGLang-shaped prefill ranks feeding vLLM-shaped (LBNHC) decode
-    ranks at TP 1 -> 2, each decode rank's blocks checked head by head, K then V of each token,
-    against what the prefill rank wrote; the negotiation picks a driver that gathers the runs."""
+@pytest.mark.parametrize(
+    ("engine_flag", "tp_flag", "engines"),
+    [
+        # SGLang-shaped prefill ranks into vLLM-shaped (LBNHC) decode ranks at TP 1 -> 2: each
+        # decode rank's blocks checked head by head, K then V of each token
+        ("--decode-engine", "--decode-tp", ["sglang", "vllm"]),
+        # vLLM-shaped prefill ranks (blocks, the handoff arena) at TP 2 into an SGLang-shaped
+        # decode rank (pages, stated aux rows): every head checked in SGLang's K and V buffers
+        ("--prefill-engine", "--prefill-tp", ["vllm", "sglang"]),
+    ],
+)
+def test_bench_across_engines_regroups_pages_with_every_head_checked(
+    engine_flag: str, tp_flag: str, engines: list[str]
+) -> None:
+    """The bench between two engines' pools: every head of every page checked on the decode
+    ranks against what the prefill ranks held; the negotiation picks a driver that gathers the
+    per-head runs and says why."""
     require_engines()
     args = ["bench", "--requests", "2", "--prompt-tokens", "64", "--layers", "2", "--json"]
-    proc = run_cli(*args, "--decode-engine", "vllm", "--decode-tp", "2", timeout=240)
+    proc = run_cli(*args, engine_flag, "vllm", tp_flag, "2", timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
-    assert report["engines"] == ["sglang", "vllm"] and report["decode_tp"] == 2, report
+    assert report["engines"] == engines and report[tp_flag[2:].replace("-", "_")] == 2, report
     assert report["driver"] in ("mooncake-staged", "nixl-staged"), report
-    assert "regrouped per head between vllm and sglang pools" in report["negotiated"], report
-    assert report["integrity"] == {"ok": True, "mismatches": []}
-    assert report["figures"]["ratio"] > 0
-
-
-def test_bench_across_engines_regroups_vllm_blocks_into_sglang_pages_with_every_head_checked() -> None:
-    """``--prefill-engine vllm``: vLLM-shaped prefill ranks (blocks and the handoff arena) at TP
-    2 feeding an SGLang-shaped decode rank (its pages and stated aux rows), every head of every
-    page checked in SGLang's K and V buffers against what the two vLLM ranks held."""
-    require_engines()
-    args = ["bench", "--requests", "2", "--prompt-tokens", "64", "--layers", "2", "--json"]
-    proc = run_cli(*args, "--prefill-engine", "vllm", "--prefill-tp", "2", timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout)
-    assert report["engines"] == ["vllm", "sglang"] and report["prefill_tp"] == 2, report
     regrouped = r"regrouped per head between (vllm and sglang|sglang and vllm) pools"
     assert re.search(regrouped, report["negotiated"]), report
     assert report["integrity"] == {"ok": True, "mismatches": []}

@@ -118,8 +118,9 @@ def execute(plan: PairPlan, src_pages: list[int], dst_pages: list[int]) -> int:
 tp_pairs = st.sampled_from([(1, 1), (2, 2), (1, 2), (2, 1), (1, 4), (4, 2)])
 
 
-@settings(max_examples=60, deadline=None)
-@given(
+#: The model shapes both directions' properties draw: every vLLM layout, kernel blocks of half a
+#: block (token-major layouts only, as vLLM's backends), and TP pairs up to 4.
+same_model = given(
     layout=st.sampled_from(sorted(VLLM_LAYOUTS)),
     layers=st.integers(1, 3),
     total_heads=st.sampled_from([1, 2, 4]),
@@ -129,11 +130,25 @@ tp_pairs = st.sampled_from([(1, 1), (2, 2), (1, 2), (2, 1), (1, 4), (4, 2)])
     tps=tp_pairs,
     data=st.data(),
 )
+
+
+def sharded(total_heads: int, tps: tuple[int, int]) -> bool:
+    """Whether both TP sizes shard ``total_heads`` (one divides the other)."""
+    return all(not (total_heads % tp and tp % total_heads) for tp in tps)
+
+
+def kernel_of(layout: str, block: int, split: int) -> int:
+    """vLLM's kernel block: ``block // split`` where it divides and the layout is token-major."""
+    return block // split if block % split == 0 and layout.startswith("L") else block
+
+
+@settings(max_examples=60, deadline=None)
+@same_model
 def test_sglang_pages_land_in_vllm_blocks(layout, layers, total_heads, dim, block, kernel_split, tps, data) -> None:
     prefill_tp, decode_tp = tps
-    if (total_heads % prefill_tp and prefill_tp % total_heads) or (total_heads % decode_tp and decode_tp % total_heads):
+    if not sharded(total_heads, tps):
         return
-    kernel = block // kernel_split if block % kernel_split == 0 and layout.startswith("L") else block
+    kernel = kernel_of(layout, block, kernel_split)
     decode_rank = data.draw(st.integers(0, decode_tp - 1))
     dst_heads = len(held_heads(total_heads, decode_tp, decode_rank))
     decode = VllmPool(layout, layers, 6, block, kernel, dst_heads, dim, decode_tp, decode_rank, total_heads)
@@ -231,24 +246,15 @@ def as_vllm_prefill(pool: VllmPool) -> tuple[RegionSet, KVLayout, np.ndarray]:
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    layout=st.sampled_from(sorted(VLLM_LAYOUTS)),
-    layers=st.integers(1, 3),
-    total_heads=st.sampled_from([1, 2, 4]),
-    dim=st.sampled_from([2, 4, 8]),
-    block=st.sampled_from([1, 2, 4, 8]),
-    kernel_split=st.sampled_from([1, 2]),
-    tps=tp_pairs,
-    data=st.data(),
-)
+@same_model
 def test_vllm_blocks_land_in_sglang_pages(layout, layers, total_heads, dim, block, kernel_split, tps, data) -> None:
     """The reverse direction: a vLLM prefill rank's blocks (every layout vLLM resolves, kernel
     blocks smaller than a block) regrouped into an SGLang decode rank's K and V pages, each head
     of each token read back where SGLang's attention reads it (``k_buffer[layer][slot, head]``)."""
     prefill_tp, decode_tp = tps
-    if (total_heads % prefill_tp and prefill_tp % total_heads) or (total_heads % decode_tp and decode_tp % total_heads):
+    if not sharded(total_heads, tps):
         return
-    kernel = block // kernel_split if block % kernel_split == 0 and layout.startswith("L") else block
+    kernel = kernel_of(layout, block, kernel_split)
     decode_rank = data.draw(st.integers(0, decode_tp - 1))
     dst_heads = len(held_heads(total_heads, decode_tp, decode_rank))
     decode = SglangPool(layers, 6, block, dst_heads, dim, decode_tp, decode_rank, total_heads)

@@ -108,8 +108,7 @@ FULL: dict[str, list[str]] = {
     # the bench: the fast tier keeps one verified run against the raw engine per engine family
     "test_bench": [
         "test_bench_with_unequal_tp_checks_every_head*",
-        "test_bench_across_engines_regroups_sglang_pages_into_vllm_blocks_with_every_head_checked",
-        "test_bench_across_engines_regroups_vllm_blocks_into_sglang_pages_with_every_head_checked",
+        "test_bench_across_engines_regroups_pages_with_every_head_checked*",
         "test_bench_moves_verified_bytes_and_compares_with_the_raw_engine[None]",
         "test_bench_pin_runs_each_process_on_cpus_of_its_own_and_gives_them_back",
         "test_bench_compares_a_staged_driver_with_the_driver_it_stages_over",
