@@ -21,7 +21,7 @@ def test_soak_on_every_real_host_driver() -> None:
     require_engines()
     args = [a for d in DRIVERS for a in ("--driver", d)]
     out = run_cli("soak", *args, "--transfers", str(TRANSFERS), "--json", timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.returncode == 0, _verdicts(out.stdout) + "\n" + out.stderr[-2000:]
     report = json.loads(out.stdout)
     assert report["ok"]
     for r in report["drivers"]:
@@ -29,6 +29,18 @@ def test_soak_on_every_real_host_driver() -> None:
         assert r["succeeded"] > TRANSFERS // 2 and r["aborted"] > 0, r  # both fates really happened
         assert not r["leaks"], r["leaks"]
         assert r["end"]["prefill"]["handles"] == 0 and r["end"]["decode"]["handles"] == 0
+
+
+def _verdicts(stdout: str) -> str:
+    """Each driver's verdict from the soak's JSON (its tail alone may show only the last, which
+    passed), or the raw tail if it is not JSON."""
+    try:
+        drivers = json.loads(stdout)["drivers"]
+    except (ValueError, KeyError, TypeError):
+        return stdout[-3000:]
+    keys = ("driver", "transfers", "succeeded", "aborted", "corrupt", "seconds", "leaks")
+    rows = [{**{k: d.get(k) for k in keys}, "unexpected": d.get("unexpected", [])[:3]} for d in drivers]
+    return "\n".join(json.dumps(row) for row in rows)
 
 
 def test_soak_reports_corruption_it_can_see() -> None:
