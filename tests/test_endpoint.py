@@ -12,6 +12,7 @@ import pytest
 import zmq
 
 from kvtransport.negotiation.hello import PROTOCOL_VERSION
+from kvtransport.runtime import driver_side
 from kvtransport.runtime.endpoint import Connection, Endpoint, State, Timeouts, Transfer
 from kvtransport.runtime.session import Session
 from kvtransport.spi.driver import KVTransport
@@ -347,6 +348,11 @@ def test_a_driver_driven_while_receiving_still_hears_of_a_transfer_before_its_an
         take_notice(self, lane, payload)
 
     monkeypatch.setattr(Session, "take_notice", noting)
+    # The announcement waits for a busy driver's expecting() at most EXPECTING_WAIT_S (2 ms):
+    # on a loaded 2-core machine the driver's thread can take longer than that to get to it,
+    # and the lend then comes after (by design: the next test). 10 ms here keeps that out of
+    # this test, and still catches expecting() queued behind the 20 ms of inbound work.
+    monkeypatch.setattr(driver_side, "EXPECTING_WAIT_S", 0.01)
     # Every other transfer is announced while the receiving driver is still busy with the last
     # one's inbound work (20 ms of it): that driver hears of it on its own thread, and the
     # announcement waits for it; the others it hears of on the I/O thread.

