@@ -12,7 +12,6 @@ import importlib
 import os
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -47,26 +46,6 @@ ALLOWED_UPWARD = {
 #: What a driver package may import: the public API and the SPI, and the staged path (staged
 #: drivers and the CUDA copy engine); nothing of the runtime, the negotiation or above.
 DRIVER_MAY_IMPORT = ("kvtransport.spi", "kvtransport.staging")
-#: 0.1's module paths that 0.2 keeps: the SPI's, for driver packages, as they were (no warning)...
-STABLE_ALIASES = {
-    "driver": "kvtransport.spi.driver",
-    "errors": "kvtransport.spi.errors",
-    "memory": "kvtransport.spi.memory",
-    "plan": "kvtransport.spi.plan",
-    "probe": "kvtransport.spi.probe",
-    "diagnose": "kvtransport.spi.diagnose",
-}
-#: ... and the other paths 0.1's docs named, as aliases that warn with the new path.
-DEPRECATED_ALIASES = {
-    "endpoint": "kvtransport.runtime.endpoint",
-    "prometheus": "kvtransport.runtime.prometheus",
-    "registry": "kvtransport.negotiation.registry",
-    "shm": "kvtransport.tools.shm",
-    "baseline": "kvtransport.tools.baseline",
-    "peer": "kvtransport.tools.peer",
-    "testing.gpu_check": "kvtransport.tools.gpu_check",
-}
-ALIASES = {**STABLE_ALIASES, **DEPRECATED_ALIASES}
 
 
 def module_name(path: Path, root: Path = PACKAGE) -> str:
@@ -162,10 +141,10 @@ def _package(mod: str) -> str:
 
 
 def _layer(mod: str) -> int | None:
-    """The layer of ``mod`` (a package's ``__init__`` included); ``None`` for an alias."""
+    """The layer of ``mod`` (a package's ``__init__`` included); ``None`` for ``__main__``."""
     if mod == "kvtransport":
         return API_LAYER
-    if mod.removeprefix("kvtransport.") in ALIASES or mod == "kvtransport.__main__":
+    if mod == "kvtransport.__main__":
         return None
     return LAYERS[_package(mod)]
 
@@ -186,9 +165,9 @@ def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
 def test_layers_only_import_downward() -> None:
     graph = import_graph()
     assert upward_imports(graph) == []
-    # Every module lives in a sub-package, except the public API and the aliases of moved ones.
+    # Every module lives in a sub-package, except the public API: one public path per thing.
     top = {m.split(".")[1] for m in graph if m.count(".") == 1}
-    assert top - set(LAYERS) == {a for a in ALIASES if "." not in a} | {"__main__"}
+    assert top - set(LAYERS) == {"__main__"}
 
 
 def test_the_layer_check_finds_an_upward_import() -> None:
@@ -263,35 +242,17 @@ def test_public_api() -> None:
             assert getattr(kvtransport, name, None) is value, f"{name} is not exported"
 
 
-@pytest.mark.parametrize("old", sorted(STABLE_ALIASES))
-def test_stable_aliases_keep_working_without_a_warning(old: str) -> None:
-    code = f"import warnings; warnings.simplefilter('error'); import kvtransport.{old}"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
-    assert out.returncode == 0, out.stderr[-2000:]
-    alias = importlib.import_module(f"kvtransport.{old}")
-    target = importlib.import_module(STABLE_ALIASES[old])
-    public = [n for n in vars(target) if not n.startswith("_") and not isinstance(vars(target)[n], type(sys))]
-    assert public and all(getattr(alias, n) is getattr(target, n) for n in public)
+@pytest.mark.parametrize(
+    "old", ["driver", "errors", "memory", "plan", "probe", "diagnose", "endpoint", "peer", "testing.gpu_check"]
+)
+def test_the_old_second_paths_are_gone(old: str) -> None:
+    """One public path per thing: 0.1's paths went in 0.8 (the SPI lives under kvtransport.spi)."""
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(f"kvtransport.{old}")
 
 
-@pytest.mark.parametrize("old", sorted(DEPRECATED_ALIASES))
-def test_moved_documented_modules_warn(old: str) -> None:
-    code = (
-        "import warnings; warnings.simplefilter('error')\n"
-        f"try:\n    import kvtransport.{old}\nexcept DeprecationWarning as e:\n    print(e)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
-    assert DEPRECATED_ALIASES[old] in out.stdout
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        alias = importlib.import_module(f"kvtransport.{old}")
-    target = importlib.import_module(DEPRECATED_ALIASES[old])
-    names = getattr(target, "__all__", None) or [n for n in vars(target) if not n.startswith("_")]
-    assert all(getattr(alias, n) is getattr(target, n) for n in names)
-
-
-def test_python_dash_m_kvtransport_is_the_cli_and_old_runnable_paths_still_run() -> None:
-    for module in ("kvtransport", "kvtransport.peer", "kvtransport.testing.gpu_check"):
+def test_python_dash_m_kvtransport_is_the_cli_and_the_tools_run() -> None:
+    for module in ("kvtransport", "kvtransport.tools.peer", "kvtransport.tools.gpu_check"):
         out = subprocess.run(
             [sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=60, check=False
         )

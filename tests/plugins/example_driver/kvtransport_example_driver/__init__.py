@@ -8,7 +8,7 @@ import ctypes
 import os
 from typing import ClassVar
 
-from kvtransport.driver import (
+from kvtransport.spi.driver import (
     DRIVER_API_VERSION,
     Capabilities,
     DriverStatus,
@@ -18,9 +18,9 @@ from kvtransport.driver import (
     Rejection,
     TransferPath,
 )
-from kvtransport.errors import DriverError
-from kvtransport.memory import RegionSet
-from kvtransport.plan import Runs
+from kvtransport.spi.errors import DriverError
+from kvtransport.spi.memory import RegionSet
+from kvtransport.spi.plan import Runs
 
 
 class ExampleMemcpy(KVTransport):
