@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 
 # --- the wire schema, as read from kvtransport/runtime/wire.py (deliberately not imported) -----------
 
-VERSION = 10
+VERSION = 11
 LIMIT = 4 << 20  # DEFAULT_MAX_MESSAGE_BYTES
 #: Frames larger than this make zmq drop the connection (MAXMSGSIZE: the limit plus framing room):
 #: the attacker's DEALER reconnects with a new route, so a session on the old one is orphaned.
@@ -53,8 +53,8 @@ SCHEMA: dict[str, dict[str, type]] = {
     "auth": {"conn": str, "nonce": bytes},
     "challenge": {"conn": str, "nonce": bytes},
     "proof": {"conn": str, "nonce_i": bytes, "nonce_a": bytes, "mac": bytes},
-    "hello": {"conn": str, "hello": dict, "regions": dict},
-    "welcome": {"conn": str, "hello": dict, "regions": dict, "decision": dict, "express": int},
+    "hello": {"conn": str, "hello": dict, "regions": dict, "lanes": dict},
+    "welcome": {"conn": str, "hello": dict, "regions": dict, "decision": dict, "express": int, "lanes": dict},
     "express": {"conn": str},
     "refuse": {"conn": str, "reason": str},
     "expect": {"tag": str, "pages": bytes, "aux": int, "prefix": int, "state": list},
@@ -156,7 +156,7 @@ def hello_message(hello: dict[str, Any], regions: dict[str, Any], label: str, co
     """A hello frame carrying these documents, under endpoint label ``label``."""
     doc = dict(hello)
     doc["protocol"] = {**doc["protocol"], "endpoint": label}
-    return message("hello", conn=conn or uuid.uuid4().hex, hello=doc, regions=regions)
+    return message("hello", conn=conn or uuid.uuid4().hex, hello=doc, regions=regions, lanes={})
 
 
 # --- the victim process --------------------------------------------------------------------
@@ -1077,7 +1077,7 @@ def near_limit(r: random.Random) -> bytes:
     n = LIMIT - r.choice([64, 120, 200])
     k = r.randrange(5)
     if k == 0:
-        return message("hello", conn="c" * n, hello={}, regions={})
+        return message("hello", conn="c" * n, hello={}, regions={}, lanes={})
     if k == 1:
         return message("abort", tag="t", reason="r" * n)
     if k == 2:

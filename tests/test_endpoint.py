@@ -187,14 +187,18 @@ def test_garbage_on_the_control_port_does_not_disturb_other_peers(pair) -> None:
                 "state": [],
             }
         ),
-        msgpack.packb({"v": 1, "t": "hello", "conn": "c", "hello": {"junk": 1}, "regions": {}}),
+        msgpack.packb({"v": 1, "t": "hello", "conn": "c", "hello": {"junk": 1}, "regions": {}, "lanes": {}}),
         msgpack.packb({"v": 9, "t": "ping", "seq": 1}),
         b"\xc1" + b"\x00" * 60,  # a seal from nobody
         b"",
     ):
         sock.send(frame)
     # A hello from a peer that skipped authentication: refused, told nothing more.
-    sock.send(msgpack.packb({"v": PROTOCOL_VERSION, "t": "hello", "conn": "c", "hello": {"junk": 1}, "regions": {}}))
+    sock.send(
+        msgpack.packb(
+            {"v": PROTOCOL_VERSION, "t": "hello", "conn": "c", "hello": {"junk": 1}, "regions": {}, "lanes": {}}
+        )
+    )
     # An oversized frame makes zmq drop its sender's connection (MAXMSGSIZE), and with it any
     # answer still queued for that sender: it comes from a socket of its own.
     big = ctx.socket(zmq.DEALER)
@@ -211,7 +215,9 @@ def test_garbage_on_the_control_port_does_not_disturb_other_peers(pair) -> None:
     link = authenticate(insider, b"", conn="c2")
     insider.send(
         link.seal(
-            msgpack.packb({"v": PROTOCOL_VERSION, "t": "hello", "conn": "c2", "hello": {"junk": 1}, "regions": {}})
+            msgpack.packb(
+                {"v": PROTOCOL_VERSION, "t": "hello", "conn": "c2", "hello": {"junk": 1}, "regions": {}, "lanes": {}}
+            )
         )
     )
     answer = link.open(insider.recv()) if insider.poll(2000) else None

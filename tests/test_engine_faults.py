@@ -72,6 +72,8 @@ def test_peer_advertising_unusable_connection_info_is_refused_and_others_still_s
         entry = bad.hello.drivers[driver]
         forged = dataclasses.replace(entry, conn=b"\x93not what it says")
         bad.hello = dataclasses.replace(bad.hello, drivers={**bad.hello.drivers, driver: forged})
+        # ... and as the receive side it made for this connection, which is what the peer uses.
+        bad.drivers[driver].receive_info = lambda peer: b"\x93not what it says"  # type: ignore[method-assign]
         with pytest.raises(KVTransportError) as info:
             bad.connect(a.address, 10)
         assert driver in str(info.value) and "connection info" in str(info.value)
@@ -93,13 +95,10 @@ def test_mooncake_write_to_a_dead_engine_fails_typed_and_endpoint_serves_others(
     good = _endpoint(good_pool, driver, "decode")
     dead_port = unused_port()  # not ephemeral: no outgoing connection takes it meanwhile
     try:
-        # The ghost advertises a well-formed session where no engine listens: the handshake
-        # passes, the write fails inside Mooncake.
-        entry = ghost.hello.drivers[driver]
+        # The ghost advertises a well-formed session where no engine listens, as the receive
+        # side of this connection: the handshake passes, the write fails inside Mooncake.
         session = msgpack.packb({"session": f"127.0.0.1:{dead_port}", "protocol": "tcp"})
-        ghost.hello = dataclasses.replace(
-            ghost.hello, drivers={**ghost.hello.drivers, driver: dataclasses.replace(entry, conn=session)}
-        )
+        ghost.drivers[driver].receive_info = lambda peer: session  # type: ignore[method-assign]
         conn_g = ghost.connect(a.address, 10)
         conn_a = next(c for c in a.connections.values() if c.id == conn_g.id)
         conn_g.expect("doomed", [1, 2])

@@ -204,7 +204,7 @@ def test_a_stranger_learns_a_nonce_and_authentication_failed_nothing_else() -> N
             # The wrong key: refused with three words. Then everything else a stranger can send.
             mac = derive(master_key(OTHER), b"proof initiator", conn.encode(), nonce_i, obj["nonce"])
             sock.send(message("proof", conn=conn, nonce_i=nonce_i, nonce_a=obj["nonce"], mac=mac))
-            hello = message("hello", conn="c", hello={}, regions={})
+            hello = message("hello", conn="c", hello={}, regions={}, lanes={})
             for frame in (
                 hello,
                 message("expect", tag="t", pages=b"\0" * 8, aux=-1, prefix=0, state=[]),
@@ -277,7 +277,7 @@ def test_a_live_connection_id_cannot_be_taken_over() -> None:
         try:
             sock = raw_socket(ctx, prefill.address)
             link = authenticate(sock, SECRET, conn=recv.id)  # an insider, holding the secret
-            sock.send(link.seal(message("hello", conn=recv.id, hello={}, regions={})))
+            sock.send(link.seal(message("hello", conn=recv.id, hello={}, regions={}, lanes={})))
             (answer,) = received(sock, 2)
             body = link.open(answer)
             assert body is not None and msgpack.unpackb(body)["reason"].startswith("connection id")
@@ -359,7 +359,14 @@ def test_a_flood_of_strangers_keeps_no_state_and_locks_nobody_out(caplog: pytest
                 thread.join()
             assert all(c.alive for c in conns)
             big = msgpack.packb(
-                {"v": PROTOCOL_VERSION, "t": "hello", "conn": "c", "hello": {"x": [[]] * (1 << 20)}, "regions": {}}
+                {
+                    "v": PROTOCOL_VERSION,
+                    "t": "hello",
+                    "conn": "c",
+                    "hello": {"x": [[]] * (1 << 20)},
+                    "regions": {},
+                    "lanes": {},
+                }
             )
             with caplog.at_level(logging.DEBUG, logger="kvtransport"):
                 socks[0].send(big)

@@ -29,7 +29,8 @@ from kvtransport.spi.probe import HostInfo, probe_host
 log = logging.getLogger(__name__)
 
 #: Version of the hello document and of the control protocol carrying it.
-PROTOCOL_VERSION = 10
+#: 11: the hello and the welcome carry each side's per-connection receive infos (``lanes``).
+PROTOCOL_VERSION = 11
 PROTOCOL_NAME = "kvtransport"
 
 

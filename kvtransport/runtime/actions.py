@@ -124,6 +124,16 @@ class EndSession:
 
 
 @dataclass(frozen=True, slots=True)
+class Fence:
+    """The session ended: have every lane's driver fence the peer (``KVTransport.fence``), then
+    mark ``transfers`` drained once every lane fenced it: receive transfers whose pages were
+    announced to the peer and that it never confirmed (``drained``). A lane that cannot fence
+    leaves their pages held (logged)."""
+
+    transfers: tuple[Transfer, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Next:
     """Feed ``then`` back once the actions before this one ran."""
 
@@ -143,5 +153,6 @@ Action = (
     | CheckInbound
     | Calibrate
     | EndSession
+    | Fence
     | Next
 )

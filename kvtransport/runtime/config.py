@@ -29,6 +29,10 @@ class Timeouts:
     #: How long a finished transfer stays filed under its tag (so late messages about it are
     #: recognised) before the endpoint forgets it; the caller's reference stays valid.
     retain_finished: float = 5.0
+    #: How long a peer may take to confirm that the writes of a failed receive transfer stopped
+    #: ("drained") before the connection is ended, so that its data path is fenced and the
+    #: pages come back (a serving engine holds them until then; SGLang gives up after 30 s).
+    drain: float = 10.0
 
     ENV: ClassVar[dict[str, str]] = {
         "connect": "KVTRANSPORT_CONNECT_TIMEOUT",
@@ -38,6 +42,7 @@ class Timeouts:
         "heartbeat_interval": "KVTRANSPORT_HEARTBEAT_INTERVAL",
         "heartbeat_timeout": "KVTRANSPORT_HEARTBEAT_TIMEOUT",
         "retain_finished": "KVTRANSPORT_RETAIN_FINISHED",
+        "drain": "KVTRANSPORT_DRAIN_TIMEOUT",
     }
 
     def __post_init__(self) -> None:

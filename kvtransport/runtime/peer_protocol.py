@@ -37,6 +37,7 @@ from kvtransport.runtime.actions import (
     Calibrate,
     CheckInbound,
     EndSession,
+    Fence,
     FlushNotices,
     Later,
     Next,
@@ -343,7 +344,9 @@ class PeerProtocol:
         return self._take()
 
     def close(self, error: KVTransportError, *, notify: bool) -> list[Action]:
-        """The session ends: every transfer fails, every table is emptied."""
+        """The session ends: every transfer fails, every table is emptied, and the drivers
+        fence the peer: the receive transfers it never confirmed (``drained``) get their pages
+        back once no byte of it can land any more."""
         if self.phase is Phase.CLOSED:
             return []
         self.closing = True  # the peer is gone or told "bye": no per-transfer confirmations
@@ -352,13 +355,31 @@ class PeerProtocol:
         self.phase = Phase.CLOSED
         self.error = self.error or error
         filed = list(self.transfers)
+        unconfirmed = tuple(t for t in self.awaiting_drain.values() if not t.drained.is_set())
         for t in [*self.transfers.values(), *self.awaiting_drain.values()]:
             self._out.append(SetTimer(t))
             t.filed = False
-            self._stop_arriving(t)  # the driver forgets the peer: nothing more of it arrives
+            self._stop_arriving(t)
         self.transfers.clear()
         self.awaiting_drain.clear()
         self.tags.forget(self._key, filed)  # its early tables, and every tag it owned
+        self._out.append(Fence(unconfirmed))
+        return self._take()
+
+    def _drain_overdue(self, t: Transfer) -> list[Action]:
+        """A failed receive transfer's pages have waited ``timeouts.drain`` for the peer's word
+        that its writes stopped: the session ends, so that the drivers fence the peer."""
+        if self.awaiting_drain.get(t.tag) is t and not t.drained.is_set() and self.phase is Phase.READY:
+            self._out.append(
+                EndSession(
+                    PeerLost(
+                        f"peer {self.peer_label} did not confirm within {self.timeouts.drain:g} s that the writes "
+                        f"of failed transfer {t.tag!r} stopped (KVTRANSPORT_DRAIN_TIMEOUT); the connection ends "
+                        "so that its writes are fenced"
+                    ),
+                    True,
+                )
+            )
         return self._take()
 
     # -- events: the peer's messages -----------------------------------------------------------
@@ -515,8 +536,10 @@ class PeerProtocol:
                     if not t.drained.is_set():
                         # Its drivers are still driven until the sender confirms its writes
                         # settled (``on_drained``) or it is forgotten: a write already posted
-                        # may need the receiving engine's progress to finish (UCX).
+                        # may need the receiving engine's progress to finish (UCX). A sender
+                        # that does not confirm in time is cut off, and its writes fenced.
                         put_newest(self.awaiting_drain, t.tag, t, self.limits.max_early_aborts)
+                        out.append(Later(self.timeouts.drain, lambda: self._drain_overdue(t)))
                     # Chunks the sender had on the wire may still arrive: recognised, not written.
                     guard.revoke(claim)
                     out.append(Later(retain, lambda: _forget_revoked(guard, claim)))

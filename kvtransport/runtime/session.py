@@ -24,7 +24,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -36,6 +36,7 @@ from kvtransport.runtime.actions import (
     Calibrate,
     CheckInbound,
     EndSession,
+    Fence,
     FlushNotices,
     Later,
     Next,
@@ -91,11 +92,19 @@ if TYPE_CHECKING:
     from kvtransport.runtime.express_link import ExpressLink
     from kvtransport.runtime.metrics import Metrics
     from kvtransport.runtime.readiness import ReadinessWatcher
+    from kvtransport.runtime.runner import DriverRunner
     from kvtransport.runtime.timers import Timer, TimerHeap
+    from kvtransport.spi.driver import KVTransport
 
 __all__ = ["Phase", "Session", "SessionHost"]
 
 log = logging.getLogger(__name__)
+
+#: A driver that cannot fence a departed peer yet is asked again after this long, doubling up
+#: to the second figure, and given up on (pages stay held) after the third.
+FENCE_RETRY_FIRST_S = 0.5
+FENCE_RETRY_MAX_S = 30.0
+FENCE_GIVE_UP_S = 3600.0
 
 
 class SessionHost(Protocol):
@@ -142,6 +151,14 @@ class SessionHost(Protocol):
     def readiness(self) -> ReadinessWatcher:
         """The endpoint's watcher of senders' readiness signals (started on first use)."""
 
+    @property
+    def drivers(self) -> Mapping[str, KVTransport]:
+        """The endpoint's open drivers, by name."""
+
+    @property
+    def runners(self) -> Mapping[str, DriverRunner]:
+        """Each open driver's thread, by name."""
+
 
 class Session:
     def __init__(
@@ -165,6 +182,10 @@ class Session:
         self.peer_hello: Hello | None = None
         #: One per driver of the decision's lanes, the chosen driver's first (set at handshake).
         self.lanes: dict[str, Lane] = {}
+        #: This side's per-connection receive infos (``KVTransport.receive_info``), by driver,
+        #: and the open drivers that made one (each is disconnected when the session ends).
+        self.receive_infos: dict[str, bytes] = {}
+        self.receivers_asked: set[str] = set()
         self.last_seen = time.monotonic()
         self.heartbeat: Timer | None = None
         self.handshake_timer: Timer | None = None
@@ -597,7 +618,20 @@ class Session:
                     lane.runner.call(functools.partial(lane.driver.disconnect, self.id))
                 except KVTransportError:
                     pass
+        self.release_receivers(set(self.lanes))
         self.ready.set()
+
+    def release_receivers(self, keep: set[str]) -> None:
+        """Disconnect the drivers that made a receive side for this connection and carry none
+        of its lanes (``keep``): another driver was chosen, or the handshake failed."""
+        for name in sorted(self.receivers_asked - keep):
+            self.receivers_asked.discard(name)
+            driver, runner = self.endpoint.drivers.get(name), self.endpoint.runners.get(name)
+            if driver is not None and runner is not None:
+                try:
+                    runner.call(functools.partial(driver.disconnect, self.id))
+                except KVTransportError:
+                    pass
 
     # -- I/O thread: the machine's actions -----------------------------------------------------
 
@@ -637,8 +671,70 @@ class Session:
                     lane.observe(raw_s, measured_s, self.peer_label)
                 case EndSession(error, notify):
                     self.endpoint.end_session(self, error, notify=notify)
+                case Fence(transfers):
+                    self._fence(transfers)
                 case Next(then):
                     self.run(then())
+
+    def _fence(self, transfers: tuple[Transfer, ...]) -> None:
+        """The session ended: every lane's driver fences the peer (queued before its
+        ``disconnect``), and ``transfers``, announced and never confirmed by the peer, are
+        drained once every lane answered that nothing of the peer can land any more. A lane
+        that cannot promise it yet is asked again, with back-off, while those pages are held
+        (a peer process on this host is fenced once it has ended, say)."""
+        lanes = [lane for lane in self.lanes.values() if lane.connect_queued]
+        if not lanes:
+            for t in transfers:
+                t.drained.set()  # no driver ever knew the peer: nothing of it could arrive
+            return
+        self._fence_round(lanes, transfers, FENCE_RETRY_FIRST_S, time.monotonic())
+
+    def _fence_round(self, lanes: list[Lane], transfers: tuple[Transfer, ...], wait: float, since: float) -> None:
+        unfenced: list[Lane] = []
+        why: list[str] = []
+        left = [len(lanes)]
+
+        def answered(lane: Lane, fenced: Any, error: KVTransportError | None) -> None:
+            if error is not None or fenced is not True:
+                unfenced.append(lane)
+                why.append(f"{lane.name} ({error})" if error is not None else lane.name)
+            left[0] -= 1
+            if left[0]:
+                return
+            if not unfenced:
+                for t in transfers:
+                    t.drained.set()
+                if transfers:
+                    log.info(
+                        "%s: fenced; %d failed transfers' pages are free of its writes", self.peer_label, len(transfers)
+                    )
+                return
+            if not transfers or all(t.drained.is_set() for t in transfers):
+                return  # nothing held (or the peer's word came another way)
+            if wait == FENCE_RETRY_FIRST_S:
+                log.warning(
+                    "%s: %d failed transfers keep their pages: %s cannot fence the peer yet, and it never confirmed "
+                    "their writes stopped; asking again with back-off",
+                    self.peer_label,
+                    len(transfers),
+                    ", ".join(why),
+                )
+            if time.monotonic() - since > FENCE_GIVE_UP_S:
+                log.warning("%s: gave up fencing after %.0f s; the pages stay held", self.peer_label, FENCE_GIVE_UP_S)
+                return
+            try:
+                self.timers.call_later(
+                    wait,
+                    lambda: self._fence_round(unfenced, transfers, min(wait * 2, FENCE_RETRY_MAX_S), since),
+                )
+            except KVTransportError:
+                pass  # the endpoint is closing
+
+        for lane in lanes:
+            try:
+                lane.runner.call(functools.partial(lane.driver.fence, self.id), functools.partial(answered, lane))
+            except KVTransportError as exc:  # the driver is closing with its endpoint
+                answered(lane, False, exc)
 
     def _feeder(self, event: Callable[[], list[Action]]) -> Callable[[], None]:
         return lambda: self.run(event())

@@ -29,7 +29,7 @@ from kvtransport.runtime.handles import Connection
 from kvtransport.runtime.lane import Lane
 from kvtransport.runtime.runner import DriverRunner
 from kvtransport.runtime.session import Phase, Session, SessionHost
-from kvtransport.runtime.wire import Message, encode
+from kvtransport.runtime.wire import Message, encode, read_lanes
 from kvtransport.spi.driver import KVTransport
 from kvtransport.spi.errors import (
     ConnectError,
@@ -174,8 +174,50 @@ class SessionSetup:
         return session.handle
 
     def send_hello(self, session: Session) -> None:
-        """Initiator, once the acceptor proved the secret (never before): who this side is."""
-        session.send("hello", conn=session.id, hello=self._endpoint.hello.to_dict(), regions=self._regions_doc)
+        """Initiator, once the acceptor proved the secret (never before): who this side is,
+        with the receive side each ``receives_per_peer`` driver made for this connection (any
+        of them may be chosen: the decision is the acceptor's answer)."""
+        names = [n for n, d in self._endpoint.drivers.items() if type(d).receives_per_peer]
+
+        def hello(infos: dict[str, bytes]) -> None:
+            if session.phase is Phase.CLOSED:
+                return
+            session.send(
+                "hello", conn=session.id, hello=self._endpoint.hello.to_dict(), regions=self._regions_doc, lanes=infos
+            )
+
+        self._receive_infos(session, names, hello)
+
+    def _receive_infos(self, session: Session, names: list[str], then: Callable[[dict[str, bytes]], None]) -> None:
+        """Ask each driver in ``names`` (on its thread) for the receive side it makes for
+        ``session`` alone; ``then(infos)`` on the I/O thread once all answered. A driver that
+        fails is left out (its endpoint-wide info serves the connection, and its fence then
+        cannot cut this peer off alone: it says so)."""
+        if not names:
+            then({})
+            return
+        endpoint = self._endpoint
+        left = [len(names)]
+
+        def one(name: str, info: Any, error: KVTransportError | None) -> None:
+            if error is not None:
+                log.warning(
+                    "%s: %s could not make a receive side for %s: %s", endpoint.name, name, session.peer_label, error
+                )
+            elif isinstance(info, bytes) and info:
+                session.receive_infos[name] = info
+            left[0] -= 1
+            if not left[0]:
+                then(dict(session.receive_infos))
+
+        for name in names:
+            session.receivers_asked.add(name)
+            try:
+                endpoint.runners[name].call(
+                    functools.partial(endpoint.drivers[name].receive_info, session.id), functools.partial(one, name)
+                )
+            except KVTransportError as exc:
+                one(name, None, exc)
 
     def on_welcome(self, session: Session, msg: Message, replay: Callable[[Session, list[Message]], None]) -> None:
         """Initiator: the acceptor's answer. Once this side's lanes connected the session is
@@ -189,12 +231,13 @@ class SessionSetup:
             session.peer_hello = peer_hello
             decision = decide(endpoint.hello, peer_hello, endpoint.classes)
             check_agreement(msg["decision"], decision, session.peer_label)
-            lanes = self._lanes(decision, peer_hello)
+            lanes = self._lanes(decision, peer_hello, read_lanes("welcome", msg["lanes"]))
         except KVTransportError as exc:
             session.send("bye", reason=f"handshake failed: {exc}")
             endpoint.end_session(session, exc, notify=False)
             return
         session.decision, session.peer_regions, session.lanes = decision, peer_regions, lanes
+        session.release_receivers(set(lanes))  # the receive sides of drivers not chosen
         session.held = []
         if endpoint.express is not None and msg["express"]:
             endpoint.express.dial(session, msg["express"])
@@ -243,7 +286,7 @@ class SessionSetup:
         try:
             peer_hello, peer_regions = read_peer(msg["hello"], msg["regions"])
             decision = decide(peer_hello, endpoint.hello, endpoint.classes)
-            lanes = self._lanes(decision, peer_hello)
+            lanes = self._lanes(decision, peer_hello, read_lanes("hello", msg["lanes"]))
         except KVTransportError as exc:
             refuse(f"{type(exc).__name__}: {exc}")
             return
@@ -258,13 +301,8 @@ class SessionSetup:
         endpoint.channel.claim(route)
         endpoint.pending_handshakes += 1
 
-        def connected(_: Any, error: KVTransportError | None) -> None:
-            endpoint.pending_handshakes -= 1
+        def welcome(infos: dict[str, bytes]) -> None:
             if session.phase is Phase.CLOSED:
-                return
-            if error is not None:
-                refuse(f"{type(error).__name__}: {error}")
-                endpoint.end_session(session, error, notify=False)
                 return
             session.send(
                 "welcome",
@@ -273,26 +311,42 @@ class SessionSetup:
                 regions=self._regions_doc,
                 decision=decision.to_dict(),
                 express=endpoint.express.port if endpoint.express is not None else 0,
+                lanes=infos,
             )
             self._ready(session)
             log.info("accepted %s from %s: %s", conn_id[:8], session.peer_label, decision.summary())
             endpoint.queue_incoming(session)
 
+        def connected(_: Any, error: KVTransportError | None) -> None:
+            endpoint.pending_handshakes -= 1
+            if session.phase is Phase.CLOSED:
+                return
+            if error is not None:
+                refuse(f"{type(error).__name__}: {error}")
+                endpoint.end_session(session, error, notify=False)
+                return
+            # This side's own receive sides, for the chosen lanes only (the decision is known).
+            self._receive_infos(
+                session, [n for n, lane in lanes.items() if type(lane.driver).receives_per_peer], welcome
+            )
+
         self._connect_lanes(session, peer_regions, connected)
 
     # -- either side -------------------------------------------------------------------------
 
-    def _lanes(self, decision: Decision, peer_hello: Hello) -> dict[str, Lane]:
+    def _lanes(self, decision: Decision, peer_hello: Hello, peer_lanes: Mapping[str, bytes]) -> dict[str, Lane]:
         """A lane per driver of the decision (the chosen one first): the open driver, its
-        runner, and the peer's (checked) connection info for it."""
+        runner, and the peer's (checked) connection info for it: the receive side it made
+        for this connection (``peer_lanes``), else its endpoint-wide one."""
         lanes: dict[str, Lane] = {}
         for name in decision.lanes or (decision.driver,):
             driver = self._endpoint.drivers.get(name)
             entry = peer_hello.drivers.get(name)
             if driver is None or entry is None:
                 raise NegotiationError(f"{name} was chosen but is not open on both sides")
-            self._check_identity(name, entry.conn)
-            lanes[name] = Lane(name, driver, self._endpoint.runners[name], entry.conn, decision.models_of(name))
+            info = peer_lanes.get(name, entry.conn)
+            self._check_identity(name, info)
+            lanes[name] = Lane(name, driver, self._endpoint.runners[name], info, decision.models_of(name))
         return lanes
 
     def _check_identity(self, driver: str, peer_info: Any) -> None:

@@ -73,10 +73,19 @@ SCHEMAS: dict[str, dict[str, Field]] = {
     # either side, initiator first: both nonces echoed, and an HMAC of the secret over the
     # sender's role, the id and both nonces
     "proof": {"conn": Text(64), "nonce_i": bytes, "nonce_a": bytes, "mac": bytes},
-    # initiator -> acceptor: open a connection
-    "hello": {"conn": Text(64), "hello": dict, "regions": dict},
+    # initiator -> acceptor: open a connection; ``lanes``: driver name -> the connection info of
+    # the receiving side that driver made for this connection alone (``receives_per_peer``;
+    # read by ``read_lanes``), used instead of the hello's endpoint-wide one
+    "hello": {"conn": Text(64), "hello": dict, "regions": dict, "lanes": dict},
     # acceptor -> initiator: accepted, with the acceptor's hello and the decision it computed
-    "welcome": {"conn": Text(64), "hello": dict, "regions": dict, "decision": dict, "express": Int(0, 65535)},
+    "welcome": {
+        "conn": Text(64),
+        "hello": dict,
+        "regions": dict,
+        "decision": dict,
+        "express": Int(0, 65535),
+        "lanes": dict,
+    },
     # initiator -> acceptor, the first frame on an express stream (express.py), sealed with the
     # session's express key: binds the stream to connection ``conn``; ``express`` in the welcome
     # is the acceptor's express port (0: none)
@@ -243,6 +252,24 @@ def _check_field(kind: str, name: str, spec: Field, value: Any) -> None:
             raise ProtocolError(f"{kind}.{name} is {len(value)} characters long; at most {spec.max_len}")
     elif not isinstance(value, spec):
         raise ProtocolError(f"{kind}.{name} must be {spec.__name__}, got {type(value).__name__}")
+
+
+#: A ``lanes`` map of a hello or welcome: at most this many entries, each info at most this long.
+MAX_LANE_INFOS = 16
+MAX_LANE_INFO_BYTES = 64 << 10
+
+
+def read_lanes(kind: str, value: Any) -> dict[str, bytes]:
+    """The ``lanes`` field of a hello or welcome, checked: driver names (at most 64
+    characters) to connection infos (bytes, at most ``MAX_LANE_INFO_BYTES``)."""
+    if not isinstance(value, dict) or len(value) > MAX_LANE_INFOS:
+        raise ProtocolError(f"{kind}.lanes must be a map of at most {MAX_LANE_INFOS} entries")
+    for name, info in value.items():
+        if not isinstance(name, str) or not 0 < len(name) <= 64:
+            raise ProtocolError(f"{kind}.lanes has a key that is not a driver name: {_short(name)}")
+        if not isinstance(info, bytes) or len(info) > MAX_LANE_INFO_BYTES:
+            raise ProtocolError(f"{kind}.lanes[{name!r}] must be at most {MAX_LANE_INFO_BYTES} bytes")
+    return dict(value)
 
 
 _REPR = reprlib.Repr()

@@ -23,7 +23,12 @@ Life of a driver instance, driven by the core:
    knows when a batch finishes says so with ``context.completed(handle)`` (and declares
    ``signals_completion = True``), one that does not is polled with back-off;
 6. ``on_notice(peer, payload)`` on the receiver, for two-sided drivers;
-7. ``abort(handle)``, ``disconnect(peer)``, ``close()``.
+7. ``fence(peer)`` once the connection with ``peer`` ended, then ``disconnect(peer)``;
+   ``abort(handle)``; ``close()``.
+
+A driver that gives each peer a receiving side of its own (``receives_per_peer``) is asked for
+it with ``receive_info(peer)`` during the handshake, before ``connect``; that info, not the
+endpoint-wide one ``open`` returned, is what the peer's driver gets in its ``connect``.
 
 Threads (API version 2): ``open`` and ``close`` run on the thread that creates / closes the
 endpoint; every call in between runs on one thread per driver instance, the endpoint's runner
@@ -37,6 +42,7 @@ on the I/O thread. The context's
 from __future__ import annotations
 
 import enum
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -51,6 +57,8 @@ if TYPE_CHECKING:
 #: Bumped when the SPI changes incompatibly. The registry rejects drivers built for another one.
 #: 2: calls on a runner thread, completion signals, ``pending()``, handles released on abort.
 DRIVER_API_VERSION = 2
+#: The longest a driver's ``fence`` waits for inbound work already under way to finish.
+FENCE_WAIT_S = 5.0
 
 
 class TransferPath(enum.StrEnum):
@@ -238,6 +246,9 @@ class KVTransport(ABC):
       ``open`` that fails MUST release what it acquired before raising.
     - A two-sided driver MUST check every inbound piece with ``context.check_inbound`` before
       writing it into KV memory.
+    - ``fence(peer)`` MUST answer ``True`` only when no byte of ``peer`` can land in this
+      endpoint's memory any more, whatever the peer does next (tests:
+      ``kvtransport.testing.conformance``, the late-write checks).
     """
 
     name: ClassVar[str]
@@ -259,6 +270,10 @@ class KVTransport(ABC):
     #: ``expecting`` may run on the I/O thread likewise. Calls stay one at a time; declare it
     #: only if the engine does not care which thread calls it and none of those calls blocks.
     thread_agnostic: ClassVar[bool] = False
+    #: The driver gives each peer a receiving side of its own (an engine, agent or registration
+    #: that only that peer writes into), so that ``fence`` can cut one peer off without touching
+    #: the others: the core asks ``receive_info(peer)`` during every handshake.
+    receives_per_peer: ClassVar[bool] = False
     #: ``"module:Class"`` of a :class:`~kvtransport.tools.baseline.RawEngine` that drives the same
     #: engine directly, for ``kvtransport bench`` to compare against; empty if none.
     raw_engine: ClassVar[str] = ""
@@ -351,6 +366,41 @@ class KVTransport(ABC):
         """Optional: what the driver holds now, for the endpoint's metrics (e.g. a staging
         ring's slots in use). Called from any thread; cheap; never raises."""
         return {}
+
+    def receive_info(self, peer: str) -> bytes:
+        """``receives_per_peer`` drivers: create the receiving side ``peer`` alone will write
+        into, and return the connection info the peer's driver gets in its ``connect`` (the
+        same shape as ``open``'s). Called on the driver's thread during the handshake, before
+        ``connect(peer, ...)``; ``disconnect(peer)`` follows in every case (also when another
+        driver was chosen). ``b""``: the endpoint-wide info serves this peer."""
+        return b""
+
+    def fence(self, peer: str) -> bool:
+        """The connection with ``peer`` ended: make sure no byte ``peer`` sent, or its engine
+        still holds, can land in this endpoint's memory any more, and say so with ``True``
+        (the core then gives the pages it announced to ``peer`` back to the serving engine).
+        ``False``: this driver cannot promise it; the pages stay held (a serving engine frees
+        them at its own timeout). Runs on the driver's thread, before ``disconnect(peer)``; may
+        block for a moment (at most ``FENCE_WAIT_S``), never raises for a peer it does not know.
+
+        The fence must hold for as long as the peer might still write: a stopped process that
+        resumes, a partition that heals and delivers what the network held, an engine that
+        reconnects with writes still queued. Closing a connection is not enough for an engine
+        that reconnects on its own; refusing the peer's writes (its own receive side closed or
+        its memory registration revoked) is.
+
+        The default: a two-sided driver checks every inbound piece with
+        ``context.check_inbound``, which refuses a peer whose connection ended, so it is fenced
+        once its inbound work already under way is done (``inbound_idle``); a one-sided driver
+        cannot promise anything by default."""
+        if not type(self).capabilities.two_sided:
+            return False
+        deadline = time.monotonic() + FENCE_WAIT_S
+        while not self.inbound_idle(peer):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return True
 
     def disconnect(self, peer: str) -> None:  # noqa: B027 - optional hook
         """Forget ``peer``; its in-flight batches fail."""

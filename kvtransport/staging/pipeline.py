@@ -149,7 +149,10 @@ class StagingPipeline(SendingSide, ReceivingSide):
             self._in.setdefault(peer, _Inbound())
             self._gather_rr.append(peer)
 
-    def disconnect(self, peer: str) -> None:
+    def disconnect(self, peer: str, *, hold_slots: bool = False) -> None:
+        """Forget ``peer``: its batches fail, the inbound slots it held come back (or, with
+        ``hold_slots``, stay out of use until :meth:`release_held`: its engine may still write
+        into them)."""
         finished: list[int] = []
         with self._lock:
             out = self._out.pop(peer, None)
@@ -167,10 +170,14 @@ class StagingPipeline(SendingSide, ReceivingSide):
                     finished.append(batch.handle)
             if inbound is not None:
                 inbound.gone = True
-                # Slots it held come back now (revoked ones too: see docs/staging.md for the
-                # window this leaves); slots still being scattered come back when done.
-                self._free_in.extend(inbound.granted)
-                self._free_in.extend(inbound.revoked)
+                # Slots it held come back now (revoked ones too), unless the driver could not
+                # fence the peer's writes into them; slots still being scattered come back when
+                # done (their chunk was written and announced: the peer no longer holds them).
+                if hold_slots:
+                    self._held_in.setdefault(peer, []).extend([*inbound.granted, *inbound.revoked])
+                else:
+                    self._free_in.extend(inbound.granted)
+                    self._free_in.extend(inbound.revoked)
                 inbound.granted.clear()
                 inbound.revoked.clear()
                 inbound.wants = 0
@@ -180,6 +187,19 @@ class StagingPipeline(SendingSide, ReceivingSide):
         for handle in finished:
             self._completed(handle)
         self._grant()
+
+    def release_held(self, peer: str) -> None:
+        """The slots kept from departed ``peer`` (``disconnect(hold_slots=True)``) are safe now."""
+        with self._lock:
+            self._free_in.extend(self._held_in.pop(peer, []))
+            self._wake_all()
+        self._grant()
+
+    def scatter_idle(self, peer: str) -> bool:
+        """No chunk of ``peer`` is being copied into KV pages now (its errors aside)."""
+        with self._lock:
+            inbound = self._in.get(peer)
+            return inbound is None or not inbound.busy
 
     def close(self, timeout: float = 10.0) -> bool:
         """Stop every stage (the wire stage waits for writes in flight until shortly before

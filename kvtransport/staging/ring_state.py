@@ -203,6 +203,9 @@ class RingState:
         self._out: dict[str, _Outbound] = {}
         self._in: dict[str, _Inbound] = {}
         self._draining: list[_Inbound] = []  # peers gone with chunks still being scattered
+        #: Inbound slots of departed peers the driver could not fence yet: the peer's engine may
+        #: still write into them, so they go to nobody else until ``release_held``.
+        self._held_in: dict[str, list[int]] = {}
         self._batches: dict[int, _Batch] = {}
         self._settling: dict[int, _Batch] = {}  # aborted batches with chunks still moving
         self._next = 0

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from kvtransport.spi.driver import KVTransport
+from kvtransport.spi.driver import FENCE_WAIT_S, DriverContext, KVTransport
 from kvtransport.spi.errors import DriverError
 from kvtransport.spi.memory import RegionSet
 from kvtransport.spi.plan import Runs
@@ -39,6 +40,11 @@ class StagedTransport(KVTransport):
     #: Posting (or queueing for the pipeline) never blocks, and the engine takes calls from any thread.
     thread_agnostic: ClassVar[bool] = True
     _pipeline: StagingPipeline | None = None
+
+    def __init__(self, context: DriverContext) -> None:
+        super().__init__(context)
+        #: Departed peers not fenced yet: the ring slots they held stay out of use.
+        self._unfenced: set[str] = set()
 
     @property
     def pipeline(self) -> StagingPipeline:
@@ -110,9 +116,35 @@ class StagedTransport(KVTransport):
         abandon(pipeline)
         return False
 
+    def fence_wire(self, peer: str) -> bool:
+        """Whether ``peer``'s engine can no longer write into this endpoint's ring (its receive
+        side cut off: see ``KVTransport.fence``). A subclass whose engine gives each peer a
+        receive side of its own answers for it; by default nothing can be promised."""
+        return False
+
+    def fence(self, peer: str) -> bool:
+        """The peer's chunks are refused once its connection ended (``check_inbound``); its
+        chunk being copied in now finishes; its writes into the ring are the engine's to fence
+        (:meth:`fence_wire`). Until they are, the ring slots it held go to nobody else."""
+        wire = self.fence_wire(peer)
+        pipeline = self._pipeline
+        if pipeline is None:
+            return wire
+        deadline = time.monotonic() + FENCE_WAIT_S
+        while not pipeline.scatter_idle(peer):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        if not wire:
+            self._unfenced.add(peer)
+        elif peer in self._unfenced:
+            self._unfenced.discard(peer)
+            pipeline.release_held(peer)
+        return wire
+
     def disconnect(self, peer: str) -> None:
         if self._pipeline is not None:
-            self._pipeline.disconnect(peer)
+            self._pipeline.disconnect(peer, hold_slots=peer in self._unfenced)
 
     def submit(self, peer: str, runs: Runs) -> int:
         return self.pipeline.submit(peer, runs)

@@ -16,6 +16,9 @@ cancel a posted request: ``abort`` releases the handle at once, stops a worker b
 more and leaves what was posted to finish on a worker; bytes already posted land in the peer's
 registered region, never outside it, and ``settled`` answers ``False`` until they have (the core
 then tells the receiver its pages are free of writes).
+
+Receiving, each peer writes into an engine of its own, with this endpoint's regions registered
+(``receive_info``), which ``fence`` cuts off alone (``engine.Receivers`` says how).
 """
 
 from __future__ import annotations
@@ -28,12 +31,12 @@ from typing import ClassVar
 
 import msgpack
 
-from kvtransport.spi.driver import DriverContext, KVTransport
+from kvtransport.spi.driver import FENCE_WAIT_S, DriverContext, KVTransport
 from kvtransport.spi.errors import DriverError, EngineError, KVTransportError
 from kvtransport.spi.memory import RegionSet
 from kvtransport.spi.plan import Runs
 
-from .engine import Engine
+from .engine import Engine, Receivers
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +85,9 @@ class MooncakeDataPath(KVTransport):
         #: Aborted handles whose posted writes are still finishing (Mooncake cannot cancel them).
         self._settling: dict[int, Future[None]] = {}
         self._next = 0
+        self._regions: RegionSet | None = None
+        #: The engines peers write into, one each (``receive_info``), and their fences.
+        self._receivers = Receivers(self.name, context.host)
 
     def open(self, regions: RegionSet) -> bytes:
         if self._engine is not None:
@@ -94,10 +100,18 @@ class MooncakeDataPath(KVTransport):
             engine.close()
             raise
         self._engine = engine
+        self._regions = regions
         self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix=f"{self.name}-write")
-        info = msgpack.packb({"session": engine.session, "protocol": engine.protocol})
-        assert isinstance(info, bytes)
-        return info
+        return _info(engine)
+
+    def receive_info(self, peer: str) -> bytes:
+        if self._engine is None or self._regions is None:
+            raise DriverError(f"{self.name}: receive_info() before open()")
+        regs = self._regions.all()
+        return _info(self._receivers.create(peer, [r.ptr for r in regs], [r.length for r in regs]))
+
+    def fence(self, peer: str) -> bool:
+        return self._receivers.fence(peer, FENCE_WAIT_S)
 
     def connect(self, peer: str, info: bytes, peer_regions: RegionSet) -> None:
         if self._engine is None:
@@ -110,7 +124,8 @@ class MooncakeDataPath(KVTransport):
                 raise ValueError(f"session {session!r} is not host:port")
         except Exception as exc:
             raise DriverError(f"{self.name}: the peer's connection info is not a Mooncake session: {exc}") from exc
-        if session == self._engine.session or session in self._peers.values():
+        mine = {self._engine.session, *self._receivers.sessions()}
+        if session in mine or session in self._peers.values():
             raise DriverError(
                 f"{self.name}: the peer's Mooncake session {session} is this endpoint's or another peer's"
             )
@@ -225,6 +240,9 @@ class MooncakeDataPath(KVTransport):
         for handle, job in list(self._jobs.items()):
             if job.peer == peer:
                 self.abort(handle)
+        # A receive engine not fenced: its driver was not chosen, or the handshake failed
+        # before the peer could use it. Nothing of the peer was announced into it.
+        self._receivers.drop(peer)
 
     def close(self) -> None:
         if self._engine is None:
@@ -244,5 +262,13 @@ class MooncakeDataPath(KVTransport):
             )
         else:
             self._engine.close()
+        self._receivers.close()
         self._engine = None
         self._peers.clear()
+
+
+def _info(engine: Engine) -> bytes:
+    """The connection info peers write with: the engine's session and protocol."""
+    info = msgpack.packb({"session": engine.session, "protocol": engine.protocol})
+    assert isinstance(info, bytes)
+    return info

@@ -8,7 +8,9 @@ the engine, quotes the engine's log when a call fails, and raises kvtransport er
 
 from __future__ import annotations
 
+import collections
 import errno
+import logging
 import os
 import socket
 import threading
@@ -16,10 +18,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvtransport.spi import process_sockets
 from kvtransport.spi.diagnose import capture_native_stderr
 from kvtransport.spi.errors import DriverUnavailable, EngineError
 
 from .engine_probe import ENV_DEVICE, ENV_HOSTNAME, ENV_MAX_BATCH, probe_engine
+
+_log = logging.getLogger(__name__)
 
 #: Mooncake's own default range for its handshake port, used when the env sets none (or an
 #: invalid one, which Mooncake also ignores).
@@ -100,18 +105,23 @@ class Engine:
             raise EngineError(f"{driver}: Mooncake cannot start on {self.host}: {problem}")
         self.engine: Any = mooncake.engine.TransferEngine()
         device = os.environ.get(ENV_DEVICE, "")
-        with capture_native_stderr() as log:
+        with process_sockets.new_listeners() as opened, capture_native_stderr() as log:
             rc = self.engine.initialize(self.host, "P2PHANDSHAKE", self.protocol, device)
         if rc != 0:
             raise EngineError(
                 f"{driver}: Mooncake initialize({self.host!r}, P2PHANDSHAKE, {self.protocol}) returned {rc}: "
                 f"{log.tail() or 'no message from the engine'}"
             )
-        self.session = f"{self.host}:{self.engine.get_rpc_port()}"
-        self._registered: list[int] = []
+        rpc_port = int(self.engine.get_rpc_port())
+        self.session = f"{self.host}:{rpc_port}"
+        #: The ports this engine's TCP transport accepts data connections on: the listeners it
+        #: opened while it started, in its port range, other than its handshake port.
+        self.data_ports = {p for p in opened if low <= p <= high and p != rpc_port}
+        self._registered: list[tuple[int, int]] = []
 
     def register(self, ptrs: Sequence[int], lengths: Sequence[int]) -> None:
-        fresh = [(p, n) for p, n in zip(ptrs, lengths, strict=True) if p not in self._registered]
+        known = {p for p, _ in self._registered}
+        fresh = [(p, n) for p, n in zip(ptrs, lengths, strict=True) if p not in known]
         if not fresh:
             return
         with capture_native_stderr() as log:
@@ -121,7 +131,19 @@ class Engine:
                 f"{self.driver}: Mooncake could not register {len(fresh)} regions "
                 f"({sum(n for _, n in fresh)} bytes), return code {rc}: {log.tail() or 'no message'}"
             )
-        self._registered.extend(p for p, _ in fresh)
+        self._registered.extend(fresh)
+
+    def unregister_all(self) -> bool:
+        """Withdraw every registration: from here the engine refuses any write a peer sends it
+        (Mooncake checks each request against the registered buffers). ``True`` if it did."""
+        if not self._registered:
+            return True
+        with capture_native_stderr():
+            rc = self.engine.batch_unregister_memory([p for p, _ in self._registered])
+        if rc != 0:
+            return False
+        self._registered = []
+        return True
 
     def write_polled(
         self,
@@ -221,8 +243,92 @@ class Engine:
     def close(self) -> None:
         if self._registered:
             try:
-                self.engine.batch_unregister_memory(self._registered)
+                self.engine.batch_unregister_memory([p for p, _ in self._registered])
             except Exception:  # noqa: BLE001 - best effort at shutdown
                 pass
             self._registered = []
         self.engine = None
+
+
+class Receivers:
+    """The engines peers write into, one per peer (``receive_info``), and their fences.
+
+    Mooncake cannot refuse one peer's writes while it accepts another's: its TCP transport
+    writes whatever a connection carries into any registered buffer, and reconnects on its own
+    with writes still queued. So each peer gets an engine of its own with this endpoint's
+    receiving memory registered, and :meth:`fence` withdraws those registrations (Mooncake then
+    refuses every request of the peer, new connections included), severs the engine's
+    connections and waits until it has read what the kernel had queued. A fenced engine is
+    kept (at most ``MAX_FENCED``, for at most ``FENCED_KEEP_S``) so that its port cannot go to
+    another engine while the peer might still reconnect to it."""
+
+    MAX_FENCED = 16
+    FENCED_KEEP_S = 600.0
+
+    def __init__(self, driver: str, host: str) -> None:
+        self.driver, self.host = driver, host
+        self._live: dict[str, Engine] = {}
+        self._fenced: collections.OrderedDict[str, tuple[Engine, float]] = collections.OrderedDict()
+
+    def sessions(self) -> set[str]:
+        return {e.session for e in self._live.values()}
+
+    def create(self, peer: str, ptrs: Sequence[int], lengths: Sequence[int]) -> Engine:
+        """A fresh engine for ``peer`` with ``ptrs``/``lengths`` registered (a previous one of
+        the same peer is closed)."""
+        self._prune()
+        engine = Engine(self.driver, self.host)
+        try:
+            engine.register(ptrs, lengths)
+        except BaseException:
+            engine.close()
+            raise
+        if not engine.data_ports and process_sockets.supported():
+            _log.warning("%s: cannot tell which port the receive engine for %s listens on", self.driver, peer)
+        old = self._live.pop(peer, None)
+        if old is not None:
+            old.close()
+        self._live[peer] = engine
+        return engine
+
+    def fence(self, peer: str, timeout: float) -> bool:
+        """No byte of ``peer`` can land any more (``True``), or this cannot be promised: it
+        wrote into an endpoint-wide engine, or a severed connection still held unread bytes."""
+        engine = self._live.pop(peer, None)
+        if engine is None:
+            return peer in self._fenced
+        self._fenced[peer] = (engine, time.monotonic())
+        self._prune()
+        if not engine.unregister_all():
+            _log.warning("%s: the receive engine for %s kept its registrations", self.driver, peer)
+            return False
+        if not engine.data_ports:
+            return False  # its connections cannot be found: bytes already queued may still land
+        severed, unread = process_sockets.sever(engine.data_ports, timeout)
+        if unread:
+            _log.warning("%s: %d severed connections of %s still held unread bytes", self.driver, unread, peer)
+            return False
+        _log.debug("%s: fenced %s (%d connections severed)", self.driver, peer, severed)
+        return True
+
+    def drop(self, peer: str) -> None:
+        """``peer`` never wrote into its engine (another driver was chosen, or the handshake
+        failed): closed at once. A fenced one stays."""
+        engine = self._live.pop(peer, None)
+        if engine is not None:
+            engine.close()
+
+    def close(self) -> None:
+        for engine in [*self._live.values(), *(e for e, _ in self._fenced.values())]:
+            engine.close()
+        self._live.clear()
+        self._fenced.clear()
+
+    def _prune(self) -> None:
+        now = time.monotonic()
+        while self._fenced:
+            peer, (engine, since) = next(iter(self._fenced.items()))
+            if len(self._fenced) <= self.MAX_FENCED and now - since < self.FENCED_KEEP_S:
+                break
+            del self._fenced[peer]
+            engine.close()

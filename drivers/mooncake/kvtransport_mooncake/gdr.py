@@ -39,6 +39,8 @@ class MooncakeGDR(MooncakeDataPath):
     )
     env_vars: ClassVar[tuple[str, ...]] = ENV_VARS
     raw_engine: ClassVar[str] = "kvtransport_mooncake.raw:RawMooncake"
+    #: Each peer writes into a receive engine of its own, so ``fence`` can cut it off alone.
+    receives_per_peer: ClassVar[bool] = True
 
     @classmethod
     def probe(cls) -> DriverStatus:

@@ -17,6 +17,7 @@ import msgpack
 
 from kvtransport.spi.driver import (
     DRIVER_API_VERSION,
+    FENCE_WAIT_S,
     Capabilities,
     DriverContext,
     DriverStatus,
@@ -32,7 +33,7 @@ from kvtransport.staging import ENV_CHUNK_BYTES, ENV_RING_BYTES, RingConfig, Sta
 from kvtransport.staging.transport import abandon
 
 from .base import protocol_mismatch
-from .engine import Engine
+from .engine import Engine, Receivers
 from .engine_probe import ENV_VARS, cuda_note, probe_engine
 from .gdr import RDMA_GBPS, TCP_GBPS
 
@@ -52,6 +53,8 @@ class MooncakeStaged(StagedTransport):
     )
     env_vars: ClassVar[tuple[str, ...]] = (*ENV_VARS, ENV_RING_BYTES, ENV_CHUNK_BYTES)
     raw_engine: ClassVar[str] = "kvtransport_mooncake.raw:RawMooncake"
+    #: Each peer writes into the ring through an engine of its own, so ``fence`` can cut it off.
+    receives_per_peer: ClassVar[bool] = True
 
     @classmethod
     def probe(cls) -> DriverStatus:
@@ -96,6 +99,8 @@ class MooncakeStaged(StagedTransport):
         self._engine: Engine | None = None
         self._ring = (0, 0)
         self._sessions: dict[str, str] = {}  # peer -> its Mooncake session
+        #: The engines peers write into this endpoint's ring through, one each.
+        self._receivers = Receivers(self.name, context.host)
 
     def open(self, regions: RegionSet) -> bytes:
         if self._engine is not None:
@@ -127,13 +132,26 @@ class MooncakeStaged(StagedTransport):
             raise
         self._engine = engine
         try:
-            pipeline = self.start_pipeline(ring, config, regions)
+            self.start_pipeline(ring, config, regions)
         except BaseException:
             self.close()  # the engine and its ring go with the failed open
             raise
-        info = msgpack.packb({"session": engine.session, "protocol": engine.protocol, "ring": pipeline.describe()})
+        return self._info(engine)
+
+    def _info(self, engine: Engine) -> bytes:
+        info = msgpack.packb({"session": engine.session, "protocol": engine.protocol, "ring": self.pipeline.describe()})
         assert isinstance(info, bytes)
         return info
+
+    def receive_info(self, peer: str) -> bytes:
+        """An engine of its own for ``peer`` to write into this endpoint's ring through, so
+        that ``fence_wire`` can cut it off alone (``engine.Receivers``)."""
+        if self._engine is None:
+            raise DriverError(f"{self.name}: receive_info() before open()")
+        return self._info(self._receivers.create(peer, [self._ring[0]], [self._ring[1]]))
+
+    def fence_wire(self, peer: str) -> bool:
+        return self._receivers.fence(peer, FENCE_WAIT_S)
 
     def connect(self, peer: str, info: bytes, peer_regions: RegionSet) -> None:
         engine = self._engine
@@ -148,7 +166,7 @@ class MooncakeStaged(StagedTransport):
             ) from exc
         if protocol != engine.protocol:
             raise DriverError(f"{self.name}: the peer's engine runs {protocol}, this one {engine.protocol}")
-        if session == engine.session or session in self._sessions.values():
+        if session in (engine.session, *self._receivers.sessions()) or session in self._sessions.values():
             raise DriverError(
                 f"{self.name}: the peer's Mooncake session {session} is this endpoint's or another peer's"
             )
@@ -158,6 +176,7 @@ class MooncakeStaged(StagedTransport):
     def disconnect(self, peer: str) -> None:
         super().disconnect(peer)
         self._sessions.pop(peer, None)
+        self._receivers.drop(peer)
 
     def close(self) -> None:
         if self._engine is None:
@@ -171,10 +190,11 @@ class MooncakeStaged(StagedTransport):
                 self.name,
                 self._ring[1],
             )
-            abandon(self._engine, self._ring)
+            abandon(self._engine, self._ring, self._receivers)
             self._engine = None
             return
         # Every stage stopped: nothing touches the ring or the engine after this.
+        self._receivers.close()
         try:
             self._engine.engine.free_managed_buffer(*self._ring)
         except Exception as exc:  # noqa: BLE001 - best effort at shutdown

@@ -2,7 +2,16 @@
 transfers built from the planner's runs, completion read from NIXL's transfer state.
 
 The connection info carried in the hello is the agent's own metadata blob (what
-``add_remote_agent`` takes), so no side channel or metadata server is involved. Every NIXL
+``add_remote_agent`` takes), so no side channel or metadata server is involved.
+
+Receiving, each peer writes into an agent of its own (``receive_info``: a NIXL agent with this
+endpoint's regions registered, made for that connection alone), so that ``fence`` can cut one
+peer off: it severs that agent's UCX connections (``process_sockets``: UCX then fails the
+peer's endpoint and never reconnects it, so nothing the peer still holds can follow) and
+withdraws its registrations. Between processes of one host UCX writes by cross-memory attach
+(``process_vm_writev``), which no receiver can stop: a peer there is fenced only once its
+process has ended (checked by pid and start time); until then the pages it was announced stay
+held (docs/drivers/nixl-ucx.md). Every NIXL
 call that can fail is wrapped: NIXL raises its own exception types (``nixlBackendError``,
 ``nixlInvalidParamError``...) or reports ``"ERR"``; both become kvtransport errors naming the
 driver, the backend and what NIXL said.
@@ -10,25 +19,28 @@ driver, the backend and what NIXL said.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import itertools
 import logging
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
 import msgpack
 import numpy as np
 
-from kvtransport.spi.driver import DriverContext, KVTransport
+from kvtransport.spi import process_sockets
+from kvtransport.spi.driver import FENCE_WAIT_S, DriverContext, KVTransport
 from kvtransport.spi.errors import DriverError, DriverUnavailable, EngineError
 from kvtransport.spi.memory import MemoryKind, RegionSet
 from kvtransport.spi.plan import Runs
+from kvtransport.spi.probe import host_id
 
-from .engine_probe import probe_nixl, quiet_nixl_logging
+from .engine_probe import allows, probe_nixl, quiet_nixl_logging
 from .posters import Part, Posters, posters_from_env, split_points
 
 log = logging.getLogger(__name__)
@@ -39,6 +51,10 @@ T = TypeVar("T")
 _RELEASE_RETRIES = 50
 #: How long ``disconnect`` waits for the helpers' parts of that peer's batches to stop.
 DISCONNECT_GRACE_S = 5.0
+#: Fenced peers remembered (``fence`` is asked again while a peer's pages are held): at most
+#: this many, each for at most this long; their receive agents go with them.
+MAX_FENCED = 16
+FENCED_KEEP_S = 600.0
 
 
 #: Batches of at most this many descriptors are handed to NIXL as lists of tuples, larger
@@ -80,6 +96,28 @@ class _Peer:
 
 
 @dataclass
+class _Receiver:
+    """The agent one peer writes into: made for it alone, fenced when it goes."""
+
+    agent: Any
+    registered: Any
+    name: str
+    #: Its UCX listening ports (the peer's connections arrive on them).
+    ports: set[int]
+
+
+@dataclass
+class _Fenced:
+    """What ``fence`` still answers about a peer after its connection ended."""
+
+    receiver: _Receiver | None
+    process: tuple[str, int, int] | None
+    #: Its connections could not all be severed cleanly: it stays unfenced.
+    severed: bool
+    since: float
+
+
+@dataclass
 class _Batch:
     handle: Any  # nixl_xfer_handle of the part this driver posted (and polls)
     peer: str
@@ -111,6 +149,7 @@ class NixlDataPath(KVTransport):
         self._backend = ""
         self._name = ""
         self._registered: Any = None
+        self._params: dict[str, str] = {}
         self._regions: RegionSet | None = None
         self._peers: dict[str, _Peer] = {}
         self._batches: dict[int, _Batch] = {}
@@ -121,6 +160,10 @@ class NixlDataPath(KVTransport):
         self._next = 0
         self._posters: Posters | None = None
         self._split_bytes = 0
+        self._receivers: dict[str, _Receiver] = {}
+        #: peer -> the process its connection info names (host id, pid, start time)
+        self._processes: dict[str, tuple[str, int, int]] = {}
+        self._fenced: collections.OrderedDict[str, _Fenced] = collections.OrderedDict()
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -171,6 +214,7 @@ class NixlDataPath(KVTransport):
             params.setdefault("num_workers", str(2 * posters))
         else:
             config = self._nixl.nixl_agent_config(enable_prog_thread=False, backends=[])
+        self._params = dict(facts.backend_params)
         self._agent = self._call("agent creation", lambda: self._nixl.nixl_agent(name, config), DriverUnavailable)
         self._call(
             "backend creation",
@@ -208,9 +252,88 @@ class NixlDataPath(KVTransport):
         )
         self._regions = regions
         meta = self._call("metadata export", self._agent.get_agent_metadata)
-        info = msgpack.packb({"agent": name, "meta": meta, "mem": _mem_type(kind), "device": _device_id(kind)})
-        assert isinstance(info, bytes)
-        return info
+        return _info(name, meta, kind)
+
+    def receive_info(self, peer: str) -> bytes:
+        if self._agent is None or self._regions is None:
+            raise DriverError(f"{self.name}: receive_info() before open()")
+        kind = self._regions.kv_kind
+        descs = [(r.ptr, r.length, _device_id(r.kind), "") for r in self._regions.all()]
+        name, meta = self._make_receiver(peer, descs, _mem_type(kind))
+        return _info(name, meta, kind)
+
+    def _make_receiver(self, peer: str, descs: list[tuple[int, int, int, str]], mem_type: str) -> tuple[str, bytes]:
+        """A NIXL agent of its own for ``peer`` to write into, ``descs`` registered; its name
+        and metadata (what the peer's ``add_remote_agent`` takes)."""
+        self._prune_fenced()
+        name = f"kvt-{self.context.endpoint_id}-r{uuid.uuid4().hex[:8]}"
+        config = self._nixl.nixl_agent_config(enable_prog_thread=False, backends=[])
+        with process_sockets.new_listeners() as opened:
+            agent = self._call("receive agent creation", lambda: self._nixl.nixl_agent(name, config))
+            self._call("receive backend creation", lambda: agent.create_backend(self._backend, self._params))
+        registered = self._call("receive registration", lambda: agent.register_memory(descs, mem_type))
+        meta = self._call("receive metadata export", agent.get_agent_metadata)
+        ports = {p for p in opened if process_sockets.port_in_blob(p, meta)}
+        old = self._receivers.pop(peer, None)
+        if old is not None:
+            self._drop_receiver(old)
+        self._receivers[peer] = _Receiver(agent, registered, name, ports)
+        return name, meta
+
+    def _note_process(self, peer: str, doc: Mapping[str, Any]) -> None:
+        """The peer process a connection info names (host id, pid, start time), if it does."""
+        host, pid, start = doc.get("host"), doc.get("pid"), doc.get("start")
+        if isinstance(host, str) and isinstance(pid, int) and isinstance(start, int):
+            self._processes[peer] = (host, pid, start)
+
+    def fence(self, peer: str) -> bool:
+        return self.fence_receiver(peer)
+
+    def fence_receiver(self, peer: str) -> bool:
+        """Cut ``peer`` off its receive agent: its UCX connections severed (UCX fails the peer's
+        endpoint and never reconnects it) and its registrations withdrawn. Between processes of
+        one host UCX may write by cross-memory attach, which only the writer stops: fenced once
+        that process has ended."""
+        fenced = self._fenced.get(peer)
+        if fenced is None:
+            receiver = self._receivers.pop(peer, None)
+            severed = False
+            if receiver is not None:
+                _, unread = process_sockets.sever(receiver.ports, FENCE_WAIT_S)
+                severed = bool(receiver.ports) and not unread
+                try:
+                    receiver.agent.deregister_memory(receiver.registered)
+                    receiver.registered = None
+                except Exception as exc:  # noqa: BLE001 - the agent may have failed the peer already
+                    log.debug("%s: deregistering the receive agent of %s: %s", self.name, peer, exc)
+            fenced = _Fenced(receiver, self._processes.pop(peer, None), severed, time.monotonic())
+            self._fenced[peer] = fenced
+            self._prune_fenced()
+        if not fenced.severed:
+            return False  # it wrote into the endpoint-wide agent, or its connections held unread bytes
+        process = fenced.process
+        if process is not None and process[0] == host_id() and allows(os.environ.get("UCX_TLS", ""), {"cma"}):
+            return not process_sockets.process_alive(process[1], process[2])
+        return True
+
+    def _drop_receiver(self, receiver: _Receiver) -> None:
+        if receiver.registered is not None:
+            try:
+                receiver.agent.deregister_memory(receiver.registered)
+            except Exception as exc:  # noqa: BLE001
+                log.debug("%s: deregistering receive agent %s: %s", self.name, receiver.name, exc)
+            receiver.registered = None
+        receiver.agent = None  # the agent goes with its last reference
+
+    def _prune_fenced(self) -> None:
+        now = time.monotonic()
+        while self._fenced:
+            peer, fenced = next(iter(self._fenced.items()))
+            if len(self._fenced) <= MAX_FENCED and now - fenced.since < FENCED_KEEP_S:
+                break
+            del self._fenced[peer]
+            if fenced.receiver is not None:
+                self._drop_receiver(fenced.receiver)
 
     def connect(self, peer: str, info: bytes, peer_regions: RegionSet) -> None:
         if self._agent is None:
@@ -230,6 +353,7 @@ class NixlDataPath(KVTransport):
             raise DriverError(
                 f"{self.name}: the peer registered {mem} memory but describes its KV as {peer_regions.kv_kind}"
             )
+        self._note_process(peer, doc)
         self._peers[peer] = _Peer(self._add_remote(meta), mem, device)
 
     def submit(self, peer: str, runs: Runs) -> int:
@@ -373,6 +497,9 @@ class NixlDataPath(KVTransport):
         agent = self._agent
         if agent is not None:
             self._call("progress", agent.get_new_notifs)
+        for receiver in list(self._receivers.values()):
+            # Each peer's bytes arrive through its own agent, which moves only when driven.
+            self._call("progress", receiver.agent.get_new_notifs)
 
     def disconnect(self, peer: str) -> None:
         target = self._peers.pop(peer, None)
@@ -390,6 +517,12 @@ class NixlDataPath(KVTransport):
                 self._agent.remove_remote_agent(target.agent)
             except Exception as exc:  # noqa: BLE001 - the peer may be gone already
                 log.debug("%s: removing remote agent %s: %s", self.name, target.agent, exc)
+        # A receive agent not fenced: its driver was not chosen, or the handshake failed before
+        # the peer could use it. Nothing of the peer was announced into it.
+        unused = self._receivers.pop(peer, None)
+        if unused is not None:
+            self._drop_receiver(unused)
+        self._processes.pop(peer, None)
 
     def close(self) -> None:
         if self._agent is None:
@@ -416,6 +549,10 @@ class NixlDataPath(KVTransport):
             pending = retry
             if pending:
                 os.sched_yield()
+        for receiver in [*self._receivers.values(), *(f.receiver for f in self._fenced.values() if f.receiver)]:
+            self._drop_receiver(receiver)
+        self._receivers.clear()
+        self._fenced.clear()
         if self._registered is not None:
             try:
                 self._agent.deregister_memory(self._registered)
@@ -423,3 +560,22 @@ class NixlDataPath(KVTransport):
                 log.debug("%s: deregistering memory: %s", self.name, exc)
         self._registered = None
         self._agent = None
+
+
+def _info(agent: str, meta: bytes, kind: MemoryKind) -> bytes:
+    """Connection info: the agent's name and metadata, the KV memory, and the process that
+    writes and receives through it (host id, pid, start time: see ``fence``)."""
+    pid = os.getpid()
+    info = msgpack.packb(
+        {
+            "agent": agent,
+            "meta": meta,
+            "mem": _mem_type(kind),
+            "device": _device_id(kind),
+            "host": host_id(),
+            "pid": pid,
+            "start": process_sockets.process_start(pid) or 0,
+        }
+    )
+    assert isinstance(info, bytes)
+    return info

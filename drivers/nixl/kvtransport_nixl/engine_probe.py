@@ -41,6 +41,21 @@ class NixlFacts:
     mem_types: tuple[str, ...] = ()
 
 
+def allows(ucx_tls: str, family: set[str]) -> bool:
+    """Whether a ``UCX_TLS`` value lets UCX use any transport of ``family``.
+
+    Unset or ``all`` allows everything; ``^a,b`` excludes a and b; otherwise it is a list.
+    """
+    raw = ucx_tls.strip()
+    if not raw:
+        return True
+    negate = raw.startswith("^")
+    names = {t.strip() for t in raw.lstrip("^").split(",") if t.strip()}
+    if negate:
+        return not family <= names
+    return "all" in names or bool(names & family)
+
+
 def backend_config(env: dict[str, str] | None = None) -> tuple[str, dict[str, str], str]:
     """(backend name, init params, error) from the environment."""
     env = dict(os.environ) if env is None else env

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
 import threading
 from dataclasses import replace
 from typing import Any, ClassVar
@@ -18,6 +19,7 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 
+from kvtransport.spi import process_sockets
 from kvtransport.spi.driver import (
     DRIVER_API_VERSION,
     Capabilities,
@@ -30,7 +32,7 @@ from kvtransport.spi.driver import (
 )
 from kvtransport.spi.errors import DriverError, EngineError
 from kvtransport.spi.memory import RegionSet
-from kvtransport.spi.probe import probe_host
+from kvtransport.spi.probe import host_id, probe_host
 from kvtransport.staging import ENV_CHUNK_BYTES, ENV_RING_BYTES, RingConfig, StagedTransport
 from kvtransport.staging.transport import abandon
 
@@ -52,6 +54,8 @@ class NixlStaged(StagedTransport, NixlDataPath):
     )
     env_vars: ClassVar[tuple[str, ...]] = (*ENV_VARS, ENV_RING_BYTES, ENV_CHUNK_BYTES)
     raw_engine: ClassVar[str] = "kvtransport_nixl.raw:RawNixl"
+    #: Each peer writes into the ring through an agent of its own, so ``fence`` can cut it off.
+    receives_per_peer: ClassVar[bool] = True
 
     @classmethod
     def probe(cls) -> DriverStatus:
@@ -114,14 +118,32 @@ class NixlStaged(StagedTransport, NixlDataPath):
                 f"registration of the {config.ring_bytes}-byte staging ring",
                 lambda: self._agent.register_memory([(ring, config.ring_bytes, 0, "")], "DRAM"),
             )
-            pipeline = self.start_pipeline(ring, config, regions)
+            self.start_pipeline(ring, config, regions)
             meta = self._call("metadata export", self._agent.get_agent_metadata)
         except BaseException:
             self.close()  # the agent, the ring and its registration go with the failed open
             raise
-        info = msgpack.packb({"agent": name, "meta": meta, "ring": pipeline.describe()})
+        return self._staged_info(name, meta)
+
+    def _staged_info(self, name: str, meta: bytes) -> bytes:
+        pid = os.getpid()
+        doc = {"agent": name, "meta": meta, "ring": self.pipeline.describe(), "host": host_id(), "pid": pid}
+        info = msgpack.packb({**doc, "start": process_sockets.process_start(pid) or 0})
         assert isinstance(info, bytes)
         return info
+
+    def receive_info(self, peer: str) -> bytes:
+        """An agent of its own for ``peer`` to write into this endpoint's ring through, so that
+        ``fence_wire`` can cut it off alone (``NixlDataPath.fence_receiver``)."""
+        if self._agent is None or self._ring_view is None:
+            raise DriverError(f"{self.name}: receive_info() before open()")
+        ring = int(self._ring_view.ctypes.data)
+        with self.agent_lock:
+            name, meta = self._make_receiver(peer, [(ring, int(self._ring_view.nbytes), 0, "")], "DRAM")
+        return self._staged_info(name, meta)
+
+    def fence_wire(self, peer: str) -> bool:
+        return self.fence_receiver(peer)
 
     def connect(self, peer: str, info: bytes, peer_regions: RegionSet) -> None:
         try:
@@ -131,6 +153,7 @@ class NixlStaged(StagedTransport, NixlDataPath):
             raise DriverError(f"{self.name}: the peer's connection info is not a staged NIXL export: {exc}") from exc
         with self.agent_lock:
             remote = self._add_remote(meta)
+        self._note_process(peer, doc)
         self._remote[peer] = remote
         self.pipeline.connect(peer, ring, _NixlLink(self, remote))
 

@@ -24,7 +24,7 @@ from kvtransport.spi.errors import ConfigError
 from kvtransport.spi.probe import probe_host
 
 from .data_path import NixlDataPath
-from .engine_probe import ENV_VARS, probe_nixl
+from .engine_probe import ENV_VARS, allows, probe_nixl
 from .posters import ENV_VARS as POSTER_ENV_VARS
 from .posters import posters_from_env
 
@@ -42,21 +42,6 @@ NO_GDR_FACTOR = 0.5
 _SHM_TLS = {"sm", "shm", "posix", "sysv", "cma", "xpmem", "knem"}
 _RDMA_TLS = {"ib", "rc", "rc_x", "rc_v", "ud", "ud_x", "ud_v", "dc", "dc_x", "rc_mlx5", "ud_mlx5", "dc_mlx5"}
 _CUDA_IPC_TLS = {"cuda", "cuda_ipc"}
-
-
-def allows(ucx_tls: str, family: set[str]) -> bool:
-    """Whether a ``UCX_TLS`` value lets UCX use any transport of ``family``.
-
-    Unset or ``all`` allows everything; ``^a,b`` excludes a and b; otherwise it is a list.
-    """
-    raw = ucx_tls.strip()
-    if not raw:
-        return True
-    negate = raw.startswith("^")
-    names = {t.strip() for t in raw.lstrip("^").split(",") if t.strip()}
-    if negate:
-        return not family <= names
-    return "all" in names or bool(names & family)
 
 
 def _pair_allows(local: PeerView, remote: PeerView, family: set[str]) -> bool:
@@ -90,6 +75,8 @@ class NixlUCX(NixlDataPath):
     env_vars: ClassVar[tuple[str, ...]] = (*ENV_VARS, *POSTER_ENV_VARS)
     raw_engine: ClassVar[str] = "kvtransport_nixl.raw:RawNixl"
     parallel_posts: ClassVar[bool] = True
+    #: Each peer writes into a NIXL agent of its own, so ``fence`` can cut it off alone.
+    receives_per_peer: ClassVar[bool] = True
 
     @classmethod
     def probe(cls) -> DriverStatus:
