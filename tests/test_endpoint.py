@@ -20,6 +20,7 @@ from kvtransport.spi.errors import (
     ConnectError,
     EngineError,
     InvalidPages,
+    KVTransportError,
     NegotiationError,
     TransferAborted,
     TransferError,
@@ -645,3 +646,30 @@ def test_many_aborts_with_writes_in_flight_are_each_confirmed() -> None:
             r.abort("freed")
         missing = [r.tag for r in receivers if not r.drained.wait(5)]
         assert not missing, missing
+
+
+@pytest.mark.parametrize("fence", ["1", "3", ""])
+def test_a_departed_peers_pages_come_back_only_once_every_lane_fenced_it(fence: str) -> None:
+    """The receiver's failed transfer is drained (the serving engine may reuse its pages) only
+    when the driver fences the departed peer: at once, after a few more asks (a writer process
+    that ended meanwhile), or never (a one-sided engine that cannot)."""
+    options = {"fake.fence": fence} if fence else {}
+    with endpoints(receiver_options=options) as (prefill, decode, send_conn, recv_conn, _, _):
+        r = recv_conn.expect("gone", [1, 2])
+        t = send_conn.sender("gone")
+        ready(t)
+        prefill.close()  # the peer departs with the transfer announced and never confirmed
+        with pytest.raises(KVTransportError):
+            r.wait(5)
+        driver = decode.drivers["fake"]
+        assert isinstance(driver, FakeDriver)
+        if fence == "1":
+            assert r.drained.wait(2)
+            assert driver.fence_calls[recv_conn.id] == 1
+        elif fence == "3":
+            assert not r.drained.wait(0.2), "given back before the driver could fence the peer"
+            assert r.drained.wait(5), "never asked again"
+            assert driver.fence_calls[recv_conn.id] == 3
+        else:
+            assert not r.drained.wait(2), "given back although the driver cannot fence the peer"
+            assert driver.fence_calls[recv_conn.id] >= 2

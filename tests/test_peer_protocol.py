@@ -23,6 +23,7 @@ from kvtransport.runtime.actions import (
     Calibrate,
     CheckInbound,
     EndSession,
+    Fence,
     FlushNotices,
     Later,
     Next,
@@ -42,7 +43,7 @@ from kvtransport.runtime.peer_protocol import (
 from kvtransport.runtime.planning import PairPlan
 from kvtransport.runtime.tags import TagBook
 from kvtransport.runtime.wire import Message
-from kvtransport.spi.errors import KVTransportError, ProtocolError, TransferAborted, TransferTimeout
+from kvtransport.spi.errors import KVTransportError, PeerLost, ProtocolError, TransferAborted, TransferTimeout
 from kvtransport.spi.inbound import Claim
 from kvtransport.tools.kv_pool import KVPool
 
@@ -85,6 +86,7 @@ class Harness:
         self.observed: list[Transfer] = []
         self.arriving = 0
         self.ended: list[KVTransportError] = []
+        self.fences: list[tuple[Transfer, ...]] = []
         self.flushes = 0
         self.idle_answers: set[int] = set()  # ids of receive transfers whose "inbound" check came back idle
 
@@ -120,6 +122,8 @@ class Harness:
                     self.checks.append((t, kind))
                 case EndSession(error, _):
                     self.ended.append(error)
+                case Fence(transfers):
+                    self.fences.append(transfers)
                 case Next(then):
                     self.run(then())
                 case FlushNotices():
@@ -324,6 +328,39 @@ def test_close_fails_everything_and_sends_nothing_after() -> None:
     h.answer_stop("a")
     late = h.sender("c")
     assert late.state is State.FAILED and not h.sent, "no drained, no message once closed"
+
+
+def test_close_has_the_drivers_fence_exactly_the_pages_the_peer_never_confirmed() -> None:
+    """The session ends: the receive transfers whose pages were announced and that the peer
+    never confirmed (``drained``) wait for the fence (one whose announcement was still on its
+    way too: the peer may have it); a sender's transfer and one the peer confirmed do not."""
+    h = Harness()
+    h.sender("s")
+    confirmed, held = h.receiver("ok", [1]), h.receiver("held", [2])
+    h.hear_and_announce()
+    on_its_way = h.receiver("late", [3])  # its drivers have not heard of it yet
+    h.run(h.p.abort(confirmed, "gave up", notify=True, local=True))
+    h.run(h.p.on_drained(Message("drained", {"tag": "ok"})))
+    h.answer_check()
+    assert confirmed.drained.is_set()
+    h.run(h.p.close(PeerLost("gone"), notify=False))
+    assert h.fences == [(held, on_its_way)]
+    assert not held.drained.is_set() and held.state is State.FAILED
+
+
+def test_a_peer_that_does_not_confirm_in_time_is_cut_off_so_that_it_can_be_fenced() -> None:
+    h = Harness()
+    late, prompt = h.receiver("late", [1]), h.receiver("prompt", [2])
+    h.hear_and_announce()
+    h.run(h.p.abort(late, "decode gave up", notify=True, local=True))
+    h.run(h.p.abort(prompt, "decode gave up", notify=True, local=True))
+    overdue = list(h.later)
+    h.run(h.p.on_drained(Message("drained", {"tag": "prompt"})))
+    h.answer_check()
+    for then in overdue:  # KVTRANSPORT_DRAIN_TIMEOUT passed for both
+        h.run(then())
+    assert len(h.ended) == 1 and isinstance(h.ended[0], PeerLost)
+    assert "'late'" in str(h.ended[0]) and "KVTRANSPORT_DRAIN_TIMEOUT" in str(h.ended[0])
 
 
 def test_done_notices_are_checked_before_any_is_taken() -> None:

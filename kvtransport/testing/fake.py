@@ -11,6 +11,8 @@ registered regions. Between processes it works on buffers from :mod:`kvtransport
 - ``fake.lose``: ``1`` makes batches never complete (a lost completion);
 - ``fake.settle``: seconds an aborted batch may still be writing (``settled`` answers ``False``
   until then), as with an engine that cannot cancel what it posted.
+- ``fake.fence``: when ``fence`` answers ``True`` for a departed peer: ``N`` from its N-th call
+  on (``1``: at once); unset, the SPI's default (never for the one-sided fake).
 
 It is not registered under ``kvtransport.drivers``; tests pass it to an endpoint explicitly.
 """
@@ -67,6 +69,8 @@ class FakeDriver(KVTransport):
         self.fail_after = int(opts.get("fake.fail_after", "-1"))
         self.lose = opts.get("fake.lose", "") == "1"
         self.settle = float(opts.get("fake.settle", "0"))
+        self.fence_from = int(opts.get("fake.fence", "0") or 0)
+        self.fence_calls: dict[str, int] = {}  # peer -> how often fence was asked
         self.settling: dict[int, float] = {}  # aborted handle -> when its writes have stopped
         self.regions: RegionSet | None = None
         self.peers: dict[str, tuple[RegionSet, dict[int, int], list[shm.SharedBuffer]]] = {}
@@ -169,6 +173,12 @@ class FakeDriver(KVTransport):
 
     def pending(self) -> int:
         return len(self.in_flight.keys() | self.failed.keys())
+
+    def fence(self, peer: str) -> bool:
+        calls = self.fence_calls[peer] = self.fence_calls.get(peer, 0) + 1
+        if not self.fence_from:
+            return super().fence(peer)  # the SPI's default: one-sided never, two-sided once idle
+        return self.fence_from <= calls
 
     def disconnect(self, peer: str) -> None:
         self.identities.pop(peer, None)
