@@ -29,6 +29,10 @@ class Timeouts:
     #: How long a finished transfer stays filed under its tag (so late messages about it are
     #: recognised) before the endpoint forgets it; the caller's reference stays valid.
     retain_finished: float = 5.0
+    #: How long a request that waits for its peer's announcement may wait while connections to
+    #: this endpoint fail authentication around its arrival, before it fails with that reason
+    #: (SGLang's prefill; docs/security.md). At or above ``bootstrap`` it never fails early.
+    auth_grace: float = 10.0
 
     ENV: ClassVar[dict[str, str]] = {
         "connect": "KVTRANSPORT_CONNECT_TIMEOUT",
@@ -38,6 +42,7 @@ class Timeouts:
         "heartbeat_interval": "KVTRANSPORT_HEARTBEAT_INTERVAL",
         "heartbeat_timeout": "KVTRANSPORT_HEARTBEAT_TIMEOUT",
         "retain_finished": "KVTRANSPORT_RETAIN_FINISHED",
+        "auth_grace": "KVTRANSPORT_AUTH_FAILURE_GRACE",
     }
 
     def __post_init__(self) -> None:
