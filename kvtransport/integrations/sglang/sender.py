@@ -1,7 +1,8 @@
 """The prefill side of one request (:class:`KVTransportKVSender`): it waits for the
-announcements of the decode ranks this rank feeds, checks they are paired with it, writes each
-chunk SGLang hands over (the aux slot and the state items with the last), and refuses the room
-to every decode rank it feeds when it fails."""
+announcements of the decode ranks this rank feeds (failing early, with the reason, when
+connections to this rank failed authentication around its arrival and none came), checks they
+are paired with it, writes each chunk SGLang hands over (the aux slot and the state items with
+the last), and refuses the room to every decode rank it feeds when it fails."""
 
 from __future__ import annotations
 
