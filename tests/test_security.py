@@ -183,10 +183,72 @@ def test_an_endpoint_without_the_deployments_secret_is_refused(
         with caplog.at_level(logging.WARNING, logger="kvtransport"):
             with pytest.raises(AuthenticationFailed, match="authentication failed"):
                 stranger.connect(prefill.address, timeout=5)
+            with pytest.raises(AuthenticationFailed, match="authentication failed"):
+                stranger.connect(prefill.address, timeout=5)
         assert len(prefill.connections) == 1 and prefill.stats()["pending_auth"] == 0
-        assert any("does not verify under this endpoint's secret" in r.getMessage() for r in caplog.records)
+        # The acceptor says so: counted (by the address the transport saw, not by anything the
+        # stranger said), and one warning for the window, not one per attempt.
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        failing = [m for m in warnings if "failing authentication" in m]
+        assert len(failing) == 1, warnings
+        assert "does not verify under this endpoint's secret" in failing[0] and "from 127.0.0.1" in failing[0]
+        assert prefill.stats()["auth_failures_recent"] == 2 and decode.stats()["auth_failures_recent"] == 0
+        snap = prefill.metrics.snapshot()["auth"]
+        assert snap["failures"] == snap["recent"] == 2 and snap["last_from"] == "127.0.0.1"
+        assert snap["last_at"] is not None and abs(snap["last_at"] - time.time()) < 60
+        assert decode.metrics.snapshot()["auth"]["failures"] == 0
         move(recv, send, "after", [1, 2], [3, 4])
         assert b_pool.page_digests([3, 4]) == a_pool.page_digests([1, 2])
+        assert prefill.stats()["auth_failures_recent"] == 2  # a member's transfer is no failure
+
+
+def test_failed_authentications_are_counted_in_bounded_memory_and_by_time() -> None:
+    """The acceptor's record of failed authentications: a flood of them holds at most
+    ``MAX_ENTRIES`` entries and still counts every one; a request is associated only with the
+    failures within its grace of its arrival; one warning per window."""
+    from kvtransport.runtime.auth_failures import MAX_ENTRIES, AuthFailures
+
+    failures = AuthFailures("prefill", "the secret argument", keep=80.0)
+    for i in range(20_000):  # 20,000 in 50 s
+        failures.record(f"10.0.0.{i % 250}", now=1000.0 + i * 0.0025)
+    assert len(failures._entries) <= MAX_ENTRIES
+    assert failures.total == 20_000 and failures.recent(now=1050.0) == 20_000
+    assert failures.recent(now=1100.0) < 20_000  # the window moved on
+    snap = failures.snapshot(now=1050.0)
+    assert snap["last_from"] == "10.0.0.249" and snap["window_s"] == 60.0
+    assert failures.seen_around(1059.0, 10.0, now=1069.0)  # failed 9 s before it arrived
+    assert not failures.seen_around(1061.0, 10.0, now=1071.0)  # more than its grace before
+    quiet = AuthFailures("prefill", "the secret argument")
+    quiet.record("10.0.0.1", now=500.0)
+    assert quiet.seen_around(495.0, 10.0, now=505.0) and not quiet.seen_around(489.0, 10.0, now=505.0)
+    assert "1 in the last 60 s, last from 10.0.0.1" in quiet.describe_recent(now=505.0)
+    assert failures.describe_recent(now=1050.0).startswith("20000 in the last 60 s")
+    # The longest keep an endpoint asks for (SGLang's 300 s bootstrap timeout as the grace):
+    # entries merge failures up to 1.1 s apart, so the window's count is right within that.
+    long = AuthFailures("prefill", "x", keep=660.0)
+    for i in range(2_000):
+        long.record("a", now=float(i))
+    assert len(long._entries) <= MAX_ENTRIES and 59 <= long.recent(now=1_999.0) <= 61
+
+
+def test_the_prometheus_collector_counts_failed_authentications() -> None:
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvtransport.runtime.prometheus import register
+
+    with endpoint("prefill") as (prefill, _), endpoint("stranger", OTHER) as (stranger, _):
+        registry = prometheus_client.CollectorRegistry()
+        register(prefill, registry=registry)
+        text = prometheus_client.generate_latest(registry).decode()
+        assert "kvtransport_auth_failure_last_timestamp_seconds{" not in text  # none yet
+        with pytest.raises(AuthenticationFailed):
+            stranger.connect(prefill.address, timeout=5)
+        text = prometheus_client.generate_latest(registry).decode()
+    samples = {s.name: s for f in text_string_to_metric_families(text) for s in f.samples}
+    total = samples["kvtransport_auth_failures_total"]
+    assert total.value == 1 and total.labels == {"endpoint": "prefill"}  # no address label
+    assert abs(samples["kvtransport_auth_failure_last_timestamp_seconds"].value - time.time()) < 60
 
 
 def test_a_stranger_learns_a_nonce_and_authentication_failed_nothing_else() -> None:

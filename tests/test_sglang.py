@@ -346,6 +346,87 @@ def test_a_room_goes_only_to_the_decode_rank_the_registry_pairs_with_it(monkeypa
             pool.close()
 
 
+def test_a_decode_on_another_secret_fails_the_prefill_request_early_and_leaves_the_others_alone(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Prefill and a decode rank on the deployment's secret, a second decode rank on another
+    one, all through SGLang's real classes (prefill here too, to read its log and metrics).
+    The misconfigured decode fails its room 1 at once (AuthenticationFailed); prefill's room 1,
+    which hears nothing from it, fails after the grace with the reason, not at SGLang's 300 s
+    bootstrap timeout. Room 2, whose decode holds the secret, arrives while another
+    attempt fails authentication and waits past the grace: it is unaffected, every byte right."""
+    require_engines()
+    import logging
+
+    from kvtransport.integrations.sglang import KVTransportKVBootstrapServer
+
+    good, other = "test-sglang-deployment-secret-000001", "test-sglang-another-secret-0000002"
+    env = {"KVTRANSPORT_DRIVER": "nixl-ucx", **FAST, "KVTRANSPORT_AUTH_FAILURE_GRACE": "1", "KVTRANSPORT_SECRET": good}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    pools = [KVPool(PAGES, LAYERS, ITEM, AUX, shared=False) for _ in range(3)]
+    pools[0].fill(seed=5)
+    server = KVTransportKVBootstrapServer("127.0.0.1", 0)
+    managers: list[KVTransportKVManager] = []
+    try:
+        prefill = KVTransportKVManager(kv_args(pools[0]), "prefill", server_args(server.port))
+        managers.append(prefill)
+        decode = KVTransportKVManager(kv_args(pools[1], role="decode"), "decode", server_args(0))
+        managers.append(decode)
+        monkeypatch.setenv("KVTRANSPORT_SECRET", other)  # read when a manager's endpoint starts
+        wrong = KVTransportKVManager(kv_args(pools[2], role="decode"), "decode", server_args(0))
+        managers.append(wrong)
+        assert prefill.timeouts.bootstrap == 300 and prefill.timeouts.auth_grace == 1
+        addr = f"127.0.0.1:{server.port}"
+        with caplog.at_level(logging.WARNING, logger="kvtransport"):
+            tx = KVTransportKVSender(prefill, addr, 1)
+            lost = KVTransportKVReceiver(wrong, addr, 1)
+            lost.init(0)
+            assert poll_until(lost, {KVPoll.Failed}, 10) == KVPoll.Failed
+            with pytest.raises(KVTransferError, match="refused the connection: authentication failed"):
+                lost.failure_exception()
+            assert tx.poll() == KVPoll.Bootstrapping
+            # Room 2 and, at the same moment, another attempt on the wrong secret.
+            kept_at = time.monotonic()
+            kept = KVTransportKVSender(prefill, addr, 2)
+            stray = KVTransportKVReceiver(wrong, addr, 3)
+            stray.init(0)
+            rx = KVTransportKVReceiver(decode, addr, 2)
+            rx.init(0)
+            assert poll_until(rx, {KVPoll.WaitingForInput}, 10) == KVPoll.WaitingForInput
+            rx.send_metadata(np.array([20, 21, 22], dtype=np.int32), aux_index=2)
+            assert poll_until(stray, {KVPoll.Failed}, 10) == KVPoll.Failed
+            assert poll_until(tx, {KVPoll.Failed}, 30) == KVPoll.Failed  # the grace, not 300 s
+            with pytest.raises(KVTransferError) as failed:
+                tx.failure_exception()
+            reason = str(failed.value)
+            assert "connections to this prefill rank are failing authentication (2 in the last 60 s" in reason
+            assert "last from 127.0.0.1" in reason and "KVTRANSPORT_SECRET / KVTRANSPORT_SECRET_FILE" in reason
+            # Room 2 waited past the grace too (announced, held by prefill's "forward"): untouched.
+            assert poll_until(kept, {KVPoll.WaitingForInput}) == KVPoll.WaitingForInput
+            time.sleep(max(0.0, 1.2 - (time.monotonic() - kept_at)))
+            assert kept.poll() == KVPoll.WaitingForInput
+            kept.init(3, 7)
+            kept.send(np.array([30, 31, 32], dtype=np.int64), [])
+            assert poll_until(kept, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
+            assert poll_until(rx, {KVPoll.Success, KVPoll.Failed}) == KVPoll.Success
+        assert pools[1].page_digests([20, 21, 22]) == pools[0].page_digests([30, 31, 32])
+        assert pools[1].aux_digest(2) == pools[0].aux_digest(7)
+        auth = prefill.endpoint.metrics.snapshot()["auth"]
+        assert auth["failures"] == 2 and auth["last_from"] == "127.0.0.1"
+        assert prefill.endpoint.stats()["auth_failures_recent"] == 2
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        endpoint_says = [m for m in warnings if m.startswith("connections to endpoint sglang-prefill")]
+        assert len(endpoint_says) == 1 and "failing authentication: 1 in the last 60 s" in endpoint_says[0], warnings
+        assert sum("Room 1 fails now, not at the bootstrap timeout (300 s)" in m for m in warnings) == 1, warnings
+    finally:
+        for mgr in managers:
+            mgr.teardown()
+        server.close()
+        for pool in pools:
+            pool.close()
+
+
 def test_a_last_chunk_without_pages_still_ends_the_transfer(ranks: Ranks) -> None:
     """Chunked prefill whose final segment holds no new page: SGLang asks
     ``should_send_kv_chunk(0, last=True)`` (yes, as its own backends answer) and sends it. The

@@ -33,6 +33,10 @@ class Timeouts:
     #: ("drained") before the connection is ended, so that its data path is fenced and the
     #: pages come back (a serving engine holds them until then; SGLang gives up after 30 s).
     drain: float = 10.0
+    #: How long a request that waits for its peer's announcement may wait while connections to
+    #: this endpoint fail authentication around its arrival, before it fails with that reason
+    #: (SGLang's prefill; docs/security.md). At or above ``bootstrap`` it never fails early.
+    auth_grace: float = 10.0
 
     ENV: ClassVar[dict[str, str]] = {
         "connect": "KVTRANSPORT_CONNECT_TIMEOUT",
@@ -43,6 +47,7 @@ class Timeouts:
         "heartbeat_timeout": "KVTRANSPORT_HEARTBEAT_TIMEOUT",
         "retain_finished": "KVTRANSPORT_RETAIN_FINISHED",
         "drain": "KVTRANSPORT_DRAIN_TIMEOUT",
+        "auth_grace": "KVTRANSPORT_AUTH_FAILURE_GRACE",
     }
 
     def __post_init__(self) -> None:

@@ -121,6 +121,8 @@ class ControlChannel:
         #: The descriptor of the ROUTER message being handled (``claim`` reads it), and the
         #: descriptor of each claimed route's connection.
         self._current_fd = -1
+        #: The ROUTER message being handled (``peer_address`` reads it), else None.
+        self._current_frame: Any = None
         self._route_fd: dict[bytes, tuple[int, Any]] = {}
         self._poller.register(self.unclaimed.monitor, zmq.POLLIN)
         self._on_frame = on_frame
@@ -223,6 +225,19 @@ class ControlChannel:
             key = self.unclaimed.claim(self._current_fd)
             if key is not None:
                 self._route_fd[route[1]] = (self._current_fd, key)
+
+    def peer_address(self) -> str:
+        """While its message is handled: the source address of the connection a peer opened to
+        this endpoint (zmq's ``Peer-Address``: the TCP peer's IP), or "" where zmq knows none.
+        Only the transport says it, never the peer: it is what a stranger's attempts may be
+        known by."""
+        frame = self._current_frame
+        if frame is None:
+            return ""
+        try:
+            return str(frame.get("Peer-Address"))
+        except (zmq.ZMQError, TypeError, ValueError):
+            return ""
 
     def disconnect(self, route: Route) -> None:
         if route[0] == "in":
@@ -389,6 +404,7 @@ class ControlChannel:
                     log.debug("dropping a control message with %d frames (expected 2)", len(frames))
                     continue
                 route: Route = ("in", frames[0].bytes)
+                self._current_frame = frames[1]
                 try:
                     self._current_fd = frames[1].get(zmq.SRCFD)
                 except zmq.ZMQError:  # zmq knows no descriptor for it: it cannot be claimed
@@ -405,3 +421,4 @@ class ControlChannel:
                 log.exception("kvtransport: handling a control message failed")
             finally:
                 self._current_fd = -1
+                self._current_frame = None

@@ -44,6 +44,7 @@ from kvtransport.negotiation.hello import DriverHello, Hello, build_hello, descr
 from kvtransport.negotiation.registry import Policy
 from kvtransport.runtime.admission import Acceptor
 from kvtransport.runtime.auth import Secret, control_plane_policy, load_secret
+from kvtransport.runtime.auth_failures import WINDOW_S, AuthFailures
 from kvtransport.runtime.bounded import put_newest
 from kvtransport.runtime.config import Limits, Timeouts, express_from_env
 from kvtransport.runtime.control import ControlChannel, Route, address_host, advertised_host
@@ -145,6 +146,12 @@ class Endpoint:
         self.limits = limits or Limits.from_env()
         #: The acceptor's side of the authentication exchange (admission.py: no I/O there).
         self._admission = Acceptor(self.secret, self.limits.max_pending_handshakes, self.timeouts.connect)
+        #: Connections to this endpoint that failed authentication: counts, the last time and
+        #: source, one warning per window (auth_failures.py); kept long enough for a request
+        #: to be checked against the failures around its arrival (``Timeouts.auth_grace``).
+        self.auth_failures = AuthFailures(
+            self.name, self.secret.source, keep=WINDOW_S + 2 * min(self.timeouts.auth_grace, self.timeouts.bootstrap)
+        )
         use_express = express_from_env() if express is None else express
         if max_run_bytes is not None and max_run_bytes <= 0:
             raise ValueError(f"max_run_bytes must be positive, got {max_run_bytes}")
@@ -175,7 +182,7 @@ class Endpoint:
         self._receiving = self._traffic.receiving_now  # driver -> live receive transfers (I/O thread)
         self.pending_handshakes = 0
         #: Finished transfers counted per driver and peer (docs/metrics.md).
-        self.metrics = Metrics(gauges=self._gauges)
+        self.metrics = Metrics(gauges=self._gauges, auth=self.auth_failures.snapshot)
         #: Largest message taken or sent (``KVTRANSPORT_MAX_MESSAGE_BYTES``, read once, before
         #: anything is acquired: a bad value fails here).
         self.max_message_bytes = max_message_bytes()
@@ -298,6 +305,9 @@ class Endpoint:
             "incoming": len(self._incoming),
             "pending_handshakes": self.pending_handshakes,
             "pending_auth": len(self._admission.pending),
+            # Connections that failed authentication in the last minute (a bounded record of
+            # them: auth_failures.py); the total and the last source are in metrics.snapshot().
+            "auth_failures_recent": self.auth_failures.recent(),
             "transfers": sum(len(s.transfers) for s in sessions),
             **self.tags.stats(),  # early_expects, early_expect_bytes, early_aborts, refused, tag_owners
             "awaiting_drain": sum(len(s.awaiting_drain) for s in sessions),

@@ -8,7 +8,8 @@ driver (or its creation, if it never sent one) to its end; a receiver from its a
 its end (so it includes the time the sender took to start, e.g. prefill's forward).
 :meth:`Metrics.snapshot` returns a plain dict with a stable schema
 (``SCHEMA_VERSION``, documented in docs/metrics.md) from any thread. Gauges (transfers in
-flight, a staged driver's ring slots) are read at snapshot time, not kept.
+flight, a staged driver's ring slots) are read at snapshot time, not kept, and so is the
+endpoint's record of connections that failed authentication (``auth``; runtime.auth_failures).
 
 Bounded: the per-driver series are as many as the drivers; the per-peer series keep the
 ``max_peers`` most recently active peers (a serving engine's peers come and go for weeks), and
@@ -55,6 +56,8 @@ LATENCY_BUCKETS_S: tuple[float, ...] = (
 )
 #: Upper bounds (bytes) of the transfer-size histogram's buckets: 4 KiB to 4 GiB by 4x.
 SIZE_BUCKETS: tuple[float, ...] = tuple(float(4096 * 4**i) for i in range(11))
+#: The ``auth`` section of a snapshot without an endpoint's record behind it.
+NO_AUTH_FAILURES: Mapping[str, Any] = {"failures": 0, "recent": 0, "window_s": 60.0, "last_at": None, "last_from": ""}
 #: Per-peer series kept (the most recently active peers).
 DEFAULT_MAX_PEERS = 256
 ERROR_TYPES = frozenset(
@@ -135,13 +138,18 @@ class Metrics:
     """An endpoint's transfer counters; ``observe`` on the I/O thread, ``snapshot`` anywhere."""
 
     def __init__(
-        self, max_peers: int = DEFAULT_MAX_PEERS, gauges: Callable[[], Mapping[str, Any]] | None = None
+        self,
+        max_peers: int = DEFAULT_MAX_PEERS,
+        gauges: Callable[[], Mapping[str, Any]] | None = None,
+        auth: Callable[[], Mapping[str, Any]] | None = None,
     ) -> None:
         self.max_peers = max_peers
         self._lock = threading.Lock()
         self._drivers: dict[tuple[str, str], Series] = {}
         self._peers: collections.OrderedDict[tuple[str, str, str], Series] = collections.OrderedDict()
         self._gauges = gauges
+        #: The endpoint's record of connections that failed authentication (auth_failures.py).
+        self._auth = auth
 
     def observe(self, transfer: Transfer, driver: str, peer: str) -> None:
         """Count ``transfer``, which just reached a final state."""
@@ -162,10 +170,13 @@ class Metrics:
                 self._peers.popitem(last=False)
 
     def snapshot(self) -> dict[str, Any]:
-        """``{"version", "drivers": [...], "peers": [...], "gauges": {...}}``: each series with its
-        labels (``driver``, ``role``, and ``peer`` for the per-peer ones)."""
+        """``{"version", "drivers": [...], "peers": [...], "gauges": {...}, "auth": {...}}``: each
+        series with its labels (``driver``, ``role``, and ``peer`` for the per-peer ones), and
+        the connections that failed authentication (``auth``: total, in the last window, the
+        last one's time and source address)."""
         with self._lock:
             drivers = [{"driver": d, "role": r, **s.to_dict()} for (d, r), s in sorted(self._drivers.items())]
             peers = [{"peer": p, "driver": d, "role": r, **s.to_dict()} for (p, d, r), s in self._peers.items()]
         gauges = dict(self._gauges()) if self._gauges is not None else {}
-        return {"version": SCHEMA_VERSION, "drivers": drivers, "peers": peers, "gauges": gauges}
+        auth = dict(self._auth()) if self._auth is not None else dict(NO_AUTH_FAILURES)
+        return {"version": SCHEMA_VERSION, "drivers": drivers, "peers": peers, "gauges": gauges, "auth": auth}

@@ -60,6 +60,18 @@ class Collector:
         )
         connections = core.GaugeMetricFamily(f"{PREFIX}_connections", "Live connections", labels=["endpoint"])
         live = core.GaugeMetricFamily(f"{PREFIX}_transfers_live", "Transfers not finished yet", labels=["endpoint"])
+        # No source-address label: strangers choose their addresses, and every one would be a
+        # series of its own. The last source is in the snapshot and the log.
+        auth_failures = core.CounterMetricFamily(
+            f"{PREFIX}_auth_failures",
+            "Connections to the endpoint that failed authentication (another secret, or none)",
+            labels=["endpoint"],
+        )
+        auth_last = core.GaugeMetricFamily(
+            f"{PREFIX}_auth_failure_last_timestamp_seconds",
+            "Unix time of the last connection that failed authentication (absent before any)",
+            labels=["endpoint"],
+        )
         driver_gauges: dict[str, Any] = {}
         for endpoint, snapshot in self._sources:
             snap = snapshot()
@@ -79,6 +91,10 @@ class Collector:
             g = snap["gauges"]
             connections.add_metric([endpoint], g.get("connections", 0))
             live.add_metric([endpoint], g.get("transfers", 0))
+            auth = snap.get("auth", {})
+            auth_failures.add_metric([endpoint], auth.get("failures", 0))
+            if auth.get("last_at") is not None:
+                auth_last.add_metric([endpoint], auth["last_at"])
             for driver, values in g.get("drivers", {}).items():
                 for what, value in values.items():
                     name = f"{PREFIX}_driver_{_NAME.sub('_', what.lower())}"
@@ -89,6 +105,7 @@ class Collector:
                         )
                     family.add_metric([endpoint, driver], value)
         yield from (transfers, nbytes, failures, latency, size, peer_bytes, peer_failures, connections, live)
+        yield from (auth_failures, auth_last)
         yield from driver_gauges.values()
 
 

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from kvtransport.runtime.admission import Acceptor, Admitted, PendingAuth
 from kvtransport.runtime.auth import MAX_UNSEALED_BYTES, RateLimitedLog, Secret, is_sealed
+from kvtransport.runtime.auth_failures import AuthFailures
 from kvtransport.runtime.bounded import put_newest
 from kvtransport.runtime.config import Limits, Timeouts
 from kvtransport.runtime.control import ControlChannel, Route
@@ -60,9 +61,10 @@ class Handshake(Protocol):
 
 class RouterHost(Protocol):
     """What routing needs of the endpoint: the secret, the channel to answer on, its settings,
-    how the logs name a route, and ending a session."""
+    where failed authentications are counted, how the logs name a route, and ending a session."""
 
     secret: Secret
+    auth_failures: AuthFailures
     channel: ControlChannel
     timeouts: Timeouts
     limits: Limits
@@ -243,12 +245,10 @@ class Router:
         endpoint = self._endpoint
         outcome = self._admission.on_proof(route, msg)
         if not isinstance(outcome, Admitted):
-            self._auth_log.warning(
-                "refused a connection from %s: authentication failed (its proof does not verify under this "
-                "endpoint's secret, %s: the peer has another KVTRANSPORT_SECRET, or none)",
-                endpoint.describe(route),
-                endpoint.secret.source,
-            )
+            # Counted by the source address the transport reports (the peer's own words are
+            # untrusted), and warned about once per window, not per attempt (auth_failures.py).
+            address = endpoint.channel.peer_address()
+            endpoint.auth_failures.record(address or endpoint.describe(route))
             endpoint.channel.send(
                 route, encode("refuse", endpoint.max_message_bytes, conn=msg["conn"], reason=AUTH_FAILED)
             )

@@ -36,6 +36,7 @@ from kvtransport.integrations.sglang.layerwise import enabled as layerwise_enabl
 from kvtransport.integrations.sglang.layerwise import layer_map
 from kvtransport.integrations.sglang_topology import RankTopology, discovery_instance, rank_topology
 from kvtransport.runtime.auth import RateLimitedLog
+from kvtransport.runtime.auth_failures import WINDOW_S
 from kvtransport.runtime.bounded import put_newest
 from kvtransport.runtime.endpoint import Connection, Endpoint, Transfer
 from kvtransport.runtime.fanin import FanIn
@@ -222,6 +223,8 @@ class KVTransportKVManager(BaseKVManager):
         self._publishing = 0  # prefill: room publications queued or running
         self._queries: concurrent.futures.ThreadPoolExecutor | None = None
         self._warnings = RateLimitedLog(log)
+        #: Prefill: rooms failed early because connections fail authentication, logged once a window.
+        self._auth_warnings = RateLimitedLog(log, period=WINDOW_S, burst=1)
         self._closing = threading.Event()  # stops the workers' registry lookups at teardown
         self._workers = concurrent.futures.ThreadPoolExecutor(CONNECT_WORKERS, thread_name_prefix="kvtransport-sglang")
         self._bootstrap: Directory | None = None
@@ -498,6 +501,20 @@ class KVTransportKVManager(BaseKVManager):
         except RuntimeError:  # shut down: the rank is going away
             with self._peers_lock:
                 self._publishing -= 1
+
+    def failing_authentication(self, room: int, reason: str) -> None:
+        """Prefill: ``room`` failed early because connections to this rank fail authentication
+        while it waited for its decode (``KVTransportKVSender``); one warning per window."""
+        self._auth_warnings.warning(
+            "SGLang prefill rank dp=%d tp=%d: %s. Room %d fails now, not at the bootstrap timeout (%g s), and so "
+            "does every request waiting in that case (logged once per %g s)",
+            self.dp_rank,
+            self.tp_rank,
+            reason,
+            room,
+            self.timeouts.bootstrap,
+            WINDOW_S,
+        )
 
     def paired_with(self, conn: Connection, tag: str) -> str:
         """Prefill: "" when ``conn``'s peer is a decode rank this rank feeds (``tp_map.targets``)

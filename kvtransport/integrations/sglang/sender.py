@@ -1,7 +1,8 @@
 """The prefill side of one request (:class:`KVTransportKVSender`): it waits for the
-announcements of the decode ranks this rank feeds, checks they are paired with it, writes each
-chunk SGLang hands over (the aux slot and the state items with the last), and refuses the room
-to every decode rank it feeds when it fails."""
+announcements of the decode ranks this rank feeds (failing early, with the reason, when
+connections to this rank failed authentication around its arrival and none came), checks they
+are paired with it, writes each chunk SGLang hands over (the aux slot and the state items with
+the last), and refuses the room to every decode rank it feeds when it fails."""
 
 from __future__ import annotations
 
@@ -29,7 +30,14 @@ from kvtransport.integrations.sglang.manager import KVTransportKVManager
 from kvtransport.runtime.endpoint import State, Transfer
 from kvtransport.runtime.fanin import FanOut
 from kvtransport.runtime.layer_groups import LayerwisePolicy
-from kvtransport.spi.errors import ConnectError, InvalidPages, KVTransportError, TransferAborted, TransferTimeout
+from kvtransport.spi.errors import (
+    AuthenticationFailed,
+    ConnectError,
+    InvalidPages,
+    KVTransportError,
+    TransferAborted,
+    TransferTimeout,
+)
 from kvtransport.spi.page_geometry import different_engines
 from kvtransport.spi.tp_map import targets
 
@@ -63,6 +71,9 @@ class KVTransportKVSender(BaseKVSender):
         self.sent = 0
         self._queued: list[tuple[np.ndarray[Any, Any], bool, int | None, list[Any] | None]] = []
         self._created = time.monotonic()
+        #: Whether this room was checked against the failed authentications around its arrival
+        #: (once, when it has waited ``auth_grace``: see ``_failing_authentication``).
+        self._auth_checked = False
         #: Set by SGLang's prefill (prefill.py, maybe_send_cached_prefix_chunk) under overlap
         #: scheduling: a CUDA event the previous forward records while it may still be writing
         #: the prefix pages handed to ``send``. Chunks wait in the queue until it completed.
@@ -176,6 +187,11 @@ class KVTransportKVSender(BaseKVSender):
         elif self._targets and len(self._parts) == len(self._targets):
             parts = [self._parts[t] for t in self._targets]
             self.transfer = parts[0] if len(parts) == 1 else FanOut(self.tag, parts)
+        elif reason := self._failing_authentication():
+            self.failure.set(AuthenticationFailed(f"room {self.room}: {reason}"))
+            self.mgr.failing_authentication(self.room, reason)
+            # A decode rank that was only slow (and announces later) hears at once that nothing comes.
+            self._refuse(f"room {self.room} failed on the prefill side: {reason}")
         elif time.monotonic() - self._created > self.mgr.timeouts.bootstrap:
             missing = [t for t in self._targets or [self.tag] if t not in self._parts]
             self.failure.set(
@@ -186,6 +202,28 @@ class KVTransportKVSender(BaseKVSender):
             )
             # An announcement still on its way hears at once that nothing comes.
             self._refuse(f"room {self.room} timed out on the prefill side")
+
+    def _failing_authentication(self) -> str:
+        """Why this room should fail now, or "": it has waited ``auth_grace`` seconds without
+        every decode rank's announcement, and connections to this rank failed authentication
+        within ``auth_grace`` of its arrival. No failed attempt says which room it was for (a
+        party that fails authentication is told nothing and believed in nothing), but a decode
+        rank dials its prefill ranks when a request arrives, so a decode on another secret fails
+        right around the arrival of the requests it was given (docs/security.md)."""
+        if self._auth_checked:
+            return ""
+        grace = self.mgr.timeouts.auth_grace
+        if grace >= self.mgr.timeouts.bootstrap or time.monotonic() - self._created < grace:
+            return ""  # (a grace at or above the bootstrap timeout turns this off)
+        self._auth_checked = True  # once: failures long after its arrival are other requests'
+        failures = self.mgr.endpoint.auth_failures
+        if not failures.seen_around(self._created, grace):
+            return ""
+        return (
+            f"connections to this prefill rank are failing authentication ({failures.describe_recent()}): a decode "
+            f"may run with another secret (KVTRANSPORT_SECRET / KVTRANSPORT_SECRET_FILE); no decode rank announced "
+            f"room {self.room} within {grace:g} s"
+        )
 
     @property
     def tp_rank(self) -> int:
