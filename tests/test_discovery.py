@@ -14,6 +14,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import tracemalloc
 from collections.abc import Callable, Iterator
@@ -35,7 +36,13 @@ from kvtransport.integrations.discovery import (
     parse_discovery,
 )
 from kvtransport.integrations.discovery import etcd as etcd_module
-from kvtransport.integrations.discovery.etcd import EtcdDirectory, forged_entries, store_for
+from kvtransport.integrations.discovery.etcd import (
+    DiscoveryUnreachable,
+    EtcdDirectory,
+    EtcdStore,
+    forged_entries,
+    store_for,
+)
 from kvtransport.runtime.auth import Secret, load_secret
 from kvtransport.runtime.discovery_config import MIN_TTL, check_policy
 from kvtransport.spi.errors import ConfigError, ConnectError, ProtocolError
@@ -463,6 +470,44 @@ def test_a_member_that_hangs_never_costs_a_live_rank_its_entry(
         member.close()
 
 
+def test_each_try_gets_half_of_what_is_left_and_a_failed_endpoint_waits_its_turn() -> None:
+    """The store's rules, with a request that fails on the endpoints a test names (no server):
+    each try gets half of what is left of the call while another endpoint remains (so a second
+    one always gets as long as the first took), at most the request timeout; an endpoint that
+    failed is tried after the others until its back-off ends, and answers first once it answered."""
+    cfg = EtcdConfig((("127.0.0.1", 1), ("127.0.0.1", 2), ("127.0.0.1", 3)), f"/kvt-{secrets.token_hex(4)}")
+    store = EtcdStore(cfg)
+    bad: set[int] = set()
+    tried: list[tuple[int, float]] = []
+
+    def request(client: Any) -> int:
+        tried.append((client.port, client.timeout))
+        if client.port in bad:
+            raise OSError("down")
+        return int(client.port)
+
+    bad = {1}
+    assert store.run("get", request, deadline=time.monotonic() + 1.0) == 2
+    (first, t1), (second, t2) = tried
+    assert (first, second) == (1, 2) and 0.45 < t1 <= 0.5 and 0.45 < t2 <= 0.5  # two left, then two left
+    assert store.order() == [1, 2, 0] and store.unhealthy() == ["127.0.0.1:1"]
+    assert store.order(now=time.monotonic() + 1.5) == [1, 2, 0]  # its back-off over: tried in its turn
+    tried.clear()
+    bad = {2}  # the one that answered fails: the third is tried before the first, set aside
+    assert store.run("get", request, deadline=time.monotonic() + 8.0) == 3
+    assert [port for port, _ in tried] == [2, 3] and tried[0][1] == store.timeout  # capped at the timeout
+    assert store.order() == [2, 0, 1]  # 3 answered last; 1 and 2 aside, the earlier first
+    assert store.order(now=time.monotonic() + 1.5) == [2, 0, 1]
+    tried.clear()
+    bad = {2, 3}
+    assert store.run("get", request) == 1  # the set-aside one is still tried, last of all
+    assert [port for port, _ in tried] == [3, 1]
+    assert store.order()[0] == 0 and "127.0.0.1:1" not in store.unhealthy()
+    bad = {1, 2, 3}
+    with pytest.raises(DiscoveryUnreachable, match=r"127\.0\.0\.1:1: OSError: down"):
+        store.run("get", request)
+
+
 @pytest.mark.parametrize("mode", ["hung", "slow", "black-holed"])
 def test_a_bad_first_member_from_the_start_never_costs_a_rank_its_entry(
     etcd: EtcdServer, monkeypatch: pytest.MonkeyPatch, mode: str
@@ -481,6 +526,33 @@ def test_a_bad_first_member_from_the_start_never_costs_a_rank_its_entry(
         monkeypatch.setattr(etcd_module, "_stores", {})
         assert directory(cfg).lookup(0, 0, wait=1.0)["endpoint"] == "prefill-0-0"
         assert directory(cfg).reachable() == ""
+        owner.unregister()
+    finally:
+        member.close()
+
+
+def test_a_refresh_that_fails_is_tried_again_before_the_lease_ends(etcd: EtcdServer) -> None:
+    """With one member, and it hangs for half a second at a time (a garbage-collection pause, a
+    slow disk): the refresh that hangs fails at its deadline and the next try comes within a
+    quarter of what is left of the lease, not after a back-off longer than the lease."""
+    member = Member(etcd.client_port)
+    try:
+        cfg = EtcdConfig((member.endpoint,), f"/kvt-{secrets.token_hex(4)}")
+        owner = directory(cfg, ttl=MIN_TTL)
+        assert owner.keep_registered(route(0), first_wait=2)
+
+        def pauses() -> None:
+            for gap in (0.6, 0.9, 1.2, 1.5):  # each pause at another point of the refresh cycle
+                time.sleep(gap)
+                member.mode = "hung"
+                time.sleep(0.5)
+                member.mode = "ok"
+
+        pausing = threading.Thread(target=pauses, daemon=True)
+        pausing.start()
+        problems = _watch_entry(etcd, owner.key(0, 0), lambda: owner._lease, 8.0)
+        pausing.join()
+        assert not problems, problems
         owner.unregister()
     finally:
         member.close()

@@ -8,7 +8,8 @@ bootstrap address, ``host:port``, percent-encoded into one path segment)::
 
 - **Leases.** A :class:`EtcdDirectory` that registers takes one lease of ``ttl`` seconds
   (``KVTRANSPORT_DISCOVERY_TTL``, 10 by default) and refreshes it every third of that on a
-  daemon thread; a refresh that fails is tried again within half of what is left of the lease.
+  daemon thread; a refresh that fails is tried again within a quarter of what is left of the
+  lease.
   A process that dies stops refreshing: etcd deletes its entries when the lease expires, TTL
   after the last refresh, or TTL (plus etcd's election timeout) after etcd's leader last
   changed, whichever is later (a new leader renews every lease: docs/discovery.md). A lease
@@ -456,7 +457,7 @@ class EtcdDirectory:
                 if left > 0:
                     # The lease still runs: try again well before it ends. A back-off as long as
                     # what is left of the lease would turn one failed refresh into a lost entry.
-                    wait = max(min(self._interval, left) / 2, LOOKUP_POLL_S)
+                    wait = max(min(self._interval / 2, left / 4), LOOKUP_POLL_S)
                 else:
                     self.registered.clear()
                     wait = retry
