@@ -120,6 +120,23 @@ def test_an_entry_verifies_only_under_its_key_and_secret() -> None:
         decode_entry(SECRET, key, encode_entry(Secret.none(), key, route(1), 42))  # written without the secret
 
 
+@settings(max_examples=100, deadline=None)
+@given(generation=st.integers(1, 2**63 - 1), lease=st.one_of(st.none(), st.integers(1, 2**63 - 1)))
+def test_an_entry_reads_back_with_its_lease_and_the_same_bytes(generation: int, lease: int | None) -> None:
+    """The lease an entry was written on is signed with it (readers compare it with the lease
+    etcd holds the key on), and encoding is deterministic (an owner compares bytes)."""
+    key = "/kvtransport/instances/x/ranks/0/1"
+    raw = encode_entry(SECRET, key, route(1), generation, lease)
+    assert raw == encode_entry(SECRET, key, route(1), generation, lease)
+    entry = decode_entry(SECRET, key, raw)
+    assert (entry.generation, entry.lease) == (generation, lease)
+    if lease is not None:  # another lease's entry is other bytes, which the signature binds
+        doc = json.loads(raw)
+        doc["body"] = doc["body"].replace(f'"lease": {lease}', f'"lease": {lease + 1}')
+        with pytest.raises(ForgedEntry):
+            decode_entry(SECRET, key, json.dumps(doc).encode())
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     raw=st.one_of(
