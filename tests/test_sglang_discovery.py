@@ -176,3 +176,41 @@ def _args(port: int, host: str) -> Any:
     args = server_args(port)
     args.host = host
     return args
+
+
+def test_decode_fails_at_once_on_a_route_whose_rank_is_gone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank that died keeps its route in etcd until its lease expires (longer after an etcd
+    outage). SGLang's decode connecting to it fails at once (nothing listens at the address),
+    with an error that names the instance and the rank and says the route may be stale, not
+    after the connect timeout with an address only; the route is looked up again next time."""
+    from kvtransport.integrations.discovery.dial import StaleRoute
+
+    require_engines()
+    etcd = EtcdServer(tmp_path / "etcd")
+    etcd.start()
+    for k, v in {"KVTRANSPORT_DRIVER": "nixl-ucx", "KVTRANSPORT_SECRET": SECRET}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("KVTRANSPORT_DISCOVERY", f"etcd://{etcd.url}/kvt-gone")
+    instance = f"127.0.0.1:{unused_port()}"
+    owner = EtcdDirectory(instance, EtcdConfig((("127.0.0.1", etcd.client_port),), "/kvt-gone"), ttl=10)
+    gone = f"tcp://127.0.0.1:{unused_port()}"  # the rank's address: nothing listens there any more
+    owner.register(
+        {"address": gone, "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "follow_bootstrap_room": True}
+        | {"page_size": 16, "kv_cache_dtype": "bfloat16", "endpoint": "sglang-prefill-dp0-tp0-gone"}
+    )
+    pool = KVPool(PAGES, LAYERS, ITEM, AUX, shared=False)
+    mgr = KVTransportKVManager(kv_args(pool, role="decode"), "decode", server_args(0))
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(StaleRoute) as failed:
+            mgr.connection_to(instance, 0, 0, 1)
+        print(f"decode's connect to a gone rank failed after {time.monotonic() - t0:.3f} s: {failed.value}")
+        text = str(failed.value)
+        for part in (f"dp=0 tp=0 of instance {instance}", gone, "refused", "may be stale", "looked up"):
+            assert part in text, (part, text)
+        assert (instance, 0, 0) not in mgr._routes  # looked up again for the next request
+    finally:
+        mgr.teardown()
+        pool.close()
+        owner.unregister()
+        etcd.stop()

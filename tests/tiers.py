@@ -46,9 +46,16 @@ FULL: dict[str, list[str]] = {
     "test_vllm": ["*"],
     # an SGLang prefill's scheduler feeding a vLLM decode's, each in its own process
     "test_cross_engine_cluster": ["*"],
-    # discovery on etcd: the 1,000-route memory check (three rounds of register and expire);
-    # registration, expiry, restarts and forgeries stay in the fast tier
-    "test_discovery": ["test_a_thousand_routes_registered_and_expired_leave_the_client_flat"],
+    # discovery on etcd: the 1,000-route memory check (three rounds of register and expire), a
+    # bad first member of each kind for three TTLs, a lone member's pauses, and a rank killed
+    # during an etcd outage; registration, expiry, restarts, forgeries, a member that hangs
+    # mid-life and a gone rank's route stay in the fast tier
+    "test_discovery": [
+        "test_a_thousand_routes_registered_and_expired_leave_the_client_flat",
+        "test_a_bad_first_member_from_the_start_never_costs_a_rank_its_entry*",
+        "test_a_refresh_that_fails_is_tried_again_before_the_lease_ends",
+        "test_a_rank_killed_during_an_etcd_outage_is_gone_a_ttl_after_etcd_returns",
+    ],
     # soaks: thousands of verified transfers with aborts (the fast tier keeps the soak's own check)
     "test_soak": ["test_soak_on_every_real_host_driver", "test_soak_of_a_connection_with_two_lanes"],
     # the hostile campaign (100,000 generated frames) and the slower single attacks; the

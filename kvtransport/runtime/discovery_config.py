@@ -25,6 +25,8 @@ ENV_DISCOVERY = "KVTRANSPORT_DISCOVERY"
 #: Seconds an etcd entry lives after its owner's last refresh (its lease's TTL).
 ENV_DISCOVERY_TTL = "KVTRANSPORT_DISCOVERY_TTL"
 DEFAULT_TTL = 10.0
+#: The TTLs the variable accepts (etcd's lease granularity is one second).
+MIN_TTL, MAX_TTL = 2.0, 3600.0
 DEFAULT_PREFIX = "/kvtransport"
 #: What a key prefix may hold: etcd takes any bytes, but a prefix is written in URLs and logs.
 _PREFIX = re.compile(r"(/[A-Za-z0-9._-]+)+")
@@ -85,8 +87,8 @@ def discovery_ttl(env: Mapping[str, str] | None = None) -> float:
         ttl = float(raw)
     except ValueError:
         ttl = float("nan")
-    if not 2 <= ttl <= 3600:
-        raise ConfigError(f"{ENV_DISCOVERY_TTL}={raw!r}: seconds between 2 and 3600")
+    if not MIN_TTL <= ttl <= MAX_TTL:
+        raise ConfigError(f"{ENV_DISCOVERY_TTL}={raw!r}: seconds between {MIN_TTL:g} and {MAX_TTL:g}")
     return ttl
 
 

@@ -2,9 +2,13 @@
 secret, so that a reader tells its owner's entry from one written by anyone else who can reach
 the store (etcd's own access control is not assumed).
 
-The value is JSON: ``{"v": 1, "body": "<JSON of route and generation>", "sig": "<hex>"}``, with
-``sig = secret.derive(b"kvtransport discovery entry", key, body)``: bound to the key, so an
-entry copied under another rank's key does not verify. The body travels as the exact string
+The value is JSON: ``{"v": 1, "body": "<JSON of route, generation and lease>", "sig": "<hex>"}``,
+with ``sig = secret.derive(b"kvtransport discovery entry", key, body)``: bound to the key, so an
+entry copied under another rank's key does not verify, and to the etcd lease its owner put it
+on, so a reader tells an entry on its owner's lease from the same bytes put back without it or
+on another lease (which would outlive the owner): :attr:`Entry.lease`, checked by the reader
+against the lease etcd reports for the key. An entry of a writer that signed no lease (before
+the lease was signed) reads with ``lease`` ``None``. The body travels as the exact string
 that was signed (no re-encoding on the reader's side). A process without a secret signs with the
 well-known key of :meth:`~kvtransport.runtime.auth.Secret.none` and accepts only such entries;
 one with a secret accepts only entries its secret signed. Pure functions: no I/O.
@@ -30,11 +34,13 @@ _LABEL = b"kvtransport discovery entry"
 
 @dataclass(frozen=True)
 class Entry:
-    """A verified entry: the rank's route (``bootstrap.routes.validated``) and its generation (a
-    later start of the rank writes a larger one)."""
+    """A verified entry: the rank's route (``bootstrap.routes.validated``), its generation (a
+    later start of the rank writes a larger one) and the lease its owner put it on (``None``:
+    not signed)."""
 
     route: dict[str, Any]
     generation: int
+    lease: int | None = None
 
 
 class ForgedEntry(ProtocolError):
@@ -42,8 +48,15 @@ class ForgedEntry(ProtocolError):
     secret, with another one, or moved from another key)."""
 
 
-def encode_entry(secret: Secret, key: str, route: Mapping[str, Any], generation: int) -> bytes:
-    body = json.dumps({"route": validated(dict(route)), "generation": generation}, sort_keys=True)
+def encode_entry(
+    secret: Secret, key: str, route: Mapping[str, Any], generation: int, lease: int | None = None
+) -> bytes:
+    """The value of ``key``: the same bytes for the same arguments (an owner compares what etcd
+    holds with what it would write)."""
+    doc: dict[str, Any] = {"route": validated(dict(route)), "generation": generation}
+    if lease is not None:
+        doc["lease"] = lease
+    body = json.dumps(doc, sort_keys=True)
     sig = secret.derive(_LABEL, key.encode(), body.encode()).hex()
     return json.dumps({"v": ENTRY_VERSION, "body": body, "sig": sig}).encode()
 
@@ -76,4 +89,7 @@ def decode_entry(secret: Secret, key: str, raw: bytes) -> Entry:
     generation = inner.get("generation")
     if isinstance(generation, bool) or not isinstance(generation, int) or not 0 < generation < 2**63:
         raise ProtocolError(f"entry {key!r}: generation {generation!r} is not a positive whole number")
-    return Entry(validated(inner.get("route")), generation)
+    lease = inner.get("lease")
+    if lease is not None and (isinstance(lease, bool) or not isinstance(lease, int) or not 0 < lease < 2**63):
+        raise ProtocolError(f"entry {key!r}: lease {lease!r} is not a positive whole number")
+    return Entry(validated(inner.get("route")), generation, lease)

@@ -11,11 +11,13 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 from kvtransport.integrations.discovery import Directory, directory_for, discovery_from_env
+from kvtransport.integrations.discovery.dial import dial
 from kvtransport.integrations.pairing import pairing_problem, tp_pairing_problem
 from kvtransport.integrations.sglang.common import (
     BaseKVManager,
@@ -342,6 +344,7 @@ class KVTransportKVManager(BaseKVManager):
             route = directory_for(bootstrap_addr).lookup(
                 prefill_dp_rank, prefill_tp_rank, min(self.timeouts.bootstrap, ROUTE_LOOKUP_S), stop=self._closing
             )
+            route = {**route, "looked_up": time.monotonic()}  # said when a connect to it fails
             with self._peers_lock:
                 _put(self._routes, key, route)
         return route
@@ -371,7 +374,14 @@ class KVTransportKVManager(BaseKVManager):
                 f"{route['tp_size']}, its instance TP={prefill_tp}: a prefill instance restarted with another TP size?"
             )
         try:
-            conn = self.endpoint.connect(route["address"], self.timeouts.connect)
+            # A refused address fails at once; a failure names the rank and says the route may be stale.
+            conn = dial(
+                self.endpoint,
+                route,
+                rank=f"prefill rank dp={prefill_dp_rank} tp={prefill_tp_rank} of instance {bootstrap_addr}",
+                timeout=self.timeouts.connect,
+                looked_up=route.get("looked_up"),
+            )
         except KVTransportError:
             with self._peers_lock:  # a restarted rank registers anew: look it up next time
                 self._routes.pop(key, None)
@@ -429,6 +439,7 @@ class KVTransportKVManager(BaseKVManager):
     def _fetch_prefill_info(self, bootstrap_addr: str) -> None:
         # Every prefill rank publishes its instance's DP and TP layout; rank (0, 0) always exists.
         route = directory_for(bootstrap_addr).lookup(0, 0, PARALLEL_INFO_LOOKUP_S, stop=self._closing)
+        route = {**route, "looked_up": time.monotonic()}
         with self._peers_lock:
             _put(self._routes, (bootstrap_addr, 0, 0), route)
         info = PrefillInfo(int(route["dp_size"]), bool(route["follow_bootstrap_room"]), int(route["tp_size"]))
