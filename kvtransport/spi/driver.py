@@ -59,6 +59,10 @@ if TYPE_CHECKING:
 DRIVER_API_VERSION = 2
 #: The longest a driver's ``fence`` waits for inbound work already under way to finish.
 FENCE_WAIT_S = 5.0
+#: Live per-connection receive sides a ``receives_per_peer`` driver makes at most (each is an
+#: engine or agent: threads, descriptors, memory); past it ``receive_info`` refuses, and the
+#: connection uses the endpoint-wide info (its fence then cannot cut that peer off alone).
+MAX_RECEIVE_SIDES = 128
 
 
 class TransferPath(enum.StrEnum):

@@ -20,7 +20,8 @@ from typing import Any
 
 from kvtransport.spi import process_sockets
 from kvtransport.spi.diagnose import capture_native_stderr
-from kvtransport.spi.errors import DriverUnavailable, EngineError
+from kvtransport.spi.driver import MAX_RECEIVE_SIDES
+from kvtransport.spi.errors import DriverError, DriverUnavailable, EngineError
 
 from .engine_probe import ENV_DEVICE, ENV_HOSTNAME, ENV_MAX_BATCH, probe_engine
 
@@ -277,6 +278,8 @@ class Receivers:
         """A fresh engine for ``peer`` with ``ptrs``/``lengths`` registered (a previous one of
         the same peer is closed)."""
         self._prune()
+        if len(self._live) >= MAX_RECEIVE_SIDES and peer not in self._live:
+            raise DriverError(f"{self.driver}: {MAX_RECEIVE_SIDES} peers already have a receive engine of their own")
         engine = Engine(self.driver, self.host)
         try:
             engine.register(ptrs, lengths)

@@ -34,7 +34,7 @@ import msgpack
 import numpy as np
 
 from kvtransport.spi import process_sockets
-from kvtransport.spi.driver import FENCE_WAIT_S, DriverContext, KVTransport
+from kvtransport.spi.driver import FENCE_WAIT_S, MAX_RECEIVE_SIDES, DriverContext, KVTransport
 from kvtransport.spi.errors import DriverError, DriverUnavailable, EngineError
 from kvtransport.spi.memory import MemoryKind, RegionSet
 from kvtransport.spi.plan import Runs
@@ -266,6 +266,8 @@ class NixlDataPath(KVTransport):
         """A NIXL agent of its own for ``peer`` to write into, ``descs`` registered; its name
         and metadata (what the peer's ``add_remote_agent`` takes)."""
         self._prune_fenced()
+        if len(self._receivers) >= MAX_RECEIVE_SIDES and peer not in self._receivers:
+            raise DriverError(f"{self.name}: {MAX_RECEIVE_SIDES} peers already have a receive agent of their own")
         name = f"kvt-{self.context.endpoint_id}-r{uuid.uuid4().hex[:8]}"
         config = self._nixl.nixl_agent_config(enable_prog_thread=False, backends=[])
         with process_sockets.new_listeners() as opened:
