@@ -8,6 +8,7 @@ import queue
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 
@@ -30,9 +31,11 @@ class PeerProcess:
         env: dict[str, str] | None = None,
         timeout: float = 60.0,
         module: str = "kvtransport.tools.peer",
+        launcher: Sequence[str] = (),
     ) -> None:
+        """``launcher``: a command the peer runs under (``ip netns exec NS``, say)."""
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", module, *args],
+            [*launcher, sys.executable, "-m", module, *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
