@@ -28,6 +28,15 @@ def assert_idle(inst: Instance) -> None:
     assert s["free_blocks"] == s["num_blocks"] - 1, s
 
 
+def released_within(inst: Instance, since: float) -> float:
+    """Seconds from ``since`` until ``inst`` holds no request and has every block free again
+    (the assertion fails after 30 s: long before the 480 s lease would return them)."""
+    s = inst.settle(timeout=30)
+    took = time.monotonic() - since
+    assert s["holding"] == 0 and s["free_blocks"] == s["num_blocks"] - 1, s
+    return took
+
+
 def once(driver: str) -> None:
     """Scenarios decided on the control plane (params, aborts, leases, connects) run on the
     first driver only; the data path's run on every driver."""
@@ -167,6 +176,67 @@ def test_an_abort_on_prefill_offers_nothing(pair) -> None:
     )
     assert p.wait("finished", f"gone-{driver}")["reason"] == "abort"
     assert_idle(p)
+
+
+NEVER_LOADED = [
+    "aborted before vLLM scheduled it",
+    "refused by vLLM's serving layer",
+    "aborted while waiting for free blocks",
+    "computed on decode (prompt logprobs)",
+    "aborted whenever the abort lands",
+]
+
+
+@pytest.mark.parametrize("how", NEVER_LOADED)
+def test_a_decode_request_that_does_not_load_gives_prefill_its_blocks_back_at_once(pair, how: str) -> None:
+    """Decode ends a request, or admits it without loading, before any load of it started: its
+    prefill (default lease, 480 s) hears so and frees the request's blocks within seconds. The
+    last case aborts a request whose load may be starting, running or done (soak's kind 8)."""
+    driver, p, d = pair
+    once(driver)
+    req = f"never-{NEVER_LOADED.index(how)}"
+    blocks = how == "aborted while waiting for free blocks"
+    tokens = prompt(600 if blocks else 48, seed=200 + NEVER_LOADED.index(how))
+    p.send(op="prefill", id=f"p-{req}", tokens=tokens)
+    params = p.wait("prefilled", f"p-{req}")["params"]
+    assert p.stats()["holding"] == 1
+    decode = {"op": "decode", "id": req, "tokens": tokens, "params": params}
+    if how == "aborted before vLLM scheduled it":
+        d.send_many(decode, {"op": "abort", "id": req})  # taken before the next step
+        assert d.wait("finished", req)["reason"] == "abort"
+    elif how == "refused by vLLM's serving layer":
+        d.send(op="reject", id=req, params=params)
+        d.wait("rejected", req)
+    elif blocks:
+        # A local request holds 94 of decode's 127 blocks: the 38 this one needs never free
+        # while it runs; vLLM asks the connector (the params are parsed) and leaves it queued.
+        d.send_many({"op": "local", "id": f"hog-{req}", "tokens": prompt(1500, seed=7), "max_tokens": 500}, decode)
+        deadline = time.monotonic() + 30
+        while True:
+            s = d.stats()
+            if s["params_pending"] == 1 and s["statuses"].get(req) == "WAITING":
+                break
+            assert time.monotonic() < deadline, s
+            time.sleep(0.05)
+        d.send(op="abort", id=req)
+        assert d.wait("finished", req)["reason"] == "abort"
+    elif how == "computed on decode (prompt logprobs)":
+        # vLLM reads no cached KV for a request wanting prompt logprobs, so it loads none.
+        d.send(**decode, prompt_logprobs=1)
+        assert d.wait("loaded", req)["checked"] == 0
+    else:
+        d.send(**decode)
+        d.send(op="abort", id=req)
+    ended = time.monotonic()
+    took = released_within(p, ended)
+    assert took < 10, took
+    if blocks:
+        d.send(op="abort", id=f"hog-{req}")
+    if how == "computed on decode (prompt logprobs)":
+        assert d.wait("finished", req)["reason"] == "length"
+    assert p.stats()["workers"][0]["expired"] == 0
+    assert_idle(p)
+    assert_idle(d)
 
 
 def test_a_decode_abort_while_prefill_is_unreachable_releases_its_blocks(pair) -> None:

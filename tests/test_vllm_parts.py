@@ -20,6 +20,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtransport.integrations.vllm import scheduler_side, worker_side
 from kvtransport.integrations.vllm.layout import describe_kv_caches
 from kvtransport.integrations.vllm.params import (
     RemotePrefill,
@@ -286,6 +287,77 @@ def test_unusable_params_take_the_load_path_and_fail_it_with_the_reason() -> Non
     assert load.remote is None and "remote_kvtransport" in load.error
 
 
+def _decode_request(rid: str, params: dict[str, Any], status: str = "FINISHED_ABORTED", **fields: Any) -> Any:
+    req = _request(rid, 40, dict(params))
+    req.status = status
+    for key, value in fields.items():
+        setattr(req, key, value)
+    return req
+
+
+@pytest.mark.parametrize(
+    "how", ["ended while queued", "ended waiting for free blocks", "computes its prompt itself", "rejected by vLLM"]
+)
+def test_a_decode_request_that_will_never_load_tells_its_prefill_once(how: str) -> None:
+    """Every way vLLM's decode scheduler lets a remote-prefill request go without starting its
+    load hands the workers one decline naming the prefill request (they tell its ranks, which
+    give the blocks back at once); nothing loads it later."""
+    secret = Secret.from_bytes(b"k" * 32, "test")
+    _, decode, params = _signed_pair(secret)
+    req = _decode_request("d", params)
+    if how == "ended waiting for free blocks":
+        assert decode.matched_tokens(req, 0) == (40, True)  # vLLM asked, then found no blocks
+    if how == "rejected by vLLM":
+        # vLLM's serving layer ends a request it refused with a placeholder prompt
+        # (AsyncLLM.notify_kv_transfer_request_rejected): the MAC vouches for the params.
+        req.prompt_token_ids, req.abort_immediately = [0], True
+    if how == "computes its prompt itself":
+        decode.after_alloc(req, [], held_blocks=2, num_external=0)  # e.g. prompt logprobs
+        assert decode.has_orders()
+        assert decode.matched_tokens(req, 0) == (0, False)  # nor loads after a preemption
+        assert decode.finished(req, [], completed=True) == (False, None)
+    else:
+        assert decode.finished(req, [], completed=False) == (False, None)
+    orders = decode.take_orders()
+    assert [(d.request, d.remote.request_id, d.remote.addresses) for d in orders.declines] == [
+        ("d", "r", ("tcp://p:1",))
+    ]
+    assert not orders.loads and not decode.has_orders() and not decode._params
+    assert "FINISHED_ABORTED" in orders.declines[0].reason or how == "computes its prompt itself"
+    assert decode.finished(req, [], completed=False) == (False, None)  # once
+    assert not decode.take_orders().declines
+
+
+@pytest.mark.parametrize("damage", ["another prompt", "unsigned", "malformed"])
+def test_a_decode_request_whose_params_a_load_would_refuse_tells_nobody(
+    damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only verified params name a prefill to tell: a client holding a copy of another request's
+    params cannot free its blocks with a request of another prompt, or point decode elsewhere."""
+    secret = Secret.from_bytes(b"k" * 32, "test")
+    _, decode, params = _signed_pair(secret)
+    req = _decode_request("d", params)
+    if damage == "another prompt":
+        req.prompt_token_ids = [7, *range(1, 40)]
+    elif damage == "unsigned":
+        req.abort_immediately = True
+        req.kv_transfer_params["remote_kvtransport"] = {**params["remote_kvtransport"], "addresses": ["tcp://x:1"]}
+    else:
+        req.kv_transfer_params["tp_size"] = "many"
+    with caplog.at_level("WARNING"):
+        assert decode.finished(req, [], completed=False) == (False, None)
+    assert not decode.take_orders().declines and not decode._params
+    assert "its prefill is not told" in caplog.text
+
+
+def test_declines_waiting_for_a_step_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scheduler_side, "MAX_PENDING", 3)
+    _, decode, params = _signed_pair(Secret.none())
+    for i in range(5):
+        decode.finished(_decode_request(f"d{i}", params), [], completed=False)
+    assert [d.request for d in decode.take_orders().declines] == ["d2", "d3", "d4"]  # the newest
+
+
 # -- both worker sides over real endpoints (fake driver) ------------------------------------
 
 FAST = Timeouts(connect=5, bootstrap=5, waiting=5, transfer=5, heartbeat_interval=0.1, heartbeat_timeout=1.0)
@@ -369,6 +441,68 @@ def test_a_decode_cancelled_before_it_announces_tells_prefill_which_releases_the
         _, late = _until(prefill, decode, lambda s, g: "r" in s.finished_sending)
         assert "d" in got.finished_recving | late.finished_recving
         assert prefill.held == 0 and prefill.expired == 0 and decode.loading == 0
+
+
+def test_a_declined_request_is_released_by_prefill_at_once_with_or_without_a_connection() -> None:
+    """Decode declines requests it will never load: the first over a connection it makes for
+    it (off the step), the next over the live one, one before prefill even holds the request;
+    prefill gives each back at once, not when the lease (60 s on a clock that never moves) ends."""
+    with prefill_and_decode(lease=60) as (_, _dst, prefill, decode, _now):
+        prefill.hold("r1", [1, 2])
+        decode.decline("d1", RemotePrefill("p", "r1", 1, (prefill.address,), 32, 2, BS), "aborted")
+        _, got = _until(prefill, decode, lambda s, g: "r1" in s.finished_sending)
+        assert not got.finished_recving  # vLLM waits for nothing on decode's side
+        decode.decline("d2", RemotePrefill("p", "r2", 1, (prefill.address,), 32, 2, BS), "aborted")
+        time.sleep(0.2)  # the decline is there before prefill holds the request
+        prefill.hold("r2", [3, 4])
+        _until(prefill, decode, lambda s, g: "r2" in s.finished_sending)
+        assert prefill.held == 0 and prefill.expired == 0 and decode.loading == 0
+        assert decode.declined == 2 and decode.untold == 0
+
+
+def test_a_decode_rank_declines_to_every_prefill_rank_it_reads_from() -> None:
+    """Prefill TP 2, decode TP 1: the decode rank tells both prefill ranks, each under the tag it
+    waits for, and both give their blocks back."""
+    # 4 KV heads of 32 bytes a token: 2 on each prefill rank, all 4 on the decode rank.
+    ranks_of = [(2, 0), (2, 1), (1, 0)]
+    pools = [KVPool(PAGES, LAYERS, 16 * 32 * 4 // tp, 0, tp=(4, tp, rank)) for tp, rank in ranks_of]
+    sides: list[WorkerSide] = []
+    try:
+        for i, (pool, (tp, rank)) in enumerate(zip(pools, ranks_of, strict=True)):
+            ep = Endpoint(pool.regions, pool.layout, drivers={"fake": FakeDriver}, name=f"w{i}", timeouts=FAST)
+            sides.append(WorkerSide(ep, tp_rank=rank, tp_size=tp, lease_s=60, clock=lambda: 0.0))
+        *ranks, decode = sides
+        for rank in ranks:
+            rank.hold("r", [1, 2])
+        decode.decline("d", RemotePrefill("p", "r", 2, tuple(r.address for r in ranks), 32, 2, BS), "aborted")
+        released: set[int] = set()
+        deadline = time.monotonic() + 10
+        while released != {0, 1}:
+            assert time.monotonic() < deadline, [r.stats() for r in ranks]
+            released |= {i for i, r in enumerate(ranks) if "r" in r.poll().finished_sending}
+            time.sleep(0.01)
+        assert all(r.expired == 0 for r in ranks)
+    finally:
+        for side in sides:
+            side.close()
+        for pool in pools:
+            pool.close()
+
+
+def test_a_decline_to_an_unreachable_prefill_is_dropped_and_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nobody listens at the prefill's address: the decline is counted untold (the prefill's
+    lease returns its blocks) once the connect failed; past the bound, at once."""
+    monkeypatch.setattr(worker_side, "MAX_DECLINING", 1)
+    with prefill_and_decode(lease=60, timeouts=dataclasses.replace(FAST, connect=0.5)) as (_, _, _, decode, _):
+        nowhere = RemotePrefill("p", "r", 1, ("tcp://127.0.0.1:9",), 16, 1, BS)
+        decode.decline("d1", nowhere, "aborted")
+        decode.decline("d2", nowhere, "aborted")  # the first still connecting: over the bound
+        assert decode.untold >= 1
+        deadline = time.monotonic() + 15
+        while decode.untold < 2 or decode._declining:
+            assert time.monotonic() < deadline, decode.stats()
+            time.sleep(0.01)
+        assert decode.declined == 0 and not decode.poll().finished_recving
 
 
 def test_a_decode_cancelled_before_its_prefill_answers_reports_at_once() -> None:

@@ -11,9 +11,12 @@ events leave as JSON lines on stdout (tests/test_vllm.py drives two of these as 
 
 - ``{"op": "prefill", "id", "tokens"[, "params"]}`` -> ``{"event": "prefilled", "id", "params"}`` (for
   an SGLang decode, ``params`` name its room, and the event is ``finished``)
-- ``{"op": "decode", "id", "tokens", "params", "max_tokens"}`` -> ``{"event": "loaded", "id",
-  "checked", "bad"}`` when vLLM first schedules it after the load, then ``{"event": "finished",
-  "id", "reason"}``
+- ``{"op": "decode", "id", "tokens", "params", "max_tokens"[, "prompt_logprobs"]}`` -> ``{"event":
+  "loaded", "id", "checked", "bad"}`` when vLLM first schedules it after the load, then
+  ``{"event": "finished", "id", "reason"}``
+- ``{"op": "reject", "id", "params"}``: what vLLM's serving layer does with a decode request it
+  refused before the engine saw it (``AsyncLLM.notify_kv_transfer_request_rejected``: a
+  placeholder prompt, aborted as it is added) -> ``{"event": "rejected", "id"}``
 - ``{"op": "abort", "id"}``, ``{"op": "stats"}`` -> ``{"event": "stats", ...}``, ``{"op": "quit"}``
 """
 
@@ -325,8 +328,16 @@ class Engine:
 
     # -- commands ----------------------------------------------------------------------------
 
-    def add(self, req_id: str, tokens: list[int], max_tokens: int, params: dict[str, Any] | None) -> None:
-        sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    def add(
+        self,
+        req_id: str,
+        tokens: list[int],
+        max_tokens: int,
+        params: dict[str, Any] | None,
+        abort_immediately: bool = False,
+        **sampling_args: Any,
+    ) -> None:
+        sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling_args)
         sampling.update_from_generation_config({}, EOS)
         req = Request(
             request_id=req_id,
@@ -334,10 +345,13 @@ class Engine:
             sampling_params=sampling,
             pooling_params=None,
             block_hasher=get_request_block_hasher(self.bs, sha256),
+            abort_immediately=abort_immediately,
         )
         req.kv_transfer_params = params
         self.tokens[req_id] = list(tokens)
         self.scheduler.add_request(req)
+        if req.abort_immediately:  # as vLLM's EngineCore.add_request: request_finished runs now
+            self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
 
     def stats(self) -> dict[str, Any]:
         pool = self.scheduler.kv_cache_manager.block_pool
@@ -349,20 +363,27 @@ class Engine:
             "workers": [w.worker.stats() for w in self.workers],
             "holding": len(self.scheduler.get_kv_connector().scheduler.holding),
             "params_pending": len(self.scheduler.get_kv_connector().scheduler._params),
+            "statuses": {rid: r.status.name for rid, r in self.scheduler.requests.items()},
             "rss": int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE"),
             "fds": len(os.listdir("/proc/self/fd")),
             "threads": threading.active_count(),
         }
 
     def busy(self) -> bool:
-        return bool(self.scheduler.requests) or any(w.worker.held or w.worker.loading for w in self.workers)
+        # vLLM's EngineCore steps while the scheduler has_requests(): requests, requests finished
+        # since the last step, or the connector's pending work.
+        return self.scheduler.has_requests() or any(w.worker.held or w.worker.loading for w in self.workers)
 
     def handle(self, cmd: dict[str, Any]) -> list[dict[str, Any]]:
         op = cmd["op"]
         if op == "prefill":
             self.add(cmd["id"], cmd["tokens"], 1, cmd.get("params") or {"do_remote_decode": True})
         elif op == "decode":
-            self.add(cmd["id"], cmd["tokens"], cmd.get("max_tokens", 2), cmd["params"])
+            extra = {"prompt_logprobs": cmd["prompt_logprobs"]} if cmd.get("prompt_logprobs") else {}
+            self.add(cmd["id"], cmd["tokens"], cmd.get("max_tokens", 2), cmd["params"], **extra)
+        elif op == "reject":
+            self.add(cmd["id"], [0], 1, dict(cmd["params"]), abort_immediately=True)
+            return [{"event": "rejected", "id": cmd["id"]}]
         elif op == "local":
             self.add(cmd["id"], cmd["tokens"], cmd.get("max_tokens", 2), None)
         elif op == "abort":

@@ -185,8 +185,10 @@ class KVTransportConnector(KVConnectorBase_V1):
         return "LBNHC"
 
     def has_pending_push_work(self) -> bool:
-        # Prefill keeps stepping while blocks wait for decode: the workers' polls release them.
-        return self.scheduler is not None and bool(self.scheduler.holding)
+        # Prefill keeps stepping while blocks wait for decode: the workers' polls release them;
+        # and either side while orders wait for a step (a decline of a request that ended).
+        sched = self.scheduler
+        return sched is not None and (bool(sched.holding) or sched.has_orders())
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         addresses = {}
@@ -286,6 +288,8 @@ class KVTransportConnector(KVConnectorBase_V1):
                 worker.fail_load(load.request, load.blocks, ConfigError(load.error))
             else:
                 worker.load(load.request, load.blocks, load.prefix, load.remote)
+        for decline in meta.orders.declines:
+            worker.decline(decline.request, decline.remote, decline.reason)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete between steps: a loading request is not scheduled until done

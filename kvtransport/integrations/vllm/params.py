@@ -39,6 +39,7 @@ __all__ = [
     "sglang_room",
     "sign",
     "verify",
+    "verify_signature",
 ]
 
 #: What the layout of these params is; a decode rank refuses another.
@@ -231,6 +232,14 @@ def verify(remote: RemotePrefill, token_ids: Sequence[int], secret: Secret) -> N
             f"kv_transfer_params of prefill request {remote.request_id!r} were made for another prompt (its first "
             f"{remote.num_tokens} tokens differ from this request's): decode would load KV of other tokens"
         )
+    verify_signature(remote, secret)
+
+
+def verify_signature(remote: RemotePrefill, secret: Secret) -> None:
+    """:class:`ConfigError` unless, with a deployment secret, ``remote`` was made by a process
+    that holds it (nothing to check without one). What decode checks before it tells a prefill
+    that a request it never loaded is not wanted: vLLM's serving layer hands such a request over
+    with a placeholder prompt, so the prompt cannot be checked, but the MAC covers its digest."""
     if secret.authenticated:
         want = secret.derive(_MAC_LABEL, *remote.signed_fields())
         if not hmac.compare_digest(want.hex(), remote.mac):

@@ -1,6 +1,7 @@
 """The scheduler side of vLLM's connector, without vLLM: which requests load KV from a prefill
-instance (decode) or hold their blocks for a decode instance (prefill), and the orders one step
-hands to the workers.
+instance (decode) or hold their blocks for a decode instance (prefill), which requests decode
+will never load (their prefill is told at once, not at its lease), and the orders one step hands
+to the workers.
 
 A request object here is anything with vLLM's ``Request`` fields this reads
 (``request_id``, ``kv_transfer_params``, ``prompt_token_ids``); the connector passes vLLM's own.
@@ -23,16 +24,19 @@ from kvtransport.integrations.vllm.params import (
     sglang_room,
     sign,
     verify,
+    verify_signature,
 )
 from kvtransport.runtime.auth import Secret
 from kvtransport.spi.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-#: Requests scheduled for an SGLang decode whose cached count waits for request_finished.
+#: Requests scheduled for an SGLang decode whose cached count waits for request_finished; and
+#: the declines one step hands to the workers (vLLM takes the orders every step: only a flood of
+#: requests ended between two steps reaches it, and the oldest then wait for prefill's lease).
 MAX_PENDING = 65_536
 
-__all__ = ["FirstToken", "HoldOrder", "LoadOrder", "Orders", "SchedulerSide"]
+__all__ = ["DeclineOrder", "FirstToken", "HoldOrder", "LoadOrder", "Orders", "SchedulerSide"]
 
 
 @dataclass(frozen=True)
@@ -70,12 +74,24 @@ class LoadOrder:
     error: str = ""
 
 
+@dataclass(frozen=True)
+class DeclineOrder:
+    """Decode: ``request`` will never load its KV from ``remote`` (it ended before its load
+    started, or goes on computing its prompt itself): every worker tells the prefill ranks it
+    would have read from that nothing of it is wanted, and they give its blocks back at once."""
+
+    request: str
+    remote: RemotePrefill
+    reason: str
+
+
 @dataclass
 class Orders:
     """One step's orders for every worker."""
 
     holds: list[HoldOrder] = field(default_factory=list)
     loads: list[LoadOrder] = field(default_factory=list)
+    declines: list[DeclineOrder] = field(default_factory=list)
 
 
 class SchedulerSide:
@@ -103,15 +119,22 @@ class SchedulerSide:
 
     # -- decode -------------------------------------------------------------------------------
 
+    def _check(self, request: Any, *, prompt: bool = True) -> RemotePrefill | ConfigError:
+        """The request's params, parsed and verified (``prompt``: against its prompt too)."""
+        try:
+            got = parse(request.kv_transfer_params, block_size=self.block_size)
+            if prompt:
+                verify(got, request.prompt_token_ids or (), self.secret)
+            else:
+                verify_signature(got, self.secret)
+        except ConfigError as exc:
+            return exc
+        return got
+
     def _remote(self, request: Any) -> RemotePrefill | ConfigError:
         got = self._params.get(request.request_id)
         if got is None:
-            try:
-                got = parse(request.kv_transfer_params, block_size=self.block_size)
-                verify(got, request.prompt_token_ids or (), self.secret)
-            except ConfigError as exc:
-                got = exc
-            self._params[request.request_id] = got
+            got = self._params[request.request_id] = self._check(request)
         return got
 
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -137,10 +160,17 @@ class SchedulerSide:
 
     def after_alloc(self, request: Any, new_blocks: Sequence[int], held_blocks: int, num_external: int) -> None:
         """vLLM's ``update_state_after_alloc``: ``new_blocks`` receive the remote KV after the
-        ``held_blocks`` this instance's prefix cache had."""
+        ``held_blocks`` this instance's prefix cache had. With nothing to receive, the request is
+        computed here and never loads: its prefill is told so now."""
         params = request.kv_transfer_params
-        if not is_remote_prefill(params) or num_external <= 0:
+        if not is_remote_prefill(params):
             self._params.pop(request.request_id, None)
+            return
+        if num_external <= 0:
+            # vLLM admitted it with no external tokens: its prefix cache holds all that prefill
+            # computed, the request reads no cached KV (prompt logprobs), or vLLM trimmed the
+            # hit. Nor does a preempted request load later: _decline clears do_remote_prefill.
+            self._decline(request, "decode computes its prompt itself (nothing to load)")
             return
         remote = self._remote(request)
         self._params.pop(request.request_id, None)
@@ -150,15 +180,56 @@ class SchedulerSide:
         else:
             self._orders.loads.append(LoadOrder(request.request_id, tuple(new_blocks), held_blocks, remote))
 
+    def _decline(self, request: Any, reason: str) -> None:
+        """``request`` will never load its remote KV: its prefill ranks are told (a
+        :class:`DeclineOrder`), so they give its blocks back now, not when their lease runs out.
+        Only params decode verified name whom to tell: those a load would refuse are not acted
+        on (a client could otherwise free another request's blocks with a copy of its params).
+        vLLM's serving layer ends a request it refused before the engine saw it
+        (``abort_immediately``) with a placeholder prompt: then the MAC alone vouches for them."""
+        params = request.kv_transfer_params
+        params["do_remote_prefill"] = False  # once: neither a load nor a second decline follows
+        remote = self._params.pop(request.request_id, None)
+        if remote is None:
+            remote = self._check(request, prompt=not getattr(request, "abort_immediately", False))
+        if isinstance(remote, ConfigError):
+            log.warning(
+                "kvtransport vLLM decode: request %s will not load (%s); its params are refused (%s), so its prefill "
+                "is not told and keeps the blocks until its lease runs out",
+                request.request_id,
+                reason,
+                remote,
+            )
+            return
+        declines = self._orders.declines
+        if len(declines) >= MAX_PENDING:
+            dropped = declines.pop(0)
+            log.warning(
+                "kvtransport vLLM decode: %d requests ended since the last step; prefill request %s is not told, its "
+                "blocks come back at its lease",
+                MAX_PENDING,
+                dropped.remote.request_id,
+            )
+        declines.append(DeclineOrder(request.request_id, remote, reason))
+
     # -- prefill ------------------------------------------------------------------------------
 
     def finished(self, request: Any, block_ids: Sequence[int], completed: bool) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's ``request_finished``: a prefill request that ran to its end holds its blocks
         for decode and returns the params decode needs (``True``: vLLM frees the blocks only
-        once a worker reports it finished sending)."""
+        once a worker reports it finished sending). A decode request that ends before its load
+        started tells its prefill (its load, if one started, is stopped by the workers)."""
+        params = request.kv_transfer_params
+        if is_remote_prefill(params):
+            # update_state_after_alloc clears the flag before any load starts, so vLLM never
+            # admitted this one: aborted while queued or waiting for free blocks, a deferred
+            # load not started, refused by vLLM's serving layer, its grammar failed to compile.
+            self._cached.pop(request.request_id, None)
+            status = getattr(request, "status", None)
+            self._decline(request, f"it ended ({status if status is not None else 'finished'}) before its load started")
+            return False, None
         self._params.pop(request.request_id, None)
         cached = self._cached.pop(request.request_id, 0)
-        params = request.kv_transfer_params
         if not is_remote_decode(params) or not completed or not block_ids:
             return False, None
         problem = request_id_problem(request.request_id)
@@ -235,3 +306,8 @@ class SchedulerSide:
         """This step's orders (``build_connector_meta``); the next step starts empty."""
         orders, self._orders = self._orders, Orders()
         return orders
+
+    def has_orders(self) -> bool:
+        """Whether orders wait for the next step (the engine must step to hand them over)."""
+        orders = self._orders
+        return bool(orders.holds or orders.loads or orders.declines)

@@ -8,7 +8,9 @@ so a late decode hears at once that nothing comes). Decode: :meth:`WorkerSide.lo
 the prefill ranks the TP map names (on a thread: an engine step never waits for a handshake),
 announces the request's new blocks with the blocks it holds already as the prefix, and reports
 the request done when the writes landed, or failed, with its blocks, once no write of it can
-land any more.
+land any more. A request that ends before it announced (:meth:`WorkerSide.cancel`), or never
+loads at all (:meth:`WorkerSide.decline`), tells those prefill ranks that nothing of it is
+wanted, and they give its blocks back at once.
 
 Every table here is bounded by the engine's requests in flight; every wait has a deadline;
 nothing a peer or a client sends raises out of :meth:`WorkerSide.poll`.
@@ -59,6 +61,9 @@ FAILED_CONNECT_S = 5.0
 #: long once the rank's connection is gone (a dead process writes nothing), or after the
 #: transfer timeout if it is still up (a write already posted completes or fails by then).
 GONE_GRACE_S = 2.0
+#: Declines a rank may have waiting for a connection at once (each at most the connect
+#: timeout); past it a decline is not sent, and its prefill's lease returns the blocks.
+MAX_DECLINING = 1024
 
 
 @dataclass
@@ -165,6 +170,11 @@ class WorkerSide:
         self._results = StepResults()
         #: Requests whose blocks were held and went back without reaching decode, and why.
         self.expired = 0
+        #: Decode: prefill ranks told that a request is not wanted, and tellings that could not
+        #: be sent (no connection: the prefill's lease returns its blocks).
+        self.declined = 0
+        self.untold = 0
+        self._declining = 0
         self.closed = False
 
     @property
@@ -548,18 +558,73 @@ class WorkerSide:
         if remote is None or connecting is None:
             return
         tag = request_tag(remote.request_id, remote.tp_size, self.tp_size, self.tp_rank)
-        message = f"decode request {load.request} ended before it announced its blocks: {reason}"
+        self._tell(connecting, tag, f"decode request {load.request} ended before it announced its blocks: {reason}")
+
+    def decline(self, request: str, remote: RemotePrefill, reason: str) -> None:
+        """Decode: ``request`` will never load ``remote``'s KV (it ended before its load
+        started, or computes its prompt itself): the prefill ranks this rank would have read
+        from hear now that nothing of it is wanted, over the connections loads use (made on a
+        thread if there are none: the step does not wait), and give its blocks back at once. A
+        prefill that cannot be reached is not told: its lease returns the blocks."""
+        if self.closed:
+            return
+        message = f"decode request {request} will not load its KV: {reason}"
+        problem = tp_pairing_problem(remote.tp_size, self.tp_size)
+        if problem:
+            self._untold(request, problem)
+            return
+        addresses = [remote.addresses[p] for p in sources(remote.tp_size, self.tp_size, self.tp_rank)]
+        tag = request_tag(remote.request_id, remote.tp_size, self.tp_size, self.tp_rank)
+        live = self._live(addresses)
+        if live is not None:
+            self._abort_tag(live, tag, message)
+            return
+        with self._peers_lock:
+            full = self._declining >= MAX_DECLINING
+            if not full:
+                self._declining += 1
+        if full:
+            self._untold(request, f"{MAX_DECLINING} declines are waiting for connections already")
+            return
+        connecting = self._pool.submit(self._connect_all, addresses)
+        connecting.add_done_callback(self._decline_settled)
+        self._tell(connecting, tag, message)
+
+    def _decline_settled(self, _: concurrent.futures.Future[tuple[Connection, ...]]) -> None:
+        with self._peers_lock:
+            self._declining -= 1
+
+    def _tell(self, connecting: concurrent.futures.Future[tuple[Connection, ...]], tag: str, message: str) -> None:
+        """Once ``connecting`` is done, each connection's peer hears that nothing of ``tag`` is
+        wanted (its sender fails at once, now or when it is created)."""
 
         def tell(done: concurrent.futures.Future[tuple[Connection, ...]]) -> None:
             if done.cancelled() or done.exception() is not None:
-                return  # no connection: nothing to tell (the prefill's lease returns its blocks)
-            for conn in done.result():
-                try:
-                    conn.abort(tag, message)
-                except KVTransportError as exc:  # the connection closed meanwhile
-                    log.debug("request %s: telling prefill of the end failed: %s", load.request, exc)
+                why = "the worker closed" if done.cancelled() else str(done.exception())
+                self._untold(tag, f"no connection to its prefill ({why})")
+                return
+            self._abort_tag(done.result(), tag, message)
 
         connecting.add_done_callback(tell)
+
+    def _abort_tag(self, conns: Iterable[Connection], tag: str, message: str) -> None:
+        for conn in conns:
+            try:
+                conn.abort(tag, message)
+            except KVTransportError as exc:  # the connection closed meanwhile: its peer heard "bye"
+                log.debug("%s: telling prefill that nothing is wanted failed: %s", tag, exc)
+        with self._peers_lock:
+            self.declined += 1
+
+    def _untold(self, what: str, why: str) -> None:
+        log.info(
+            "kvtransport vLLM decode: %s: prefill is not told that nothing of it is wanted (%s); its lease returns "
+            "the blocks",
+            what,
+            why,
+        )
+        with self._peers_lock:
+            self.untold += 1
 
     def _finish(self, load: _Load, *, ok: bool) -> None:
         self._loads.pop(load.request, None)
@@ -605,6 +670,8 @@ class WorkerSide:
             "loading": len(self._loads),
             "peers": len(self._peers),
             "expired": self.expired,
+            "declined": self.declined,
+            "untold": self.untold,
             "drivers": sorted({c.decision.driver for c in self.endpoint.connections.values() if c.decision}),
         }
 
