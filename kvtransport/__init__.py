@@ -72,7 +72,7 @@ if TYPE_CHECKING:
     from kvtransport.runtime.layer_groups import LayerwisePolicy
     from kvtransport.runtime.layerwise import LayerStream
 
-__version__ = "0.7.0"
+__version__ = "0.8.0"
 
 #: Names loaded on first use, and the module each comes from.
 _LAZY = {
