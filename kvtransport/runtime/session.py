@@ -709,9 +709,12 @@ class Session:
                         "%s: fenced; %d failed transfers' pages are free of its writes", self.peer_label, len(transfers)
                     )
                 return
-            if not transfers or all(t.drained.is_set() for t in transfers):
-                return  # nothing held (or the peer's word came another way)
-            if wait == FENCE_RETRY_FIRST_S:
+            holding = any(type(lane.driver).capabilities.two_sided for lane in unfenced)
+            if (not transfers or all(t.drained.is_set() for t in transfers)) and not holding:
+                # Nothing held (or the peer's word came another way). A two-sided driver may
+                # still hold resources of the peer's until it is fenced (a staging ring's slots).
+                return
+            if wait == FENCE_RETRY_FIRST_S and transfers:
                 log.warning(
                     "%s: %d failed transfers keep their pages: %s cannot fence the peer yet, and it never confirmed "
                     "their writes stopped; asking again with back-off",

@@ -345,22 +345,33 @@ class SessionSetup:
             if driver is None or entry is None:
                 raise NegotiationError(f"{name} was chosen but is not open on both sides")
             info = peer_lanes.get(name, entry.conn)
-            self._check_identity(name, info)
+            self._check_identity(name, entry.conn, info)
             lanes[name] = Lane(name, driver, self._endpoint.runners[name], info, decision.models_of(name))
         return lanes
 
-    def _check_identity(self, driver: str, peer_info: Any) -> None:
-        """A peer's engine identity (its driver connection info) is its own: not this
-        endpoint's (a mirror would make this side write into its own pool) and not that of a
-        live connection (a replayed hello would direct writes into someone else's memory)."""
-        if not isinstance(peer_info, bytes):
+    def _check_identity(self, driver: str, endpoint_info: Any, lane_info: Any) -> None:
+        """The engine identity this side will write to (``lane_info``: the receive side the
+        peer made for this connection, or its endpoint-wide info) is the peer's own: not this
+        endpoint's (a mirror would make this side write into its own pool: endpoint-wide, or a
+        receive side it made for some peer) and not that of a live connection (a replayed hello
+        would direct writes into someone else's memory). A peer's endpoint-wide info may be
+        that of a live connection when its receive side is a new one: the same endpoint
+        connecting again while its old connection is still being given up."""
+        if not isinstance(endpoint_info, bytes) or not isinstance(lane_info, bytes):
             raise ProtocolError("the peer's driver connection info is not bytes")
-        if peer_info and peer_info == self._own[driver].conn:
-            raise NegotiationError(f"the peer presented this endpoint's own {driver} connection info")
+        mine = {self._own[driver].conn}
+        theirs: dict[bytes, str] = {}
         for other in self._endpoint.sessions.values():
+            if driver in other.receive_infos:
+                mine.add(other.receive_infos[driver])
             lane = other.lanes.get(driver)
-            if peer_info and lane is not None and lane.peer_info == peer_info:
-                raise NegotiationError(f"another live connection ({other.peer_label}) has this {driver} identity")
+            if lane is not None:
+                theirs[lane.peer_info] = other.peer_label
+        for info in {endpoint_info, lane_info}:
+            if info and info in mine:
+                raise NegotiationError(f"the peer presented this endpoint's own {driver} connection info")
+        if lane_info and lane_info in theirs:
+            raise NegotiationError(f"another live connection ({theirs[lane_info]}) has this {driver} identity")
 
     def _connect_lanes(
         self,

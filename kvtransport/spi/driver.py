@@ -251,8 +251,8 @@ class KVTransport(ABC):
     - A two-sided driver MUST check every inbound piece with ``context.check_inbound`` before
       writing it into KV memory.
     - ``fence(peer)`` MUST answer ``True`` only when no byte of ``peer`` can land in this
-      endpoint's memory any more, whatever the peer does next (tests:
-      ``kvtransport.testing.conformance``, the late-write checks).
+      endpoint's memory any more, whatever the peer does next (tests/test_fence.py: a stopped
+      prefill resumed, and a partition healed, after the fence).
     """
 
     name: ClassVar[str]

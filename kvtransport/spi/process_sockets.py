@@ -5,26 +5,28 @@ connections into registered memory; the engine itself offers no call that stops 
 bytes. What the operating system offers is the connection: ``shutdown(2)`` on our end of it
 makes the kernel refuse any later segment of it (the peer gets a reset, and nothing more reaches
 the engine), and the bytes already queued in the kernel are either read by the engine (they were
-sent before the fence) or discarded with the socket. This module finds such sockets without
-touching the engine's file descriptors in a way that could race with it:
+sent before the fence) or discarded with the socket. This module finds such sockets by walking
+this process's own descriptors (never the namespace-wide ``/proc/net/tcp``, which a busy host
+makes long, and which forgets a reset socket whose unread bytes the engine can still read):
 
-- :func:`tcp_sockets` lists the process's TCP sockets (``/proc/self/fd`` joined with
-  ``/proc/self/net/tcp{,6}`` by socket inode);
+- :func:`tcp_sockets` lists the process's TCP sockets, each once: a descriptor, its local and
+  remote ports, whether it listens;
 - :func:`new_listeners` names the listening sockets an engine opened while it started (taken
   under one process-wide lock, so two engines starting at once do not see each other's);
-- :func:`sever` shuts down every established connection accepted on given listening ports,
-  through a duplicate of the descriptor whose inode was checked first (a descriptor number the
-  engine closed and reused meanwhile is left alone), and waits until the engine has read what
-  the kernel had queued for it.
+- :func:`sever` shuts down every connection accepted on given listening ports, whatever its
+  state (established, or half-closed with bytes still unread), through a duplicate of the
+  descriptor checked to be that socket (a descriptor number the engine closed and reused
+  meanwhile is left alone), and can wait until the engine has read what the kernel had queued.
 
 An engine that writes into a peer's memory without any connection of the receiver's (UCX's
-cross-memory attach between processes of one host) cannot be fenced by the receiver at all:
-only the writer's end stops it. :func:`process_start` and :func:`process_alive` tell a driver
-whether that process (identified by pid and start time, so a reused pid is not mistaken for it)
-still runs.
+cross-memory attach between processes of one host, CUDA IPC) cannot be fenced by the receiver
+at all: only the writer's end stops it. :func:`process_start` and :func:`process_alive` tell a
+driver whether that process (identified by pid and start time, so a reused pid is not mistaken
+for it) still runs, and :func:`kernel_and_pid_namespace` whether it could be one this process
+shares a kernel and a PID namespace with (what cross-memory attach needs).
 
 Linux only (``/proc``); elsewhere :func:`supported` is ``False`` and drivers say they cannot
-fence. Nothing here imports an engine.
+fence. Nothing here imports an engine, and nothing here raises for a socket that vanished.
 """
 
 from __future__ import annotations
@@ -34,65 +36,36 @@ import errno
 import fcntl
 import os
 import socket
+import stat
 import struct
 import termios
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
-#: ``/proc/net/tcp`` state codes.
-ESTABLISHED = "01"
-LISTEN = "0A"
-
-_PROC_TABLES = ("/proc/self/net/tcp", "/proc/self/net/tcp6")
 #: Held while an engine starts and its new listeners are read (:func:`new_listeners`).
 _START_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
 class TcpSocket:
-    """One TCP socket of this process: a descriptor that refers to it, and its addresses."""
+    """One TCP socket of this process: a descriptor that refers to it, and its ports."""
 
     fd: int
     inode: int
     local_port: int
     remote_port: int
-    state: str
-    rx_queue: int
+    listening: bool
 
 
 def supported() -> bool:
     """Whether this platform lets a driver list and sever its engine's connections."""
-    return os.path.isdir("/proc/self/fd") and os.path.exists(_PROC_TABLES[0])
+    return os.path.isdir("/proc/self/fd")
 
 
-def _table() -> dict[int, tuple[int, int, str, int]]:
-    """inode -> (local port, remote port, state, receive queue bytes) of the process's network
-    namespace's TCP sockets."""
-    rows: dict[int, tuple[int, int, str, int]] = {}
-    for path in _PROC_TABLES:
-        try:
-            with open(path) as f:
-                lines = f.readlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            p = line.split()
-            if len(p) < 10:
-                continue
-            local, remote, state, queues, inode = p[1], p[2], p[3], p[4], int(p[9])
-            if inode:
-                rows[inode] = (
-                    int(local.rsplit(":", 1)[1], 16),
-                    int(remote.rsplit(":", 1)[1], 16),
-                    state,
-                    int(queues.split(":")[1], 16),
-                )
-    return rows
-
-
-def _socket_inodes() -> dict[int, int]:
+def _socket_fds() -> dict[int, int]:
     """fd -> socket inode, for every descriptor of this process that is a socket now."""
     found: dict[int, int] = {}
     try:
@@ -109,22 +82,61 @@ def _socket_inodes() -> dict[int, int]:
     return found
 
 
+@contextlib.contextmanager
+def _borrowed(fd: int, inode: int) -> Iterator[socket.socket | None]:
+    """A socket object over a duplicate of ``fd``, if ``fd`` still is socket ``inode`` (the
+    engine may have closed it and the number gone to something else); the duplicate is closed
+    afterwards, the engine's descriptor never touched."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        yield None
+        return
+    try:
+        info = os.fstat(dup)
+        if not stat.S_ISSOCK(info.st_mode) or info.st_ino != inode:
+            yield None
+            return
+        try:
+            sock = socket.socket(fileno=dup)
+        except OSError:
+            yield None
+            return
+        try:
+            yield sock
+        finally:
+            sock.detach()
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(dup)
+
+
 def tcp_sockets() -> list[TcpSocket]:
     """Every TCP socket this process holds a descriptor of (one entry per socket)."""
-    table = _table()
+    out: list[TcpSocket] = []
     seen: set[int] = set()
-    out = []
-    for fd, inode in sorted(_socket_inodes().items()):
-        row = table.get(inode)
-        if row is None or inode in seen:
+    for fd, inode in sorted(_socket_fds().items()):
+        if inode in seen:
             continue
-        seen.add(inode)
-        out.append(TcpSocket(fd, inode, row[0], row[1], row[2], row[3]))
+        with _borrowed(fd, inode) as sock:
+            if sock is None or sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            try:
+                local = sock.getsockname()[1]
+                listening = bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+            except OSError:
+                continue
+            try:
+                remote = sock.getpeername()[1]
+            except OSError:
+                remote = 0  # listening, or no longer connected (a reset socket may still hold bytes)
+            seen.add(inode)
+            out.append(TcpSocket(fd, inode, int(local), int(remote), listening))
     return out
 
 
 def listening_ports() -> set[int]:
-    return {s.local_port for s in tcp_sockets() if s.state == LISTEN}
+    return {s.local_port for s in tcp_sockets() if s.listening}
 
 
 @contextlib.contextmanager
@@ -145,71 +157,66 @@ def port_in_blob(port: int, blob: bytes) -> bool:
     return struct.pack(">H", port) in blob
 
 
-def _unread(fd: int) -> int:
-    """Bytes the kernel holds for the engine to read on socket ``fd`` (0 once it cannot tell)."""
+def _unread(sock: socket.socket) -> int:
+    """Bytes the kernel holds for the engine to read on ``sock`` (0 once it cannot tell)."""
     buf = bytearray(4)
     try:
-        fcntl.ioctl(fd, termios.FIONREAD, buf)
+        fcntl.ioctl(sock.fileno(), termios.FIONREAD, buf)
     except OSError:
         return 0
     return int.from_bytes(buf, "little", signed=True)
 
 
 def sever(listen_ports: Iterable[int], timeout: float) -> tuple[int, int]:
-    """Shut down every established connection accepted on ``listen_ports`` and wait (at most
-    ``timeout`` seconds) until the engine has read what the kernel had already queued on them.
+    """Shut down every connection accepted on ``listen_ports`` (any state: established, or
+    half-closed or reset with bytes still unread) and wait, at most ``timeout`` seconds (0: not
+    at all), until the engine has read what the kernel had already queued on them.
 
     After ``shutdown(SHUT_RDWR)`` the kernel answers any later segment of the connection with a
     reset, so nothing the peer still sends (a retransmission after a partition, the rest of a
     write a stopped process resumes) reaches the engine. Returns (connections severed,
-    connections whose queue was still not empty at the deadline: their bytes may still land)."""
+    connections whose queue was still not empty at the deadline: their bytes may still land if
+    the engine reads them). Never raises."""
     ports = set(listen_ports)
     if not ports or not supported():
         return 0, 0
-    held: list[tuple[int, socket.socket]] = []
-    try:
-        for entry in tcp_sockets():
-            if entry.state != ESTABLISHED or entry.local_port not in ports:
+    held: list[tuple[int, int]] = []
+    for entry in tcp_sockets():
+        if entry.listening or entry.local_port not in ports:
+            continue
+        with _borrowed(entry.fd, entry.inode) as sock:
+            if sock is None:
                 continue
-            try:
-                dup = os.dup(entry.fd)
-            except OSError:
-                continue  # closed meanwhile
-            if os.fstat(dup).st_ino != entry.inode:
-                os.close(dup)  # the engine closed it and the number was reused: not ours to touch
-                continue
-            sock = socket.socket(fileno=dup)
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError as exc:
-                if exc.errno != errno.ENOTCONN:
-                    raise
-            held.append((dup, sock))
-        deadline = time.monotonic() + timeout
-        pending = [dup for dup, _ in held]
-        while pending and time.monotonic() < deadline:
-            pending = [dup for dup in pending if _unread(dup) > 0]
-            if pending:
-                time.sleep(0.001)
-        return len(held), len(pending)
-    finally:
-        for _, sock in held:
-            sock.detach()
-            # Our duplicate only: the engine's descriptor stays open until the engine closes it.
-        for dup, _ in held:
-            with contextlib.suppress(OSError):
-                os.close(dup)
+                if exc.errno not in (errno.ENOTCONN, errno.EINVAL):
+                    continue
+            held.append((entry.fd, entry.inode))
+    deadline = time.monotonic() + timeout
+    pending = list(held)
+    while pending:
+        still = []
+        for fd, inode in pending:
+            with _borrowed(fd, inode) as sock:
+                if sock is not None and _unread(sock) > 0:
+                    still.append((fd, inode))
+        pending = still
+        if not pending or time.monotonic() >= deadline:
+            break
+        time.sleep(0.001)
+    return len(held), len(pending)
 
 
 def process_start(pid: int) -> int | None:
     """The start time of process ``pid`` (clock ticks since boot), or ``None`` if none runs."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
+            text = f.read()
     except OSError:
         return None
     # The command name (field 2) may hold spaces and parentheses: fields follow the last ")".
-    rest = stat[stat.rfind(")") + 2 :].split()
+    rest = text[text.rfind(")") + 2 :].split()
     try:
         state, start = rest[0], int(rest[19])
     except (IndexError, ValueError):
@@ -221,3 +228,44 @@ def process_alive(pid: int, start: int) -> bool:
     """Whether the process that had pid ``pid`` and started at ``start`` still runs (a zombie
     does not: it writes nothing any more)."""
     return process_start(pid) == start
+
+
+def kernel_and_pid_namespace() -> str:
+    """This kernel's boot and this process's PID namespace: equal for two processes that can
+    reach each other's memory by pid (cross-memory attach), whatever their host names."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+    return f"{boot}/{namespace}"
+
+
+#: A process as a connection info names it: (kernel and PID namespace, pid, start time).
+Identity = tuple[str, int, int]
+
+
+def identity() -> dict[str, Any]:
+    """What a driver's connection info says of this process, so that a peer can tell when it
+    has ended (:func:`identity_in`, :func:`process_alive`)."""
+    pid = os.getpid()
+    return {"ns": kernel_and_pid_namespace(), "pid": pid, "start": process_start(pid) or 0}
+
+
+def identity_in(doc: Mapping[str, Any]) -> Identity | None:
+    """The process a peer's connection info names (see :func:`identity`), if it names one."""
+    ns, pid, start = doc.get("ns"), doc.get("pid"), doc.get("start")
+    if isinstance(ns, str) and ns and isinstance(pid, int) and isinstance(start, int):
+        return ns, pid, start
+    return None
+
+
+def may_copy_into_us(process: Identity | None) -> bool:
+    """Whether ``process`` shares this kernel and PID namespace: it could then write into this
+    process's memory by cross-memory attach (or CUDA IPC), which no receiver can stop."""
+    return process is not None and process[0] == kernel_and_pid_namespace()
+
+
+def ended(process: Identity) -> bool:
+    return not process_alive(process[1], process[2])

@@ -130,17 +130,19 @@ class StagedTransport(KVTransport):
         pipeline = self._pipeline
         if pipeline is None:
             return wire
+        if not wire:
+            self._unfenced.add(peer)
+            return False
         deadline = time.monotonic() + FENCE_WAIT_S
         while not pipeline.scatter_idle(peer):
             if time.monotonic() > deadline:
+                self._unfenced.add(peer)
                 return False
             time.sleep(0.001)
-        if not wire:
-            self._unfenced.add(peer)
-        elif peer in self._unfenced:
+        if peer in self._unfenced:
             self._unfenced.discard(peer)
             pipeline.release_held(peer)
-        return wire
+        return True
 
     def disconnect(self, peer: str) -> None:
         if self._pipeline is not None:

@@ -14,6 +14,7 @@ after checking the destination, before the sender's "done" arrives.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import logging
 import os
@@ -23,6 +24,7 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 
+from kvtransport.spi import process_sockets
 from kvtransport.spi.driver import (
     DRIVER_API_VERSION,
     Capabilities,
@@ -40,6 +42,9 @@ from kvtransport.spi.plan import Runs, check_runs_within
 from kvtransport.spi.probe import probe_host
 
 log = logging.getLogger(__name__)
+
+#: Departed peers whose process ``fence`` still watches.
+MAX_DEPARTED = 256
 
 #: Nominal: a peer copy over PCIe 4.0 x16; a copy inside one H100-class device.
 PEER_COPY_GBPS = 20.0
@@ -95,6 +100,10 @@ class CudaLocal(KVTransport):
         self._batches: dict[int, tuple[str, Any]] = {}
         self._settling: dict[int, Any] = {}  # aborted handle -> its event, until its copies ended
         self._next = 0
+        #: peer -> the process that writes into this side's memory (``process_sockets.identity``)
+        self._processes: dict[str, process_sockets.Identity] = {}
+        #: ... of departed peers, for ``fence`` asked again (oldest dropped first)
+        self._departed: collections.OrderedDict[str, process_sockets.Identity] = collections.OrderedDict()
 
     def open(self, regions: RegionSet) -> bytes:
         if self._cuda is not None:
@@ -123,7 +132,7 @@ class CudaLocal(KVTransport):
                 "(e.g. PyTorch expandable segments) has no IPC handle"
             ) from exc
         self._cuda, self._regions = cuda, regions
-        info = msgpack.packb({"pid": os.getpid(), "device": device, "regions": exported})
+        info = msgpack.packb({"device": device, "regions": exported, **process_sockets.identity()})
         assert isinstance(info, bytes)
         return info
 
@@ -152,6 +161,18 @@ class CudaLocal(KVTransport):
             self._drop(target)
             raise DriverError(f"{self.name}: cannot open the peer's CUDA IPC handles: {exc}") from exc
         self._peers[peer] = target
+        process = process_sockets.identity_in(doc)
+        if process is not None:
+            self._processes[peer] = process
+
+    def fence(self, peer: str) -> bool:
+        """The peer's KV writes are its own copies into memory this side exported by CUDA IPC,
+        which this side cannot revoke while the memory lives: fenced once that process has
+        ended (and its aux notices, checked, once idle: the SPI's two-sided default)."""
+        if not super().fence(peer):
+            return False
+        process = self._processes.get(peer) or self._departed.get(peer)
+        return process is not None and process_sockets.ended(process)
 
     def submit(self, peer: str, runs: Runs) -> int:
         target = self._peers.get(peer)
@@ -223,6 +244,11 @@ class CudaLocal(KVTransport):
             offset += n
 
     def disconnect(self, peer: str) -> None:
+        process = self._processes.pop(peer, None)
+        if process is not None:  # ``fence`` is asked again while its pages are held
+            self._departed[peer] = process
+            while len(self._departed) > MAX_DEPARTED:
+                self._departed.popitem(last=False)
         target = self._peers.pop(peer, None)
         if target is not None:
             for handle, (owner, event) in list(self._batches.items()):

@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvtransport.spi import process_sockets
@@ -251,6 +252,15 @@ class Engine:
         self.engine = None
 
 
+@dataclass
+class _Fenced:
+    """A fenced receive engine and how far its fence got."""
+
+    engine: Engine
+    since: float
+    unregistered: bool = False
+
+
 class Receivers:
     """The engines peers write into, one per peer (``receive_info``), and their fences.
 
@@ -258,18 +268,22 @@ class Receivers:
     writes whatever a connection carries into any registered buffer, and reconnects on its own
     with writes still queued. So each peer gets an engine of its own with this endpoint's
     receiving memory registered, and :meth:`fence` withdraws those registrations (Mooncake then
-    refuses every request of the peer, new connections included), severs the engine's
-    connections and waits until it has read what the kernel had queued. A fenced engine is
-    kept (at most ``MAX_FENCED``, for at most ``FENCED_KEEP_S``) so that its port cannot go to
-    another engine while the peer might still reconnect to it."""
+    refuses every request of the peer, new connections included; over RDMA the NIC refuses its
+    memory keys), severs the engine's connections and waits until it has read what the kernel
+    had queued. A fenced engine is kept (at most ``MAX_FENCED``, for at most ``FENCED_KEEP_S``)
+    so that its port cannot go to another engine while the peer might still reconnect to it;
+    past that its ports stay taken by a socket that does not listen (``MAX_PLACEHOLDERS``), so
+    a peer that comes back later is refused instead of reaching another peer's engine."""
 
-    MAX_FENCED = 16
-    FENCED_KEEP_S = 600.0
+    MAX_FENCED = 32
+    FENCED_KEEP_S = 1800.0
+    MAX_PLACEHOLDERS = 256
 
     def __init__(self, driver: str, host: str) -> None:
         self.driver, self.host = driver, host
         self._live: dict[str, Engine] = {}
-        self._fenced: collections.OrderedDict[str, tuple[Engine, float]] = collections.OrderedDict()
+        self._fenced: collections.OrderedDict[str, _Fenced] = collections.OrderedDict()
+        self._placeholders: collections.OrderedDict[int, socket.socket] = collections.OrderedDict()
 
     def sessions(self) -> set[str]:
         return {e.session for e in self._live.values()}
@@ -286,7 +300,7 @@ class Receivers:
         except BaseException:
             engine.close()
             raise
-        if not engine.data_ports and process_sockets.supported():
+        if not engine.data_ports and engine.protocol == "tcp" and process_sockets.supported():
             _log.warning("%s: cannot tell which port the receive engine for %s listens on", self.driver, peer)
         old = self._live.pop(peer, None)
         if old is not None:
@@ -295,16 +309,25 @@ class Receivers:
         return engine
 
     def fence(self, peer: str, timeout: float) -> bool:
-        """No byte of ``peer`` can land any more (``True``), or this cannot be promised: it
-        wrote into an endpoint-wide engine, or a severed connection still held unread bytes."""
-        engine = self._live.pop(peer, None)
-        if engine is None:
-            return peer in self._fenced
-        self._fenced[peer] = (engine, time.monotonic())
-        self._prune()
-        if not engine.unregister_all():
-            _log.warning("%s: the receive engine for %s kept its registrations", self.driver, peer)
-            return False
+        """No byte of ``peer`` can land any more (``True``), or this cannot be promised yet: it
+        wrote into an endpoint-wide engine, the registrations could not be withdrawn, the
+        engine's connections cannot be found, or one still holds unread bytes. Each ask redoes
+        what is missing (and severs connections made since)."""
+        record = self._fenced.get(peer)
+        if record is None:
+            engine = self._live.pop(peer, None)
+            if engine is None:
+                return False
+            record = self._fenced[peer] = _Fenced(engine, time.monotonic())
+            self._prune()
+        engine = record.engine
+        if not record.unregistered:
+            record.unregistered = engine.unregister_all()
+            if not record.unregistered:
+                _log.warning("%s: the receive engine for %s kept its registrations", self.driver, peer)
+                return False
+        if engine.protocol != "tcp":
+            return True  # RDMA: the registrations (and with them the peer's memory keys) are gone
         if not engine.data_ports:
             return False  # its connections cannot be found: bytes already queued may still land
         severed, unread = process_sockets.sever(engine.data_ports, timeout)
@@ -322,16 +345,42 @@ class Receivers:
             engine.close()
 
     def close(self) -> None:
-        for engine in [*self._live.values(), *(e for e, _ in self._fenced.values())]:
+        for engine in [*self._live.values(), *(f.engine for f in self._fenced.values())]:
             engine.close()
+        for placeholder in self._placeholders.values():
+            placeholder.close()
         self._live.clear()
         self._fenced.clear()
+        self._placeholders.clear()
 
     def _prune(self) -> None:
         now = time.monotonic()
         while self._fenced:
-            peer, (engine, since) = next(iter(self._fenced.items()))
-            if len(self._fenced) <= self.MAX_FENCED and now - since < self.FENCED_KEEP_S:
+            peer, record = next(iter(self._fenced.items()))
+            if len(self._fenced) <= self.MAX_FENCED and now - record.since < self.FENCED_KEEP_S:
                 break
             del self._fenced[peer]
-            engine.close()
+            ports = record.engine.data_ports
+            record.engine.close()
+            for port in sorted(ports):
+                self._hold_port(port)
+
+    def _hold_port(self, port: int) -> None:
+        """Keep ``port`` from any other engine: bound, not listening (a peer that reconnects is
+        refused). Best effort: another socket may have taken it the moment the engine let go."""
+        holder = None
+        for family, address in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+            candidate = socket.socket(family)
+            try:
+                candidate.bind((address, port))  # every address: no engine may listen on it
+            except OSError:
+                candidate.close()
+                continue
+            holder = candidate
+            break
+        if holder is None:
+            return
+        self._placeholders[port] = holder
+        while len(self._placeholders) > self.MAX_PLACEHOLDERS:
+            _, oldest = self._placeholders.popitem(last=False)
+            oldest.close()

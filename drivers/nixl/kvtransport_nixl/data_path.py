@@ -34,13 +34,13 @@ import msgpack
 import numpy as np
 
 from kvtransport.spi import process_sockets
-from kvtransport.spi.driver import FENCE_WAIT_S, MAX_RECEIVE_SIDES, DriverContext, KVTransport
+from kvtransport.spi.driver import MAX_RECEIVE_SIDES, DriverContext, KVTransport
 from kvtransport.spi.errors import DriverError, DriverUnavailable, EngineError
 from kvtransport.spi.memory import MemoryKind, RegionSet
 from kvtransport.spi.plan import Runs
-from kvtransport.spi.probe import host_id
+from kvtransport.spi.probe import probe_host
 
-from .engine_probe import allows, probe_nixl, quiet_nixl_logging
+from .engine_probe import RDMA_TLS, WRITER_COPIES_TLS, allows, probe_nixl, quiet_nixl_logging
 from .posters import Part, Posters, posters_from_env, split_points
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,8 @@ class _Peer:
     agent: str
     mem_type: str
     device: int
+    #: The agent of the peer's endpoint, when its info names it (its receive agent is ``agent``).
+    main: str = ""
 
 
 @dataclass
@@ -111,10 +113,14 @@ class _Fenced:
     """What ``fence`` still answers about a peer after its connection ended."""
 
     receiver: _Receiver | None
-    process: tuple[str, int, int] | None
-    #: Its connections could not all be severed cleanly: it stays unfenced.
-    severed: bool
+    #: The peer process its connection info named (``process_sockets.identity``).
+    process: process_sockets.Identity | None
     since: float
+
+
+def _rdma_possible(ucx_tls: str) -> bool:
+    """Whether UCX may move bytes here over RDMA (a NIC writes registered memory by itself)."""
+    return bool(probe_host().rdma_devices) and allows(ucx_tls, RDMA_TLS)
 
 
 @dataclass
@@ -161,8 +167,8 @@ class NixlDataPath(KVTransport):
         self._posters: Posters | None = None
         self._split_bytes = 0
         self._receivers: dict[str, _Receiver] = {}
-        #: peer -> the process its connection info names (host id, pid, start time)
-        self._processes: dict[str, tuple[str, int, int]] = {}
+        #: peer -> the process its connection info names (kernel and PID namespace, pid, start)
+        self._processes: dict[str, process_sockets.Identity] = {}
         self._fenced: collections.OrderedDict[str, _Fenced] = collections.OrderedDict()
 
     # -- helpers -------------------------------------------------------------------------------
@@ -226,8 +232,11 @@ class NixlDataPath(KVTransport):
         return name
 
     def _known_agents(self) -> set[str]:
-        """This endpoint's agent and every peer agent loaded now."""
-        return {self._name, *(p.agent for p in self._peers.values())}
+        """This endpoint's agents (its own, every peer's receive agent, fenced ones too) and
+        every peer agent loaded now."""
+        receivers = [*self._receivers.values(), *(f.receiver for f in self._fenced.values() if f.receiver)]
+        peers = [name for p in self._peers.values() for name in (p.agent, p.main) if name]
+        return {self._name, *(r.name for r in receivers), *peers}
 
     def _add_remote(self, meta: Any) -> str:
         """Load a peer agent's metadata; returns the peer agent's name."""
@@ -252,7 +261,7 @@ class NixlDataPath(KVTransport):
         )
         self._regions = regions
         meta = self._call("metadata export", self._agent.get_agent_metadata)
-        return _info(name, meta, kind)
+        return _info(name, meta, kind, name)
 
     def receive_info(self, peer: str) -> bytes:
         if self._agent is None or self._regions is None:
@@ -260,7 +269,7 @@ class NixlDataPath(KVTransport):
         kind = self._regions.kv_kind
         descs = [(r.ptr, r.length, _device_id(r.kind), "") for r in self._regions.all()]
         name, meta = self._make_receiver(peer, descs, _mem_type(kind))
-        return _info(name, meta, kind)
+        return _info(name, meta, kind, self._name)
 
     def _make_receiver(self, peer: str, descs: list[tuple[int, int, int, str]], mem_type: str) -> tuple[str, bytes]:
         """A NIXL agent of its own for ``peer`` to write into, ``descs`` registered; its name
@@ -283,40 +292,53 @@ class NixlDataPath(KVTransport):
         return name, meta
 
     def _note_process(self, peer: str, doc: Mapping[str, Any]) -> None:
-        """The peer process a connection info names (host id, pid, start time), if it does."""
-        host, pid, start = doc.get("host"), doc.get("pid"), doc.get("start")
-        if isinstance(host, str) and isinstance(pid, int) and isinstance(start, int):
-            self._processes[peer] = (host, pid, start)
+        """The peer process a connection info names (``process_sockets.identity``)."""
+        process = process_sockets.identity_in(doc)
+        if process is not None:
+            self._processes[peer] = process
 
     def fence(self, peer: str) -> bool:
         return self.fence_receiver(peer)
 
     def fence_receiver(self, peer: str) -> bool:
-        """Cut ``peer`` off its receive agent: its UCX connections severed (UCX fails the peer's
-        endpoint and never reconnects it) and its registrations withdrawn. Between processes of
-        one host UCX may write by cross-memory attach, which only the writer stops: fenced once
-        that process has ended."""
+        """Cut ``peer`` off its receive agent. That agent is never driven again (``progress``
+        drives live ones only), and UCX reads TCP and shared-memory messages only while its
+        worker is driven; its UCX connections are severed too (UCX fails the peer's endpoint and
+        never reconnects it) and its registrations withdrawn. Two paths write without the
+        receiver's worker: RDMA (the NIC writes registered memory: fenced once the registrations
+        are withdrawn) and, between processes of one kernel and PID namespace, cross-memory
+        attach and CUDA IPC (the writer copies into this process: fenced once that process
+        has ended)."""
         fenced = self._fenced.get(peer)
         if fenced is None:
             receiver = self._receivers.pop(peer, None)
-            severed = False
-            if receiver is not None:
-                _, unread = process_sockets.sever(receiver.ports, FENCE_WAIT_S)
-                severed = bool(receiver.ports) and not unread
-                try:
-                    receiver.agent.deregister_memory(receiver.registered)
-                    receiver.registered = None
-                except Exception as exc:  # noqa: BLE001 - the agent may have failed the peer already
-                    log.debug("%s: deregistering the receive agent of %s: %s", self.name, peer, exc)
-            fenced = _Fenced(receiver, self._processes.pop(peer, None), severed, time.monotonic())
+            if receiver is None:
+                return False  # it wrote into the endpoint-wide agent
+            fenced = _Fenced(receiver, self._processes.pop(peer, None), time.monotonic())
             self._fenced[peer] = fenced
             self._prune_fenced()
-        if not fenced.severed:
-            return False  # it wrote into the endpoint-wide agent, or its connections held unread bytes
+            process_sockets.sever(receiver.ports, 0.0)
+        receiver = fenced.receiver
+        if receiver is not None and receiver.registered is not None:
+            try:
+                receiver.agent.deregister_memory(receiver.registered)
+                receiver.registered = None
+            except Exception as exc:  # noqa: BLE001 - asked again later
+                log.debug("%s: deregistering the receive agent of %s: %s", self.name, peer, exc)
+        tls = os.environ.get("UCX_TLS", "")
+        if receiver is None or (receiver.registered is not None and _rdma_possible(tls)):
+            return False  # pruned from memory, or RDMA may still write what is registered
         process = fenced.process
-        if process is not None and process[0] == host_id() and allows(os.environ.get("UCX_TLS", ""), {"cma"}):
-            return not process_sockets.process_alive(process[1], process[2])
+        if process is not None and process_sockets.may_copy_into_us(process) and allows(tls, WRITER_COPIES_TLS):
+            return process_sockets.ended(process)
         return True
+
+    def _drop_receivers(self) -> None:
+        for receiver in [*self._receivers.values(), *(f.receiver for f in self._fenced.values() if f.receiver)]:
+            self._drop_receiver(receiver)
+        self._receivers.clear()
+        self._fenced.clear()
+        self._processes.clear()
 
     def _drop_receiver(self, receiver: _Receiver) -> None:
         if receiver.registered is not None:
@@ -356,7 +378,11 @@ class NixlDataPath(KVTransport):
                 f"{self.name}: the peer registered {mem} memory but describes its KV as {peer_regions.kv_kind}"
             )
         self._note_process(peer, doc)
-        self._peers[peer] = _Peer(self._add_remote(meta), mem, device)
+        main = doc.get("main")
+        # Known from here on: metadata naming it (a copy of that endpoint's own agent, presented
+        # by another connection) is refused by ``_add_remote``.
+        main = main if isinstance(main, str) and 0 < len(main) <= 256 else ""
+        self._peers[peer] = _Peer(self._add_remote(meta), mem, device, main)
 
     def submit(self, peer: str, runs: Runs) -> int:
         target = self._peers.get(peer)
@@ -519,8 +545,11 @@ class NixlDataPath(KVTransport):
                 self._agent.remove_remote_agent(target.agent)
             except Exception as exc:  # noqa: BLE001 - the peer may be gone already
                 log.debug("%s: removing remote agent %s: %s", self.name, target.agent, exc)
-        # A receive agent not fenced: its driver was not chosen, or the handshake failed before
-        # the peer could use it. Nothing of the peer was announced into it.
+        self._forget_receiver(peer)
+
+    def _forget_receiver(self, peer: str) -> None:
+        """A receive agent not fenced: its driver was not chosen, or the handshake failed
+        before the peer could use it. Nothing of the peer was announced into it."""
         unused = self._receivers.pop(peer, None)
         if unused is not None:
             self._drop_receiver(unused)
@@ -551,10 +580,7 @@ class NixlDataPath(KVTransport):
             pending = retry
             if pending:
                 os.sched_yield()
-        for receiver in [*self._receivers.values(), *(f.receiver for f in self._fenced.values() if f.receiver)]:
-            self._drop_receiver(receiver)
-        self._receivers.clear()
-        self._fenced.clear()
+        self._drop_receivers()
         if self._registered is not None:
             try:
                 self._agent.deregister_memory(self._registered)
@@ -564,20 +590,11 @@ class NixlDataPath(KVTransport):
         self._agent = None
 
 
-def _info(agent: str, meta: bytes, kind: MemoryKind) -> bytes:
-    """Connection info: the agent's name and metadata, the KV memory, and the process that
-    writes and receives through it (host id, pid, start time: see ``fence``)."""
-    pid = os.getpid()
-    info = msgpack.packb(
-        {
-            "agent": agent,
-            "meta": meta,
-            "mem": _mem_type(kind),
-            "device": _device_id(kind),
-            "host": host_id(),
-            "pid": pid,
-            "start": process_sockets.process_start(pid) or 0,
-        }
-    )
+def _info(agent: str, meta: bytes, kind: MemoryKind, main: str) -> bytes:
+    """Connection info: the agent's name and metadata, the KV memory, the endpoint's own agent
+    (``main``: a peer refuses another connection presenting it), and the process that writes
+    and receives through it (see ``fence_receiver``)."""
+    doc = {"agent": agent, "meta": meta, "mem": _mem_type(kind), "device": _device_id(kind), "main": main}
+    info = msgpack.packb({**doc, **process_sockets.identity()})
     assert isinstance(info, bytes)
     return info

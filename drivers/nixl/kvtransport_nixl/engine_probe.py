@@ -41,6 +41,15 @@ class NixlFacts:
     mem_types: tuple[str, ...] = ()
 
 
+#: UCX transport names by family, as ``UCX_TLS`` may list them.
+SHM_TLS = {"sm", "shm", "posix", "sysv", "cma", "xpmem", "knem"}
+RDMA_TLS = {"ib", "rc", "rc_x", "rc_v", "ud", "ud_x", "ud_v", "dc", "dc_x", "rc_mlx5", "ud_mlx5", "dc_mlx5"}
+CUDA_IPC_TLS = {"cuda", "cuda_ipc"}
+#: Those in which the writer copies into the receiver's memory itself (cross-memory attach,
+#: kernel-assisted copies, CUDA IPC), which no receiver can stop ("sm"/"shm" name them all).
+WRITER_COPIES_TLS = {"sm", "shm", "cma", "knem", "xpmem", "cuda", "cuda_ipc"}
+
+
 def allows(ucx_tls: str, family: set[str]) -> bool:
     """Whether a ``UCX_TLS`` value lets UCX use any transport of ``family``.
 

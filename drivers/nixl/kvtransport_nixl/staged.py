@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import mmap
-import os
 import threading
 from dataclasses import replace
 from typing import Any, ClassVar
@@ -32,7 +31,7 @@ from kvtransport.spi.driver import (
 )
 from kvtransport.spi.errors import DriverError, EngineError
 from kvtransport.spi.memory import RegionSet
-from kvtransport.spi.probe import host_id, probe_host
+from kvtransport.spi.probe import probe_host
 from kvtransport.staging import ENV_CHUNK_BYTES, ENV_RING_BYTES, RingConfig, StagedTransport
 from kvtransport.staging.transport import abandon
 
@@ -103,6 +102,7 @@ class NixlStaged(StagedTransport, NixlDataPath):
         self._ring_view: Any = None
         self._ring_reg: Any = None
         self._remote: dict[str, str] = {}
+        self._remote_main: dict[str, str] = {}  # peer -> its endpoint's own agent
         # The pipeline's wire threads and the I/O thread share the agent; NIXL's default
         # thread-sync mode (without a listener thread) is "none", so calls are serialised here.
         self.agent_lock = threading.Lock()
@@ -126,9 +126,8 @@ class NixlStaged(StagedTransport, NixlDataPath):
         return self._staged_info(name, meta)
 
     def _staged_info(self, name: str, meta: bytes) -> bytes:
-        pid = os.getpid()
-        doc = {"agent": name, "meta": meta, "ring": self.pipeline.describe(), "host": host_id(), "pid": pid}
-        info = msgpack.packb({**doc, "start": process_sockets.process_start(pid) or 0})
+        doc = {"agent": name, "meta": meta, "ring": self.pipeline.describe(), "main": self._name}
+        info = msgpack.packb({**doc, **process_sockets.identity()})
         assert isinstance(info, bytes)
         return info
 
@@ -151,17 +150,24 @@ class NixlStaged(StagedTransport, NixlDataPath):
             meta, ring = doc["meta"], dict(doc["ring"])
         except Exception as exc:
             raise DriverError(f"{self.name}: the peer's connection info is not a staged NIXL export: {exc}") from exc
+        main = doc.get("main")
+        main = main if isinstance(main, str) and 0 < len(main) <= 256 else ""
         with self.agent_lock:
             remote = self._add_remote(meta)
         self._note_process(peer, doc)
         self._remote[peer] = remote
+        if main:
+            self._remote_main[peer] = main
         self.pipeline.connect(peer, ring, _NixlLink(self, remote))
 
     def _known_agents(self) -> set[str]:
-        return {*super()._known_agents(), *self._remote.values()}
+        return {*super()._known_agents(), *self._remote.values(), *self._remote_main.values()}
 
     def disconnect(self, peer: str) -> None:
         super().disconnect(peer)
+        with self.agent_lock:
+            self._forget_receiver(peer)
+        self._remote_main.pop(peer, None)
         remote = self._remote.pop(peer, None)
         if remote is not None and self._agent is not None:
             with self.agent_lock:
@@ -191,6 +197,7 @@ class NixlStaged(StagedTransport, NixlDataPath):
         for peer in list(self._remote):
             self.disconnect(peer)
         with self.agent_lock:
+            self._drop_receivers()  # their registrations of the ring go before it is unmapped
             if self._ring_reg is not None:
                 try:
                     self._agent.deregister_memory(self._ring_reg)

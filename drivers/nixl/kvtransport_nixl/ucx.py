@@ -24,7 +24,7 @@ from kvtransport.spi.errors import ConfigError
 from kvtransport.spi.probe import probe_host
 
 from .data_path import NixlDataPath
-from .engine_probe import ENV_VARS, allows, probe_nixl
+from .engine_probe import CUDA_IPC_TLS, ENV_VARS, RDMA_TLS, SHM_TLS, allows, probe_nixl
 from .posters import ENV_VARS as POSTER_ENV_VARS
 from .posters import posters_from_env
 
@@ -39,10 +39,6 @@ RDMA_GBPS = 20.0
 CUDA_IPC_GBPS = 15.0
 NO_GDR_FACTOR = 0.5
 
-_SHM_TLS = {"sm", "shm", "posix", "sysv", "cma", "xpmem", "knem"}
-_RDMA_TLS = {"ib", "rc", "rc_x", "rc_v", "ud", "ud_x", "ud_v", "dc", "dc_x", "rc_mlx5", "ud_mlx5", "dc_mlx5"}
-_CUDA_IPC_TLS = {"cuda", "cuda_ipc"}
-
 
 def _pair_allows(local: PeerView, remote: PeerView, family: set[str]) -> bool:
     return all(allows(view.status.info.get("ucx_tls", "") if view.status else "", family) for view in (local, remote))
@@ -54,9 +50,9 @@ def host_wire(
     """The transport UCX would take for host memory between the pair (path, GB/s, why):
     shared memory on one host (unless ``shared_memory`` is off), RDMA when both have NICs,
     TCP otherwise; ``None`` when ``UCX_TLS`` leaves none of them."""
-    if shared_memory and local.host.host_id == remote.host.host_id and _pair_allows(local, remote, _SHM_TLS):
+    if shared_memory and local.host.host_id == remote.host.host_id and _pair_allows(local, remote, SHM_TLS):
         return TransferPath.SHM, SHM_GBPS, "UCX shared memory between processes of one host"
-    if local.host.rdma_devices and remote.host.rdma_devices and _pair_allows(local, remote, _RDMA_TLS):
+    if local.host.rdma_devices and remote.host.rdma_devices and _pair_allows(local, remote, RDMA_TLS):
         return TransferPath.RDMA, RDMA_GBPS, "UCX over RDMA"
     if _pair_allows(local, remote, {"tcp"}):
         return TransferPath.TCP, TCP_GBPS, "UCX over TCP (no shared memory or RDMA path)"
@@ -124,7 +120,7 @@ class NixlUCX(NixlDataPath):
             and device
             and local.kv_memory.is_cuda
             and remote.kv_memory.is_cuda
-            and _pair_allows(local, remote, _CUDA_IPC_TLS)
+            and _pair_allows(local, remote, CUDA_IPC_TLS)
         ):
             return Offer(TransferPath.NVLINK, CUDA_IPC_GBPS, "UCX cuda_ipc between processes of one host")
         # Shared memory carries host memory only; device memory goes over RDMA or TCP.
