@@ -193,17 +193,6 @@ class Policy:
         return {"force": self.force, "allow": list(self.allow), "exclude": list(self.exclude)}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | None) -> Policy:
-        if not data:
-            return cls()
-        force = data.get("force")
-        return cls(
-            force=str(force) if force else None,
-            allow=tuple(str(x) for x in data.get("allow", ())),
-            exclude=tuple(str(x) for x in data.get("exclude", ())),
-        )
-
-    @classmethod
     def from_env(
         cls,
         env: Mapping[str, str] | None = None,

@@ -19,7 +19,14 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from kvtransport.negotiation.handshake import check_agreement, decide, label_of, read_peer, regions_to_dict
+from kvtransport.negotiation.handshake import (
+    check_agreement,
+    decide,
+    decision_to_dict,
+    label_of,
+    read_peer,
+    regions_to_dict,
+)
 from kvtransport.negotiation.hello import DriverHello, Hello
 from kvtransport.negotiation.negotiate import Decision
 from kvtransport.runtime.admission import Acceptor, InitiatorExchange, PendingAuth
@@ -271,7 +278,7 @@ class SessionSetup:
                 conn=conn_id,
                 hello=endpoint.hello.to_dict(),
                 regions=self._regions_doc,
-                decision=decision.to_dict(),
+                decision=decision_to_dict(decision),
                 express=endpoint.express.port if endpoint.express is not None else 0,
             )
             self._ready(session)

@@ -136,18 +136,6 @@ class DriverStatus:
             "info": dict(self.info),
         }
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> DriverStatus:
-        return cls(
-            available=bool(data["available"]),
-            reason=str(data.get("reason", "")),
-            fix=str(data.get("fix", "")),
-            version=str(data.get("version", "")),
-            memory=tuple(str(m) for m in data.get("memory", ())),
-            memory_notes={str(k): str(v) for k, v in dict(data.get("memory_notes", {})).items()},
-            info={str(k): str(v) for k, v in dict(data.get("info", {})).items()},
-        )
-
 
 @dataclass(frozen=True)
 class PeerView:
