@@ -229,9 +229,9 @@ TYPES: dict[str, type[Message]] = {
 for _name, _cls in TYPES.items():
     _cls.type = _name
 
-#: Per message type, its reason fields (``encode`` cuts longer ones) and their longest length.
-_REASONS: dict[str, tuple[str, ...]] = {
-    kind: tuple(f for f in cls.__struct_fields__ if f == "reason") for kind, cls in TYPES.items()
+#: Per message type, its class and its reason fields (``encode`` cuts longer ones).
+_ENCODING: dict[str, tuple[type[Message], tuple[str, ...]]] = {
+    kind: (cls, tuple(f for f in cls.__struct_fields__ if f == "reason")) for kind, cls in TYPES.items()
 }
 _REASON_MAX = 4096
 
@@ -267,8 +267,13 @@ def message(kind: str, /, **fields: Any) -> Message:
 def encode(kind: str, limit: int | None = None, /, **fields: Any) -> bytes:
     """Pack a message (wrong fields are a ``ValueError``: a bug here is ours, not the peer's),
     checking it against the size limit (``limit``, an endpoint's; ``None``: ``max_message_bytes()``)."""
-    msg = message(kind, **fields)
-    for name in _REASONS[kind]:
+    try:
+        cls, reasons = _ENCODING[kind]
+        msg = cls(v=PROTOCOL_VERSION, **fields)
+    except (KeyError, TypeError):
+        message(kind, **fields)  # raises the ValueError that says what is wrong
+        raise
+    for name in reasons:
         value = getattr(msg, name)
         if isinstance(value, str) and len(value) > _REASON_MAX:
             # Reasons quote peers and engines; cut them rather than fail to report the failure.

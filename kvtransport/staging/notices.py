@@ -15,7 +15,6 @@ can overflow.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 from typing import Annotated, Any, Union
 
 import msgspec
@@ -95,10 +94,9 @@ class Chunk(StagingNotice, tag="chunk", frozen=True):
 KINDS: tuple[type[StagingNotice], ...] = (Want, Grant, Lend, Release, Revoke, Chunk)
 
 
-@dataclass(frozen=True)
-class ChunkNotice:
+class ChunkNotice(Struct, frozen=True, gc=False):
     """A chunk notice as its receiver uses it: lists for a chunk of at most ``FEW_PIECES``
-    pieces, arrays for more."""
+    pieces, arrays for more. (A Struct for its cheap construction: never decoded as one.)"""
 
     slot: int
     dst: Pieces
