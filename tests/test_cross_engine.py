@@ -25,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtransport.integrations.vllm.layout import describe_kv_caches
-from kvtransport.negotiation.hello import layout_from_dict
+from kvtransport.negotiation.hello import layout_from_dict, layout_to_dict
 from kvtransport.negotiation.negotiate import check_layouts
 from kvtransport.runtime.planning import PairPlan
 from kvtransport.spi.errors import InvalidPages, LayoutMismatch, ProtocolError
@@ -479,9 +479,13 @@ def test_a_hostile_peer_layout_is_refused_before_any_array_is_built() -> None:
     ]
     # The hello's schema refuses the last three (counts out of bounds) before a layout is
     # built; the check of the numbers holds without it.
-    for layout in hostile[1:]:
+    for change in (
+        {"tp_size": 0},
+        {"num_kv_heads": 1 << 30, "total_kv_heads": 1 << 30},
+        {"num_layers": 1 << 30, "kv_item_lens": [128] * 2},
+    ):
         with pytest.raises(ProtocolError, match="outside its range"):
-            layout_from_dict(layout.to_dict())
+            layout_from_dict({**layout_to_dict(vllm), **change})
     for layout in hostile:
         started = time.monotonic()
         problems = prefill.incompatibilities(layout)

@@ -4,10 +4,9 @@ ProtocolError, one that conforms round-trips, and the docs' tables are what the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Union
 
 import msgpack
@@ -16,20 +15,18 @@ import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from hellos import hello, host
-from schema_strategies import FIXED, FIXUPS, Schema, one_wrong, valid
-
 from kvtransport.negotiation.handshake import read_peer, regions_from_dict, regions_to_dict
-from kvtransport.negotiation.hello import PROTOCOL_VERSION, Hello
+from kvtransport.negotiation.hello import PROTOCOL_VERSION, Hello, build_hello
 from kvtransport.negotiation.schema import DecisionDoc, HelloDoc, RegionsDoc, parse
 from kvtransport.runtime.wire import TYPES, decode
-from kvtransport.spi.errors import ProtocolError
+from kvtransport.spi.errors import ConfigError, ProtocolError
 from kvtransport.staging.config import MAX_SLOTS
 from kvtransport.staging.notices import KINDS, ChunkNotice, decode_notice
 from kvtransport.tools.kv_pool import KVPool
 from kvtransport.tools.schema_doc import stale
+
+from .hellos import hello, host
+from .schema_strategies import FIXED, FIXUPS, Schema, one_wrong, valid
 
 
 def _chunk_fixup(d: dict[str, Any]) -> dict[str, Any]:
@@ -160,6 +157,15 @@ def test_another_protocol_version_is_refused_with_advice() -> None:
     doc, _ = _peer_documents()
     with pytest.raises(ProtocolError, match="upgrade the older side"):
         Hello.from_dict(_with(doc, ("protocol", "version"), PROTOCOL_VERSION - 1))
+
+
+def test_a_side_whose_own_hello_breaks_the_schema_is_told_at_start() -> None:
+    """Not by every peer at handshake: a layout out of bounds, a name over 256 characters."""
+    layout = dataclasses.replace(KVPool(4, 2, 512).layout, tp_rank=2, tp_size=2)
+    with pytest.raises(ConfigError, match="refused by its peers: tp_rank 2 is not below tp_size 2"):
+        build_hello({}, layout=layout, host=host("a"))
+    with pytest.raises(ConfigError, match="endpoint name of 300 characters"):
+        build_hello({}, endpoint="e" * 300, host=host("a"))
 
 
 # --- the docs -------------------------------------------------------------------------------------

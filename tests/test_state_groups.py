@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtransport.negotiation.handshake import regions_from_dict, regions_to_dict
-from kvtransport.negotiation.hello import layout_from_dict
+from kvtransport.negotiation.hello import layout_from_dict, layout_to_dict
 from kvtransport.runtime.checks import read_announcement, state_items
 from kvtransport.spi.errors import InvalidPages, MemoryLayoutError, ProtocolError
 from kvtransport.spi.memory import HOST, KVLayout, Region, RegionSet
@@ -119,7 +119,7 @@ def test_layouts_with_other_state_buffers_are_incompatible() -> None:
     assert any("state_types" in p for p in swa.incompatibilities(mamba))
     assert any("state_item_lens" in p for p in swa.incompatibilities(wider))
     assert any("state_types" in p for p in swa.incompatibilities(base))
-    assert layout_from_dict(swa.to_dict()) == swa
+    assert layout_from_dict(layout_to_dict(swa)) == swa
 
 
 @given(

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import msgpack
 import msgspec
 import msgspec.inspect as mi
@@ -12,13 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from schema_strategies import conforms, unwrap
-
 from kvtransport.negotiation.hello import PROTOCOL_VERSION
 from kvtransport.runtime.wire import MAX_DONE_NOTICES, MAX_INT, TYPES, Done, decode, encode
 from kvtransport.spi.errors import ConfigError, MessageTooLarge, ProtocolError, VersionMismatch
+
+from .schema_strategies import conforms, unwrap
 
 
 def _sample(t: mi.Type) -> object:

@@ -279,6 +279,12 @@ def layout_from_document(doc: LayoutDoc) -> KVLayout:
     )
 
 
+def layout_to_dict(layout: KVLayout) -> dict[str, Any]:
+    """A KV layout as a hello carries it (what error messages quote)."""
+    doc: dict[str, Any] = msgspec.to_builtins(_layout_document(layout))
+    return doc
+
+
 def layout_from_dict(data: Any) -> KVLayout:
     """A KV layout document (a hello's ``layout``), read strictly; :class:`ProtocolError`."""
     return layout_from_document(parse(data, LayoutDoc, "layout"))
@@ -350,10 +356,17 @@ def build_hello(
     if len(endpoint) > MAX_ENDPOINT_LABEL:
         # Peers refuse a longer label (docs/hello.md): say so here, where it was chosen.
         raise ConfigError(f"endpoint name of {len(endpoint)} characters; at most {MAX_ENDPOINT_LABEL}")
-    return Hello(
+    hello = Hello(
         endpoint=endpoint,
         host=host or probe_host(),
         drivers=dict(drivers),
         layout=layout,
         policy=policy or Policy(),
     )
+    # Read back as a peer would read it: a layout or a driver this side describes out of the
+    # schema's bounds fails here, at start, with the field named, not at every peer.
+    try:
+        parse(msgspec.to_builtins(hello.document()), HelloDoc, "hello")
+    except (ValueError, ProtocolError) as exc:
+        raise ConfigError(f"this side's hello would be refused by its peers: {exc}") from exc
+    return hello

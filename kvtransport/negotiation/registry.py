@@ -189,9 +189,6 @@ class Policy:
         """Position in the user's preference list (0 when there is none)."""
         return self.allow.index(name) if name in self.allow else 0
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"force": self.force, "allow": list(self.allow), "exclude": list(self.exclude)}
-
     @classmethod
     def from_env(
         cls,

@@ -100,15 +100,6 @@ class Region:
     def num_items(self) -> int:
         return self.length // self.item_len
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "ptr": self.ptr,
-            "length": self.length,
-            "kind": str(self.kind),
-            "item_len": self.item_len,
-            "name": self.name,
-        }
-
 
 def _check_disjoint(regions: Sequence[Region]) -> None:
     # Host memory sorts before device memory (-1 before device ordinals): KV on a GPU with aux
@@ -306,25 +297,6 @@ class KVLayout:
     state_types: tuple[str, ...] = ()
     state_item_lens: tuple[tuple[int, ...], ...] = ()
     extra: Mapping[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "page_size": self.page_size,
-            "dtype": self.dtype,
-            "num_layers": self.num_layers,
-            "kv_item_lens": list(self.kv_item_lens),
-            "memory": str(self.memory),
-            "kv_split": self.kv_split,
-            "num_kv_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "tp_rank": self.tp_rank,
-            "tp_size": self.tp_size,
-            "total_kv_heads": self.total_kv_heads,
-            "aux_item_lens": list(self.aux_item_lens),
-            "state_types": list(self.state_types),
-            "state_item_lens": [list(g) for g in self.state_item_lens],
-            "extra": dict(self.extra),
-        }
 
     def incompatibilities(self, other: KVLayout, mine: str = "here", theirs: str = "at the peer") -> list[str]:
         """Every field that stops pages moving between the two layouts (empty: compatible)."""

@@ -46,16 +46,6 @@ class CudaDevice:
     gdr: bool | None = None  # None: unknown
     gdr_reason: str = ""
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "index": self.index,
-            "uuid": self.uuid,
-            "pci_bus_id": self.pci_bus_id,
-            "name": self.name,
-            "gdr": self.gdr,
-            "gdr_reason": self.gdr_reason,
-        }
-
 
 @dataclass(frozen=True)
 class HostInfo:
@@ -85,18 +75,6 @@ class HostInfo:
         if dev.gdr:
             return True, dev.gdr_reason or "GPUDirect RDMA available"
         return False, dev.gdr_reason or "GPUDirect RDMA support unknown"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "host_id": self.host_id,
-            "hostname": self.hostname,
-            "cuda_devices": [d.to_dict() for d in self.cuda_devices],
-            "cuda_note": self.cuda_note,
-            "rdma_devices": list(self.rdma_devices),
-            "rdma_note": self.rdma_note,
-            "peermem": self.peermem,
-            "versions": dict(self.versions),
-        }
 
 
 def host_id() -> str:
