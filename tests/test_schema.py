@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable
 from typing import Any, Union
 
@@ -15,11 +16,19 @@ import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-from kvtransport.negotiation.handshake import read_peer, regions_from_dict, regions_to_dict
+from kvtransport.negotiation.handshake import (
+    check_agreement,
+    decision_to_dict,
+    read_peer,
+    regions_from_dict,
+    regions_to_dict,
+)
 from kvtransport.negotiation.hello import PROTOCOL_VERSION, Hello, build_hello
+from kvtransport.negotiation.negotiate import Candidate, Decision
 from kvtransport.negotiation.schema import DecisionDoc, HelloDoc, RegionsDoc, parse
 from kvtransport.runtime.wire import TYPES, decode
-from kvtransport.spi.errors import ConfigError, ProtocolError
+from kvtransport.spi.driver import TransferPath
+from kvtransport.spi.errors import ConfigError, DecisionMismatch, ProtocolError
 from kvtransport.staging.config import MAX_SLOTS
 from kvtransport.staging.notices import KINDS, ChunkNotice, decode_notice
 from kvtransport.tools.kv_pool import KVPool
@@ -166,6 +175,18 @@ def test_a_side_whose_own_hello_breaks_the_schema_is_told_at_start() -> None:
         build_hello({}, layout=layout, host=host("a"))
     with pytest.raises(ConfigError, match="endpoint name of 300 characters"):
         build_hello({}, endpoint="e" * 300, host=host("a"))
+
+
+def test_a_welcome_carries_this_sides_decision_within_the_schema() -> None:
+    """A driver's offer may state any figure and any reason: the welcome puts them within the
+    bounds, and the initiator, which checks driver, path and lanes, agrees."""
+    odd = Candidate("nixl-ucx", "lost", "r" * 10_000, "shm", math.nan, math.inf)
+    decision = Decision("fake", TransferPath.SHM, math.inf, "x" * 10_000, (odd,), lanes=("fake",))
+    doc = decision_to_dict(decision)
+    check_agreement(doc, decision, "peer")
+    assert doc["gbps"] == 1e9 and doc["candidates"][0]["gbps"] == 0.0 and len(doc["reason"]) == 4096
+    with pytest.raises(DecisionMismatch):
+        check_agreement({**doc, "lanes": ["fake", "nixl-ucx"]}, decision, "peer")
 
 
 # --- the docs -------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import msgspec
 
 from kvtransport.negotiation.hello import Hello
 from kvtransport.negotiation.negotiate import Decision, negotiate
-from kvtransport.negotiation.schema import CandidateDoc, DecisionDoc, RegionDoc, RegionsDoc, cut, parse
+from kvtransport.negotiation.schema import MAX_FIGURE, CandidateDoc, DecisionDoc, RegionDoc, RegionsDoc, cut, parse
 from kvtransport.spi.driver import KVTransport
 from kvtransport.spi.errors import (
     DecisionMismatch,
@@ -116,7 +116,7 @@ def decision_to_dict(decision: Decision) -> dict[str, Any]:
     doc = DecisionDoc(
         driver=decision.driver,
         path=decision.path.value,
-        gbps=decision.gbps,
+        gbps=_figure(decision.gbps),
         reason=cut(decision.reason),
         basis=decision.basis,
         basis_note=cut(decision.basis_note),
@@ -129,14 +129,20 @@ def decision_to_dict(decision: Decision) -> dict[str, Any]:
                 outcome=c.outcome,
                 reason=cut(c.reason),
                 path=c.path,
-                gbps=c.gbps,
-                predicted_s=c.predicted_s,
+                gbps=_figure(c.gbps),
+                predicted_s=_figure(c.predicted_s),
             )
             for c in decision.candidates
         ],
     )
     out: dict[str, Any] = msgspec.to_builtins(doc)
     return out
+
+
+def _figure(x: float) -> float:
+    """A figure of this side's within the schema's bounds (a driver's offer may say anything:
+    the figures are for reading, the initiator checks only driver, path and lanes)."""
+    return min(max(x, 0.0), MAX_FIGURE) if x == x else 0.0
 
 
 def check_agreement(theirs: Any, mine: Decision, peer: str) -> None:

@@ -48,6 +48,8 @@ MAX_PAGE_TOKENS = 1 << 24
 MAX_TP = 1 << 16
 #: Every byte count (page and item sizes, region lengths) fits in a signed 62-bit number.
 MAX_INT = (1 << 62) - 1
+#: Bound of a decision's figures (GB/s, seconds).
+MAX_FIGURE = 1e9
 
 Name = Annotated[str, Meta(max_length=64)]
 Text = Annotated[str, Meta(max_length=MAX_TEXT)]
@@ -292,8 +294,8 @@ class CandidateDoc(Part, kw_only=True):
     outcome: Annotated[Name, about("`chosen`, `lost` or `rejected`")]
     reason: Note
     path: Name = ""
-    gbps: Annotated[float, Meta(ge=0.0, le=1e9)] = 0.0
-    predicted_s: Annotated[float, Meta(ge=0.0, le=1e9)] = 0.0
+    gbps: Annotated[float, Meta(ge=0.0, le=MAX_FIGURE)] = 0.0
+    predicted_s: Annotated[float, Meta(ge=0.0, le=MAX_FIGURE)] = 0.0
 
 
 class DecisionDoc(Part, kw_only=True):
@@ -301,7 +303,7 @@ class DecisionDoc(Part, kw_only=True):
 
     driver: Name
     path: Name
-    gbps: Annotated[float, Meta(ge=0.0, le=1e9)]
+    gbps: Annotated[float, Meta(ge=0.0, le=MAX_FIGURE)]
     reason: Note
     basis: Annotated[Name, about("`calibrated` or `nominal`")] = "nominal"
     basis_note: Note = ""
