@@ -65,9 +65,14 @@ SCHEMA: dict[str, dict[str, type]] = {
     "ping": {"seq": int},
     "bye": {"reason": str},
 }
-#: Bounds on the fields above (wire.py: connection ids 64 characters, tags 256, reasons 4096).
+#: Bounds on the fields above (wire.py: connection ids 64 characters, tags 256, reasons 4096;
+#: nonces and MACs 64 bytes; an announcement's state at most 1024 entries, a done's notices
+#: at most 8 byte strings).
 INT_LOW = {("expect", "aux"): -1}
+INT_HIGH = {("welcome", "express"): 65535}
 TEXT_MAX = {"conn": 64, "tag": 256, "reason": 4096, "lane": 64}
+BYTES_MAX = {"nonce": 64, "nonce_i": 64, "nonce_a": 64, "mac": 64}
+LIST_MAX = {("expect", "state"): 1024, ("done", "notices"): 8}
 #: Most notices one "done" may carry.
 DONE_NOTICES_MAX = 8
 KINDS = tuple(SCHEMA)
@@ -124,8 +129,8 @@ def deep(depth: int = DEEP, leaf: Any = 0) -> Any:
 
 def well_formed(frame: bytes) -> dict[str, Any] | None:
     """The decoded map if ``frame`` passes the schema as wire.py states it (size, map, version,
-    type, exactly the fields, each of its type and within its bounds, no bool for an int);
-    else ``None``."""
+    type, exactly the fields, each of its type and within its bounds, no bool for an int, no
+    float for an int); else ``None``."""
     if len(frame) > LIMIT:
         return None
     try:
@@ -145,9 +150,15 @@ def well_formed(frame: bytes) -> dict[str, Any] | None:
         value = fields[name]
         if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
             return None
-        if isinstance(value, int) and not INT_LOW.get((kind, name), 0) <= value <= MAX_INT:
+        if isinstance(value, int) and not INT_LOW.get((kind, name), 0) <= value <= INT_HIGH.get((kind, name), MAX_INT):
             return None
         if isinstance(value, str) and len(value) > TEXT_MAX.get(name, 4096):
+            return None
+        if isinstance(value, bytes) and len(value) > BYTES_MAX.get(name, LIMIT):
+            return None
+        if isinstance(value, list) and len(value) > LIST_MAX.get((kind, name), LIMIT):
+            return None
+        if kind == "done" and name == "notices" and not all(isinstance(n, bytes) for n in value):
             return None
     return obj
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvtransport.runtime.admission import PROOF_FAILED, Acceptor, Admitted, InitiatorExchange
 from kvtransport.runtime.auth import NONCE_BYTES, Secret, load_secret
-from kvtransport.runtime.wire import Message
+from kvtransport.runtime.wire import TYPES, Message, message
 from kvtransport.spi.errors import ProtocolError
 
 SECRET = load_secret("a" * 64)
@@ -21,7 +21,8 @@ ROUTE = ("in", b"peer-1")
 
 
 def msg(kind: str, fields: dict[str, Any]) -> Message:
-    return Message(kind, fields)
+    """A message of ``kind`` with those of ``fields`` its type has (their values unchecked)."""
+    return message(kind, **{k: v for k, v in fields.items() if k in TYPES[kind].__struct_fields__})
 
 
 def exchange(initiator_secret: Secret, acceptor: Acceptor, route: tuple[str, bytes] = ROUTE) -> Any:

@@ -25,9 +25,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtransport.integrations.vllm.layout import describe_kv_caches
+from kvtransport.negotiation.hello import layout_from_dict, layout_to_dict
 from kvtransport.negotiation.negotiate import check_layouts
 from kvtransport.runtime.planning import PairPlan
-from kvtransport.spi.errors import InvalidPages, LayoutMismatch
+from kvtransport.spi.errors import InvalidPages, LayoutMismatch, ProtocolError
 from kvtransport.spi.handoff import HANDOFF_SLOT_BYTES
 from kvtransport.spi.memory import HOST, KVLayout, Region, RegionSet
 from kvtransport.spi.tp_map import held_heads, pair_shape, sources
@@ -412,7 +413,7 @@ def test_pools_that_do_not_map_are_refused_naming_the_field(change: dict[str, in
 def test_an_unnamed_pool_still_pairs_with_a_named_one_of_the_same_pages() -> None:
     """kvtransport's own endpoints name no engine: their pages pair by size with any engine's."""
     prefill = SglangPool(2, 4, 4, 2, 8, 1, 0, 2).layout
-    plain = KVLayout.from_dict({**prefill.to_dict(), "extra": {}})
+    plain = dataclasses.replace(prefill, extra={})
     assert plain.incompatibilities(prefill) == []
     assert pair_shape(plain, prefill).kind == "all"
 
@@ -471,13 +472,20 @@ def test_a_hostile_peer_layout_is_refused_before_any_array_is_built() -> None:
     prefill = SglangPool(2, 4, 4, 2, 8, 1, 0, 2).layout
     vllm = VllmPool("LBNHC", 2, 4, 4, 4, 2, 8, 1, 0).layout
     hostile = [
-        KVLayout.from_dict(
-            {**vllm.to_dict(), "extra": {**vllm.extra, "block_size": 1 << 25}, "kv_item_lens": [1 << 40] * 2}
-        ),
-        KVLayout.from_dict({**vllm.to_dict(), "tp_size": 0}),
-        KVLayout.from_dict({**vllm.to_dict(), "num_kv_heads": 1 << 30, "total_kv_heads": 1 << 30}),
-        KVLayout.from_dict({**vllm.to_dict(), "num_layers": 1 << 30, "kv_item_lens": [128] * 2}),
+        dataclasses.replace(vllm, extra={**vllm.extra, "block_size": 1 << 25}, kv_item_lens=(1 << 40,) * 2),
+        dataclasses.replace(vllm, tp_size=0),
+        dataclasses.replace(vllm, num_kv_heads=1 << 30, total_kv_heads=1 << 30),
+        dataclasses.replace(vllm, num_layers=1 << 30, kv_item_lens=(128,) * 2),
     ]
+    # The hello's schema refuses the last three (counts out of bounds) before a layout is
+    # built; the check of the numbers holds without it.
+    for change in (
+        {"tp_size": 0},
+        {"num_kv_heads": 1 << 30, "total_kv_heads": 1 << 30},
+        {"num_layers": 1 << 30, "kv_item_lens": [128] * 2},
+    ):
+        with pytest.raises(ProtocolError, match="outside its range"):
+            layout_from_dict({**layout_to_dict(vllm), **change})
     for layout in hostile:
         started = time.monotonic()
         problems = prefill.incompatibilities(layout)

@@ -653,8 +653,7 @@ def test_released_messages_reach_the_peer_in_the_order_they_were_held(
     "done"), to exactly what was held, then the "done"; the notices ride in the "done" only when
     they are all its lane's, at most MAX_DONE_NOTICES, and fit in one message."""
     from kvtransport.runtime.ordered import OrderedStream
-    from kvtransport.runtime.peer_protocol import MAX_DONE_NOTICES
-    from kvtransport.runtime.wire import decode, max_message_bytes
+    from kvtransport.runtime.wire import MAX_DONE_NOTICES, decode, max_message_bytes
 
     # Only the holding and its writes are exercised: the owner is just what OrderedStream reads.
     owner = SimpleNamespace(id="peer", closing=False, two_sided=True, max_message_bytes=max_message_bytes())

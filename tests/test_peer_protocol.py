@@ -10,12 +10,14 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from kvtransport.negotiation.hello import PROTOCOL_VERSION
 from kvtransport.runtime.actions import (
     Action,
     Announce,
@@ -42,7 +44,7 @@ from kvtransport.runtime.peer_protocol import (
 )
 from kvtransport.runtime.planning import PairPlan
 from kvtransport.runtime.tags import TagBook
-from kvtransport.runtime.wire import Message
+from kvtransport.runtime.wire import MAX_DONE_NOTICES, Message, decode, encode, message
 from kvtransport.spi.errors import KVTransportError, PeerLost, ProtocolError, TransferAborted, TransferTimeout
 from kvtransport.spi.inbound import Claim
 from kvtransport.tools.kv_pool import KVPool
@@ -171,14 +173,11 @@ class Harness:
 
 
 def expect_msg(tag: str, pages: list[int], aux: int = -1) -> Message:
-    return Message(
-        "expect",
-        {"tag": tag, "pages": np.array(pages, dtype=np.int64).tobytes(), "aux": aux, "prefix": 0, "state": []},
-    )
+    return message("expect", tag=tag, pages=np.array(pages, dtype=np.int64).tobytes(), aux=aux, prefix=0, state=[])
 
 
 def done_msg(tag: str, nbytes: int, lane: str = "", notices: list[Any] | None = None) -> Message:
-    return Message("done", {"tag": tag, "bytes": nbytes, "lane": lane, "notices": notices or []})
+    return message("done", tag=tag, bytes=nbytes, lane=lane, notices=notices or [])
 
 
 def test_a_sender_goes_from_bootstrapping_to_success_and_says_done() -> None:
@@ -239,7 +238,7 @@ def test_drained_waits_until_the_aborted_writes_stopped() -> None:
     h.run(h.p.abort(t, "caller gave up", notify=True, local=True))
     assert t.state is State.FAILED and h.kinds() == ["abort"] and h.stops == {"r1": 1}
     assert "r1" in h.p.settling
-    h.run(h.p.on_abort(Message("abort", {"tag": "r1", "reason": "ok"})))  # the peer's answer
+    h.run(h.p.on_abort(message("abort", tag="r1", reason="ok")))  # the peer's answer
     assert h.kinds() == ["abort"], "no drained while the writes may still land"
     h.answer_stop("r1")
     assert h.kinds() == ["abort", "drained"] and not h.p.settling
@@ -262,7 +261,7 @@ def test_a_receivers_failed_transfer_waits_for_drained_and_its_drivers() -> None
     assert h.arriving == 1, "its drivers are still driven: a posted write may need them"
     h.fire(t)  # forgotten from the transfers: still awaiting the sender's word
     assert "r1" not in h.p.transfers and "r1" in h.p.awaiting_drain
-    h.run(h.p.on_drained(Message("drained", {"tag": "r1"})))
+    h.run(h.p.on_drained(message("drained", tag="r1")))
     assert h.checks == [(t, "drained")]
     h.answer_check()
     assert t.drained.is_set() and h.arriving == 0
@@ -308,7 +307,7 @@ def test_a_timeout_fails_the_transfer_with_transfer_timeout() -> None:
 
 def test_a_peers_abort_before_the_transfer_exists_fails_it_when_created() -> None:
     h = Harness()
-    h.run(h.p.on_abort(Message("abort", {"tag": "r1", "reason": "no"})))
+    h.run(h.p.on_abort(message("abort", tag="r1", reason="no")))
     assert h.kinds() == ["drained"], "nothing of it was written here"
     t = h.sender("r1")
     assert t.state is State.FAILED and isinstance(t.error, TransferAborted)
@@ -340,7 +339,7 @@ def test_close_has_the_drivers_fence_exactly_the_pages_the_peer_never_confirmed(
     h.hear_and_announce()
     on_its_way = h.receiver("late", [3])  # its drivers have not heard of it yet
     h.run(h.p.abort(confirmed, "gave up", notify=True, local=True))
-    h.run(h.p.on_drained(Message("drained", {"tag": "ok"})))
+    h.run(h.p.on_drained(message("drained", tag="ok")))
     h.answer_check()
     assert confirmed.drained.is_set()
     h.run(h.p.close(PeerLost("gone"), notify=False))
@@ -355,7 +354,7 @@ def test_a_peer_that_does_not_confirm_in_time_is_cut_off_so_that_it_can_be_fence
     h.run(h.p.abort(late, "decode gave up", notify=True, local=True))
     h.run(h.p.abort(prompt, "decode gave up", notify=True, local=True))
     overdue = list(h.later)
-    h.run(h.p.on_drained(Message("drained", {"tag": "prompt"})))
+    h.run(h.p.on_drained(message("drained", tag="prompt")))
     h.answer_check()
     for then in overdue:  # KVTRANSPORT_DRAIN_TIMEOUT passed for both
         h.run(then())
@@ -364,11 +363,16 @@ def test_a_peer_that_does_not_confirm_in_time_is_cut_off_so_that_it_can_be_fence
 
 
 def test_done_notices_are_checked_before_any_is_taken() -> None:
-    assert done_notices(done_msg("t", 0, notices=[b"a", b"b"])) == [b"a", b"b"]
-    with pytest.raises(ProtocolError):
-        done_notices(done_msg("t", 0, notices=[b"a", "not bytes"]))
-    with pytest.raises(ProtocolError):
-        done_notices(done_msg("t", 0, notices=[b"x"] * 9))
+    """The wire's schema checks a done's notices (byte strings, at most MAX_DONE_NOTICES) when
+    it decodes the message, before the session takes any of them."""
+    assert done_notices(decode(encode("done", tag="t", bytes=0, lane="", notices=[b"a", b"b"]))) == [b"a", b"b"]
+    for notices in ([b"a", "not bytes"], [b"x"] * (MAX_DONE_NOTICES + 1)):
+        frame = msgpack.packb(
+            {"v": PROTOCOL_VERSION, "t": "done", "tag": "t", "bytes": 0, "lane": "", "notices": notices},
+            use_bin_type=True,
+        )
+        with pytest.raises(ProtocolError, match=r"done\.notices"):
+            decode(frame)
 
 
 # -- hypothesis: any sequence of events ----------------------------------------------------------
@@ -417,11 +421,11 @@ class ProtocolMachine(RuleBasedStateMachine):
 
     @rule(tag=TAGS)
     def peer_abort(self, tag: str) -> None:
-        self.h.run(self.h.p.on_abort(Message("abort", {"tag": tag, "reason": "peer"})))
+        self.h.run(self.h.p.on_abort(message("abort", tag=tag, reason="peer")))
 
     @rule(tag=TAGS)
     def peer_drained(self, tag: str) -> None:
-        self.h.run(self.h.p.on_drained(Message("drained", {"tag": tag})))
+        self.h.run(self.h.p.on_drained(message("drained", tag=tag)))
 
     @rule(tag=TAGS, bid=st.integers(0, 3), last=st.booleans())
     def chunk_reaches_driver(self, tag: str, bid: int, last: bool) -> None:

@@ -561,7 +561,7 @@ def test_a_receiver_cannot_lend_past_its_ring_twice_or_more_than_the_cap(pair_fa
         a.pipe.on_notice("b", encode_lend(list(range(LEND_MAX_SLOTS + 1)), MAX_HOLD_MS))
     with pytest.raises(ProtocolError, match=r"lend\.hold_ms"):
         a.pipe.on_notice("b", msgpack.packb({"op": "lend", "slots": [0], "hold_ms": MAX_HOLD_MS + 1}))
-    with pytest.raises(ProtocolError, match=r"lend\.slots\[\]"):
+    with pytest.raises(ProtocolError, match=r"lend\.slots\[0\]"):
         a.pipe.on_notice("b", msgpack.packb({"op": "lend", "slots": [1 << 16], "hold_ms": 0}))
     assert sorted(out.credits) == [0, 1]
     # A ring description claiming more slots than any ring has is refused at connect.

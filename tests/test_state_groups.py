@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtransport.negotiation.handshake import regions_from_dict, regions_to_dict
+from kvtransport.negotiation.hello import layout_from_dict, layout_to_dict
 from kvtransport.runtime.checks import read_announcement, state_items
 from kvtransport.spi.errors import InvalidPages, MemoryLayoutError, ProtocolError
 from kvtransport.spi.memory import HOST, KVLayout, Region, RegionSet
@@ -90,7 +91,7 @@ def test_mamba_payloads_are_flattened() -> None:
     [
         ([3], "do not divide"),
         ([0, 2], "do not divide"),
-        ([True, 1], "integers"),
+        ([True, 1], "must be an integer"),
         ("2", "list"),
         ([1] * 65, "at most 64"),
     ],
@@ -118,7 +119,7 @@ def test_layouts_with_other_state_buffers_are_incompatible() -> None:
     assert any("state_types" in p for p in swa.incompatibilities(mamba))
     assert any("state_item_lens" in p for p in swa.incompatibilities(wider))
     assert any("state_types" in p for p in swa.incompatibilities(base))
-    assert KVLayout.from_dict(swa.to_dict()) == swa
+    assert layout_from_dict(layout_to_dict(swa)) == swa
 
 
 @given(

@@ -9,7 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvtransport.runtime.config import Limits
 from kvtransport.runtime.tags import Kept, Refused, TagBook, announcement_bytes
-from kvtransport.runtime.wire import Message
+from kvtransport.runtime.wire import Message, message
 
 SMALL = Limits(
     max_early_expects=3,
@@ -21,7 +21,7 @@ SMALL = Limits(
 
 
 def expect(pages: int = 1, state: list[bytes] | None = None) -> Message:
-    return Message("expect", {"tag": "t", "pages": b"\0" * 8 * pages, "aux": -1, "prefix": 0, "state": state or []})
+    return message("expect", tag="t", pages=b"\0" * 8 * pages, aux=-1, prefix=0, state=state or [])
 
 
 def test_an_announcement_is_kept_until_its_sender_takes_it() -> None:

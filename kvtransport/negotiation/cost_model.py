@@ -4,28 +4,46 @@
 shape (:func:`fit`); the hello carries the models, and the negotiation predicts with them
 (:meth:`CostModel.predict`) which driver moves a transfer of a given shape (descriptor count,
 bytes) soonest. A peer's models arrive in its hello, so :meth:`CostModel.from_dict` checks every
-field's type and range before anything computes with it.
+field's type and range (``schema.CostModelDoc``) before anything computes with it.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 import numpy as np
+from msgspec import Meta
 
-from kvtransport.spi.errors import ProtocolError
+# The bounds are the schema's (a peer's hello cannot make a prediction overflow, go negative or
+# come out NaN); re-exported for the calibration's own checks.
+from kvtransport.negotiation.schema import (
+    MAX_GBPS,
+    MAX_LATENCY_S,
+    MAX_MODELS_PER_DRIVER,
+    MAX_PER_RUN_S,
+    MAX_TEXT,
+    MIN_GBPS,
+    CostModelDoc,
+    parse,
+)
 
-#: Ranges a model's figures must fall in (a peer's hello cannot make a prediction overflow,
-#: go negative or come out NaN).
-MAX_LATENCY_S = 10.0
-MAX_PER_RUN_S = 0.1
-MIN_GBPS, MAX_GBPS = 1e-4, 1e5
-#: At most this many models per driver in one hello (one per path it was calibrated on).
-MAX_MODELS_PER_DRIVER = 16
-MAX_TEXT = 128
+__all__ = [
+    "MAX_GBPS",
+    "MAX_LATENCY_S",
+    "MAX_MODELS_PER_DRIVER",
+    "MAX_PER_RUN_S",
+    "MAX_TEXT",
+    "MIN_GBPS",
+    "CostModel",
+    "Point",
+    "fit",
+    "models_from_list",
+    "slowest_prediction",
+]
 
 
 @dataclass(frozen=True)
@@ -53,32 +71,20 @@ class CostModel:
         return f"{self.latency_s * 1e3:.2f} ms + {self.per_run_s * 1e6:.2f} us/descriptor + {self.gbps:.2f} GB/s"
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "path": self.path,
-            "latency_s": self.latency_s,
-            "per_run_s": self.per_run_s,
-            "gbps": self.gbps,
-            "peer_host": self.peer_host,
-            "version": self.version,
-            "measured_at": self.measured_at,
-            "memory": self.memory,
-        }
+        return msgspec.structs.asdict(self.document())
+
+    def document(self) -> CostModelDoc:
+        """As the hello carries it (the fields are the schema's, one for one)."""
+        return CostModelDoc(**dataclasses.asdict(self))
+
+    @classmethod
+    def from_document(cls, doc: CostModelDoc) -> CostModel:
+        return cls(**msgspec.structs.asdict(doc))
 
     @classmethod
     def from_dict(cls, data: Any) -> CostModel:
         """A model from a hello or the cache; :class:`ProtocolError` on anything out of range."""
-        if not isinstance(data, Mapping):
-            raise ProtocolError(f"a cost model must be a mapping, got {type(data).__name__}")
-        return cls(
-            path=_text(data, "path"),
-            latency_s=_number(data, "latency_s", 0.0, MAX_LATENCY_S),
-            per_run_s=_number(data, "per_run_s", 0.0, MAX_PER_RUN_S),
-            gbps=_number(data, "gbps", MIN_GBPS, MAX_GBPS),
-            peer_host=_text(data, "peer_host"),
-            version=_text(data, "version"),
-            measured_at=_number(data, "measured_at", 0.0, 1e11),
-            memory=_text(data, "memory") if "memory" in data else "host",
-        )
+        return cls.from_document(parse(data, CostModelDoc, "cost model"))
 
 
 def slowest_prediction(models: Sequence[CostModel], runs: int, nbytes: int) -> float:
@@ -88,31 +94,13 @@ def slowest_prediction(models: Sequence[CostModel], runs: int, nbytes: int) -> f
 
 
 def models_from_list(raw: Any) -> tuple[CostModel, ...]:
+    """A driver's models as the calibration cache holds them (``None``: none)."""
     if raw is None:
         return ()
-    if not isinstance(raw, list) or len(raw) > MAX_MODELS_PER_DRIVER:
-        raise ProtocolError(f"a driver's cost models must be a list of at most {MAX_MODELS_PER_DRIVER}")
-    return tuple(CostModel.from_dict(m) for m in raw)
+    return tuple(map(CostModel.from_document, parse(raw, _ModelList, "cost models")))
 
 
-def _text(data: Mapping[str, Any], key: str) -> str:
-    value = data.get(key, "")
-    if not isinstance(value, str) or len(value) > MAX_TEXT:
-        raise ProtocolError(f"cost model field {key!r} must be text of at most {MAX_TEXT} characters")
-    return value
-
-
-def _number(data: Mapping[str, Any], key: str, low: float, high: float) -> float:
-    value = data.get(key)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ProtocolError(f"cost model field {key!r} must be a number, got {type(value).__name__}")
-    try:
-        value = float(value)
-    except OverflowError:
-        raise ProtocolError(f"cost model field {key!r} is too large") from None
-    if not math.isfinite(value) or not low <= value <= high:
-        raise ProtocolError(f"cost model field {key!r} = {value!r} is outside [{low:g}, {high:g}]")
-    return value
+_ModelList = Annotated[list[CostModelDoc], Meta(max_length=MAX_MODELS_PER_DRIVER)]
 
 
 @dataclass(frozen=True)

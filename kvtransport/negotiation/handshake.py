@@ -10,8 +10,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
+
 from kvtransport.negotiation.hello import Hello
 from kvtransport.negotiation.negotiate import Decision, negotiate
+from kvtransport.negotiation.schema import MAX_FIGURE, CandidateDoc, DecisionDoc, RegionDoc, RegionsDoc, cut, parse
 from kvtransport.spi.driver import KVTransport
 from kvtransport.spi.errors import (
     DecisionMismatch,
@@ -20,73 +23,72 @@ from kvtransport.spi.errors import (
     NegotiationError,
     ProtocolError,
 )
-from kvtransport.spi.memory import MAX_STATE_GROUPS, Region, RegionSet
+from kvtransport.spi.memory import MemoryKind, Region, RegionSet
 
 #: Longest peer label kept (it ends up in logs and error messages).
 MAX_LABEL = 128
-#: Most regions a peer may describe (a 128-layer model with K and V, aux and state buffers).
-MAX_REGIONS = 4096
-#: Most drivers a hello may list (parsing is linear in it, on the I/O thread).
-MAX_DRIVERS = 64
 
 
 def regions_to_dict(regions: RegionSet) -> dict[str, Any]:
-    doc: dict[str, Any] = {k: [r.to_dict() for r in getattr(regions, k)] for k in ("kv", "aux", "state")}
-    doc["state_groups"] = list(regions.state_groups)
-    return doc
+    doc = RegionsDoc(
+        kv=[_region_document(r) for r in regions.kv],
+        aux=[_region_document(r) for r in regions.aux],
+        state=[_region_document(r) for r in regions.state],
+        state_groups=list(regions.state_groups),
+    )
+    out: dict[str, Any] = msgspec.to_builtins(doc)
+    return out
 
 
-def regions_from_dict(data: Mapping[str, Any]) -> RegionSet:
+def _region_document(region: Region) -> RegionDoc:
+    return RegionDoc(
+        ptr=region.ptr, length=region.length, kind=str(region.kind), item_len=region.item_len, name=region.name
+    )
+
+
+def regions_from_dict(data: Any) -> RegionSet:
     """A peer's region description, validated; :class:`ProtocolError` on anything malformed."""
+    doc = parse(data, RegionsDoc, "regions")
     try:
-        if not isinstance(data, Mapping):
-            raise TypeError(f"regions must be a mapping, got {type(data).__name__}")
-        groups = {}
-        for key in ("kv", "aux", "state"):
-            raw = data["kv"] if key == "kv" else data.get(key, ())
-            if not isinstance(raw, list | tuple):
-                raise TypeError(f"regions.{key} must be a list, got {type(raw).__name__}")
-            groups[key] = raw
-        if sum(len(g) for g in groups.values()) > MAX_REGIONS:
-            raise ValueError(f"more than {MAX_REGIONS} regions")
-        state_groups = data.get("state_groups", ())
-        if not isinstance(state_groups, list | tuple) or len(state_groups) > MAX_STATE_GROUPS:
-            raise TypeError(f"regions.state_groups must be a list of at most {MAX_STATE_GROUPS} counts")
-        if not all(isinstance(n, int) and not isinstance(n, bool) for n in state_groups):
-            raise TypeError("regions.state_groups must hold integers")
         return RegionSet(
-            kv=tuple(Region.from_dict(r) for r in groups["kv"]),
-            aux=tuple(Region.from_dict(r) for r in groups["aux"]),
-            state=tuple(Region.from_dict(r) for r in groups["state"]),
-            state_groups=tuple(state_groups),
+            kv=tuple(map(_region, doc.kv)),
+            aux=tuple(map(_region, doc.aux)),
+            state=tuple(map(_region, doc.state)),
+            state_groups=tuple(doc.state_groups),
         )
-    except (KeyError, TypeError, ValueError, MemoryLayoutError) as exc:
+    except MemoryLayoutError as exc:
+        # What the schema cannot say: overlaps, items that do not divide a region, groups.
         raise ProtocolError(f"invalid region description from peer: {str(exc)[:300]}") from exc
+
+
+def _region(doc: RegionDoc) -> Region:
+    return Region(doc.ptr, doc.length, MemoryKind.parse(doc.kind), doc.item_len, doc.name)
 
 
 def read_peer(msg_hello: Any, msg_regions: Any) -> tuple[Hello, RegionSet]:
     """The peer's hello and regions, or :class:`ProtocolError`."""
-    drivers = msg_hello.get("drivers") if isinstance(msg_hello, Mapping) else None
-    if isinstance(drivers, Mapping) and len(drivers) > MAX_DRIVERS:
-        raise ProtocolError(f"the hello lists {len(drivers)} drivers; at most {MAX_DRIVERS}")
     try:
         hello = Hello.from_dict(msg_hello)
         regions = regions_from_dict(msg_regions)
     except KVTransportError:
         raise
-    except Exception as exc:
+    except Exception as exc:  # a bug of ours on a stranger's input: still only a refusal
         raise ProtocolError(f"malformed handshake: {type(exc).__name__}: {str(exc)[:300]}") from exc
-    if hello.layout is not None and hello.layout.kv_item_lens != regions.kv_item_lens:
+    if hello.layout is None:
+        # Only a bare host report (doctor) goes without one: without it nothing would compare
+        # the pages the peer's regions hold with this side's.
+        raise ProtocolError("hello.layout is null; a peer opening a connection must state its KV layout")
+    if hello.layout.kv_item_lens != regions.kv_item_lens:
         raise ProtocolError(
             f"the peer's layout says KV pages of {hello.layout.kv_item_lens[:4]}... bytes, its regions hold "
             f"{regions.kv_item_lens[:4]}..."
         )
-    if hello.layout is not None and hello.layout.state_item_lens not in ((), regions.state_item_lens):
+    if hello.layout.state_item_lens not in ((), regions.state_item_lens):
         raise ProtocolError("the peer's layout describes other state buffers than its regions hold")
     # A first-token handoff into an SGLang decode writes rows of the lengths its layout states
     # (spi.handoff): they must be the registered aux regions' own.
     aux_lens = tuple(r.item_len for r in regions.aux)
-    if hello.layout is not None and hello.layout.aux_item_lens not in ((), aux_lens):
+    if hello.layout.aux_item_lens not in ((), aux_lens):
         raise ProtocolError(
             f"the peer's layout says aux items of {list(hello.layout.aux_item_lens)[:4]}... bytes, its regions hold "
             f"{list(aux_lens)[:4]}..."
@@ -109,15 +111,45 @@ def decide(initiator: Hello, acceptor: Hello, classes: Mapping[str, type[KVTrans
         raise NegotiationError(f"negotiation failed: {type(exc).__name__}: {str(exc)[:300]}") from exc
 
 
+def decision_to_dict(decision: Decision) -> dict[str, Any]:
+    """The decision as a welcome carries it (reasons cut to the schema's bounds)."""
+    doc = DecisionDoc(
+        driver=decision.driver,
+        path=decision.path.value,
+        gbps=_figure(decision.gbps),
+        reason=cut(decision.reason),
+        basis=decision.basis,
+        basis_note=cut(decision.basis_note),
+        lanes=list(decision.lanes),
+        initiator=decision.initiator,
+        acceptor=decision.acceptor,
+        candidates=[
+            CandidateDoc(
+                driver=c.driver,
+                outcome=c.outcome,
+                reason=cut(c.reason),
+                path=c.path,
+                gbps=_figure(c.gbps),
+                predicted_s=_figure(c.predicted_s),
+            )
+            for c in decision.candidates
+        ],
+    )
+    out: dict[str, Any] = msgspec.to_builtins(doc)
+    return out
+
+
+def _figure(x: float) -> float:
+    """A figure of this side's within the schema's bounds (a driver's offer may say anything:
+    the figures are for reading, the initiator checks only driver, path and lanes)."""
+    return min(max(x, 0.0), MAX_FIGURE) if x == x else 0.0
+
+
 def check_agreement(theirs: Any, mine: Decision, peer: str) -> None:
     """The acceptor's decision (``theirs``, from its welcome) must equal this side's."""
-    if not isinstance(theirs, Mapping):
-        raise ProtocolError("the welcome's decision is not a mapping")
-    if (theirs.get("driver"), theirs.get("path")) != (mine.driver, mine.path.value) or theirs.get("lanes") != list(
-        mine.lanes
-    ):
+    doc = parse(theirs, DecisionDoc, "decision")
+    if (doc.driver, doc.path, doc.lanes) != (mine.driver, mine.path.value, list(mine.lanes)):
         raise DecisionMismatch(
-            f"{peer} chose {str(theirs.get('driver'))[:64]} ({str(theirs.get('path'))[:32]}), this side computes "
-            f"{mine.driver} ({mine.path.value}), lanes {str(theirs.get('lanes'))[:128]} against {list(mine.lanes)}; "
-            "are both sides running the same kvtransport and driver versions?"
+            f"{peer} chose {doc.driver} ({doc.path}), this side computes {mine.driver} ({mine.path.value}), lanes "
+            f"{doc.lanes} against {list(mine.lanes)}; are both sides running the same kvtransport and driver versions?"
         )

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtransport.negotiation.cost_model import CostModel, slowest_prediction
-from kvtransport.negotiation.hello import Hello
+from kvtransport.negotiation.hello import Hello, layout_to_dict
 from kvtransport.negotiation.registry import ENV_DRIVER
 from kvtransport.spi.driver import KVTransport, Offer, PeerView, Rejection, TransferPath
 from kvtransport.spi.errors import ConfigError, DriverUnavailable, KVTransportError, LayoutMismatch, NoUsableDriver
@@ -144,8 +144,8 @@ def check_layouts(initiator: Hello, acceptor: Hello) -> None:
         raise LayoutMismatch(
             "KV layouts cannot be bridged: "
             + "; ".join(problems)
-            + f". {_side('initiator', initiator)} layout: {initiator.layout.to_dict()}; "
-            + f"{_side('acceptor', acceptor)} layout: {acceptor.layout.to_dict()}"
+            + f". {_side('initiator', initiator)} layout: {layout_to_dict(initiator.layout)}; "
+            + f"{_side('acceptor', acceptor)} layout: {layout_to_dict(acceptor.layout)}"
         )
 
 

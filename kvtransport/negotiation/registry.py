@@ -189,20 +189,6 @@ class Policy:
         """Position in the user's preference list (0 when there is none)."""
         return self.allow.index(name) if name in self.allow else 0
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"force": self.force, "allow": list(self.allow), "exclude": list(self.exclude)}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | None) -> Policy:
-        if not data:
-            return cls()
-        force = data.get("force")
-        return cls(
-            force=str(force) if force else None,
-            allow=tuple(str(x) for x in data.get("allow", ())),
-            exclude=tuple(str(x) for x in data.get("exclude", ())),
-        )
-
     @classmethod
     def from_env(
         cls,

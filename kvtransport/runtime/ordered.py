@@ -16,8 +16,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from kvtransport.runtime.peer_protocol import MAX_DONE_NOTICES
-from kvtransport.runtime.wire import Done, encode
+from kvtransport.runtime.wire import MAX_DONE_NOTICES, Done, encode
 from kvtransport.spi.errors import MessageTooLarge
 
 if TYPE_CHECKING:

@@ -30,6 +30,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+import msgspec
+
 from kvtransport.runtime.actions import (
     Action,
     Announce,
@@ -70,10 +72,6 @@ if TYPE_CHECKING:
     from kvtransport.spi.memory import RegionSet
 
 log = logging.getLogger(__name__)
-
-#: Most driver notices one "done" carries (the sender puts the notices of a one-batch transfer
-#: in it: one per chunk, and an inline batch has one chunk); more is a protocol error.
-MAX_DONE_NOTICES = 8
 
 
 class Phase(enum.Enum):
@@ -128,14 +126,10 @@ def wire_name(lanes: Mapping[str, LaneFacts], driver: str) -> str:
 
 
 def done_notices(msg: Message) -> list[bytes]:
-    """The driver notices that rode in a "done" (checked: at most ``MAX_DONE_NOTICES`` byte
-    strings). They count as messages of their own just before it."""
-    notices: Any = msg["notices"]
-    if not notices:
-        return []
-    if len(notices) > MAX_DONE_NOTICES or not all(isinstance(n, bytes) for n in notices):
-        raise ProtocolError(f"done.notices must be a list of at most {MAX_DONE_NOTICES} byte strings")
-    return list(notices)
+    """The driver notices that rode in a "done" (the wire's schema checked them: at most
+    ``wire.MAX_DONE_NOTICES`` byte strings). They count as messages of their own just before it."""
+    notices: list[bytes] = msg["notices"]
+    return notices
 
 
 class PeerProtocol:
@@ -634,7 +628,7 @@ class PeerProtocol:
             # Checked before anything keeps it: an entry that is not packed int64 could be any
             # amount of memory that the early-announcement byte limit would not see. What is
             # kept (or checked now) is a small stand-in that fails the transfer for the reason.
-            msg = Message(msg.type, {**msg.fields, "state": MALFORMED_STATE})
+            msg = msgspec.structs.replace(msg, state=MALFORMED_STATE)
         if t is None:
             self._keep_early_expect(tag, msg)
             return

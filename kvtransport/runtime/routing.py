@@ -295,7 +295,7 @@ class Router:
         self._warn_once(route, text)
         if session is None or session.phase is Phase.CLOSED:
             return
-        tag = msg.fields.get("tag") if msg is not None else None
+        tag = getattr(msg, "tag", None)
         t = session.transfers.get(tag) if isinstance(tag, str) else None
         if t is not None and not t.state.final:
             session.abort(t, text, notify=True, error=ProtocolError(text))

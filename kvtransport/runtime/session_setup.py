@@ -19,7 +19,14 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from kvtransport.negotiation.handshake import check_agreement, decide, label_of, read_peer, regions_to_dict
+from kvtransport.negotiation.handshake import (
+    check_agreement,
+    decide,
+    decision_to_dict,
+    label_of,
+    read_peer,
+    regions_to_dict,
+)
 from kvtransport.negotiation.hello import DriverHello, Hello
 from kvtransport.negotiation.negotiate import Decision
 from kvtransport.runtime.admission import Acceptor, InitiatorExchange, PendingAuth
@@ -29,7 +36,7 @@ from kvtransport.runtime.handles import Connection
 from kvtransport.runtime.lane import Lane
 from kvtransport.runtime.runner import DriverRunner
 from kvtransport.runtime.session import Phase, Session, SessionHost
-from kvtransport.runtime.wire import Message, encode, read_lanes
+from kvtransport.runtime.wire import Message, encode
 from kvtransport.spi.driver import KVTransport
 from kvtransport.spi.errors import (
     ConnectError,
@@ -231,7 +238,7 @@ class SessionSetup:
             session.peer_hello = peer_hello
             decision = decide(endpoint.hello, peer_hello, endpoint.classes)
             check_agreement(msg["decision"], decision, session.peer_label)
-            lanes = self._lanes(decision, peer_hello, read_lanes("welcome", msg["lanes"]))
+            lanes = self._lanes(decision, peer_hello, msg["lanes"])
         except KVTransportError as exc:
             session.send("bye", reason=f"handshake failed: {exc}")
             endpoint.end_session(session, exc, notify=False)
@@ -286,7 +293,7 @@ class SessionSetup:
         try:
             peer_hello, peer_regions = read_peer(msg["hello"], msg["regions"])
             decision = decide(peer_hello, endpoint.hello, endpoint.classes)
-            lanes = self._lanes(decision, peer_hello, read_lanes("hello", msg["lanes"]))
+            lanes = self._lanes(decision, peer_hello, msg["lanes"])
         except KVTransportError as exc:
             refuse(f"{type(exc).__name__}: {exc}")
             return
@@ -309,7 +316,7 @@ class SessionSetup:
                 conn=conn_id,
                 hello=endpoint.hello.to_dict(),
                 regions=self._regions_doc,
-                decision=decision.to_dict(),
+                decision=decision_to_dict(decision),
                 express=endpoint.express.port if endpoint.express is not None else 0,
                 lanes=infos,
             )

@@ -97,15 +97,6 @@ class Capabilities:
     two_sided: bool = False
     gathers: bool = False
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "reads": sorted(self.reads),
-            "writes": sorted(self.writes),
-            "same_host_only": self.same_host_only,
-            "two_sided": self.two_sided,
-            "gathers": self.gathers,
-        }
-
 
 @dataclass(frozen=True)
 class DriverStatus:
@@ -136,29 +127,6 @@ class DriverStatus:
             note = self.memory_notes.get(kind.family, f"{kind.family} memory not supported")
             return note
         return ""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "available": self.available,
-            "reason": self.reason,
-            "fix": self.fix,
-            "version": self.version,
-            "memory": list(self.memory),
-            "memory_notes": dict(self.memory_notes),
-            "info": dict(self.info),
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> DriverStatus:
-        return cls(
-            available=bool(data["available"]),
-            reason=str(data.get("reason", "")),
-            fix=str(data.get("fix", "")),
-            version=str(data.get("version", "")),
-            memory=tuple(str(m) for m in data.get("memory", ())),
-            memory_notes={str(k): str(v) for k, v in dict(data.get("memory_notes", {})).items()},
-            info={str(k): str(v) for k, v in dict(data.get("info", {})).items()},
-        )
 
 
 @dataclass(frozen=True)

@@ -100,37 +100,6 @@ class Region:
     def num_items(self) -> int:
         return self.length // self.item_len
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "ptr": self.ptr,
-            "length": self.length,
-            "kind": str(self.kind),
-            "item_len": self.item_len,
-            "name": self.name,
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Region:
-        try:
-            if not isinstance(data, Mapping):
-                raise TypeError(f"a region must be a mapping, got {type(data).__name__}")
-            numbers = {k: data[k] for k in ("ptr", "length", "item_len")}
-            for key, value in numbers.items():
-                if not isinstance(value, int) or isinstance(value, bool):
-                    raise TypeError(f"{key} must be an integer, got {type(value).__name__}")
-            name = data.get("name", "")
-            if not isinstance(name, str) or len(name) > 256:
-                raise TypeError("name must be a string of at most 256 characters")
-            return cls(
-                ptr=numbers["ptr"],
-                length=numbers["length"],
-                kind=MemoryKind.parse(str(data["kind"])),
-                item_len=numbers["item_len"],
-                name=name,
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise MemoryLayoutError(f"invalid region description: {str(exc)[:200]}") from exc
-
 
 def _check_disjoint(regions: Sequence[Region]) -> None:
     # Host memory sorts before device memory (-1 before device ordinals): KV on a GPU with aux
@@ -328,48 +297,6 @@ class KVLayout:
     state_types: tuple[str, ...] = ()
     state_item_lens: tuple[tuple[int, ...], ...] = ()
     extra: Mapping[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "page_size": self.page_size,
-            "dtype": self.dtype,
-            "num_layers": self.num_layers,
-            "kv_item_lens": list(self.kv_item_lens),
-            "memory": str(self.memory),
-            "kv_split": self.kv_split,
-            "num_kv_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "tp_rank": self.tp_rank,
-            "tp_size": self.tp_size,
-            "total_kv_heads": self.total_kv_heads,
-            "aux_item_lens": list(self.aux_item_lens),
-            "state_types": list(self.state_types),
-            "state_item_lens": [list(g) for g in self.state_item_lens],
-            "extra": dict(self.extra),
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> KVLayout:
-        try:
-            return cls(
-                page_size=int(data["page_size"]),
-                dtype=str(data["dtype"]),
-                num_layers=int(data["num_layers"]),
-                kv_item_lens=tuple(int(x) for x in data["kv_item_lens"]),
-                memory=MemoryKind.parse(str(data.get("memory", "host"))),
-                kv_split=str(data.get("kv_split", "kv")),
-                num_kv_heads=int(data.get("num_kv_heads", 0)),
-                head_dim=int(data.get("head_dim", 0)),
-                tp_rank=int(data.get("tp_rank", 0)),
-                tp_size=int(data.get("tp_size", 1)),
-                total_kv_heads=int(data.get("total_kv_heads", 0)),
-                aux_item_lens=tuple(int(x) for x in data.get("aux_item_lens", ())),
-                state_types=tuple(str(x)[:64] for x in data.get("state_types", ())),
-                state_item_lens=tuple(tuple(int(x) for x in g) for g in data.get("state_item_lens", ())),
-                extra=dict(data.get("extra", {})),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise MemoryLayoutError(f"invalid KV layout {dict(data)!r}: {exc}") from exc
 
     def incompatibilities(self, other: KVLayout, mine: str = "here", theirs: str = "at the peer") -> list[str]:
         """Every field that stops pages moving between the two layouts (empty: compatible)."""

@@ -46,28 +46,6 @@ class CudaDevice:
     gdr: bool | None = None  # None: unknown
     gdr_reason: str = ""
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "index": self.index,
-            "uuid": self.uuid,
-            "pci_bus_id": self.pci_bus_id,
-            "name": self.name,
-            "gdr": self.gdr,
-            "gdr_reason": self.gdr_reason,
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> CudaDevice:
-        gdr = data.get("gdr")
-        return cls(
-            index=int(data["index"]),
-            uuid=str(data.get("uuid", "")),
-            pci_bus_id=str(data.get("pci_bus_id", "")),
-            name=str(data.get("name", "")),
-            gdr=None if gdr is None else bool(gdr),
-            gdr_reason=str(data.get("gdr_reason", "")),
-        )
-
 
 @dataclass(frozen=True)
 class HostInfo:
@@ -97,31 +75,6 @@ class HostInfo:
         if dev.gdr:
             return True, dev.gdr_reason or "GPUDirect RDMA available"
         return False, dev.gdr_reason or "GPUDirect RDMA support unknown"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "host_id": self.host_id,
-            "hostname": self.hostname,
-            "cuda_devices": [d.to_dict() for d in self.cuda_devices],
-            "cuda_note": self.cuda_note,
-            "rdma_devices": list(self.rdma_devices),
-            "rdma_note": self.rdma_note,
-            "peermem": self.peermem,
-            "versions": dict(self.versions),
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> HostInfo:
-        return cls(
-            host_id=str(data["host_id"]),
-            hostname=str(data.get("hostname", "")),
-            cuda_devices=tuple(CudaDevice.from_dict(d) for d in data.get("cuda_devices", ())),
-            cuda_note=str(data.get("cuda_note", "")),
-            rdma_devices=tuple(str(d) for d in data.get("rdma_devices", ())),
-            rdma_note=str(data.get("rdma_note", "")),
-            peermem=bool(data.get("peermem", False)),
-            versions={str(k): str(v) for k, v in dict(data.get("versions", {})).items()},
-        )
 
 
 def host_id() -> str:
