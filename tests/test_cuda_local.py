@@ -96,3 +96,28 @@ def test_bad_aux_notice_is_refused_and_writes_nothing(bad: str) -> None:
     with pytest.raises(ProtocolError, match="bad aux notice"):
         driver.on_notice("p", payload)  # type: ignore[attr-defined]
     assert not aux.any()
+
+
+def test_a_departed_peer_is_fenced_only_once_its_process_has_ended() -> None:
+    """The peer's copies into this side's exported memory cannot be revoked: ``fence`` answers
+    ``True`` only once the process its connection info named has ended (asked again after
+    ``disconnect`` while the pages are held)."""
+    import subprocess
+    import sys
+
+    from kvtransport.spi import process_sockets
+
+    driver = load_driver("cuda-local")(_Context())  # type: ignore[abstract, arg-type]
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        start = process_sockets.process_start(child.pid)
+        assert start is not None
+        driver._processes["p"] = (process_sockets.kernel_and_pid_namespace(), child.pid, start)  # type: ignore[attr-defined]
+        assert not driver.fence("p")
+        driver.disconnect("p")  # no stream opened: only the process is remembered
+        assert not driver.fence("p"), "fenced while the peer process still runs"
+    finally:
+        child.kill()
+        child.wait()
+    assert driver.fence("p")
+    assert not driver.fence("unknown"), "a peer whose process is unknown cannot be fenced"

@@ -87,7 +87,7 @@ class MooncakeDataPath(KVTransport):
         self._next = 0
         self._regions: RegionSet | None = None
         #: The engines peers write into, one each (``receive_info``), and their fences.
-        self._receivers = Receivers(self.name, context.host)
+        self._receivers = Receivers(self.name, lambda: self.context.host)
 
     def open(self, regions: RegionSet) -> bytes:
         if self._engine is not None:

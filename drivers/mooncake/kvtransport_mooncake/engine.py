@@ -15,7 +15,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -279,11 +279,17 @@ class Receivers:
     FENCED_KEEP_S = 1800.0
     MAX_PLACEHOLDERS = 256
 
-    def __init__(self, driver: str, host: str) -> None:
-        self.driver, self.host = driver, host
+    def __init__(self, driver: str, host: str | Callable[[], str]) -> None:
+        self.driver = driver
+        self._host = host
         self._live: dict[str, Engine] = {}
         self._fenced: collections.OrderedDict[str, _Fenced] = collections.OrderedDict()
         self._placeholders: collections.OrderedDict[int, socket.socket] = collections.OrderedDict()
+
+    @property
+    def host(self) -> str:
+        """Where the engines listen (the endpoint's host, read when first needed)."""
+        return self._host if isinstance(self._host, str) else self._host()
 
     def sessions(self) -> set[str]:
         return {e.session for e in self._live.values()}

@@ -100,7 +100,7 @@ class MooncakeStaged(StagedTransport):
         self._ring = (0, 0)
         self._sessions: dict[str, str] = {}  # peer -> its Mooncake session
         #: The engines peers write into this endpoint's ring through, one each.
-        self._receivers = Receivers(self.name, context.host)
+        self._receivers = Receivers(self.name, lambda: self.context.host)
 
     def open(self, regions: RegionSet) -> bytes:
         if self._engine is not None:
