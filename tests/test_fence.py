@@ -144,26 +144,30 @@ def test_a_stopped_prefills_late_writes_never_land_in_pages_given_back(case: tup
 
 def test_receive_engines_are_bounded_and_a_fenced_one_refuses_its_peer(monkeypatch: pytest.MonkeyPatch) -> None:
     """Mooncake's per-peer receive engines: at most MAX_RECEIVE_SIDES live (the connection past it
-    uses the endpoint-wide engine, and its fence says it cannot cut the peer off); a fenced one
-    keeps its port and refuses its peer, fenced ones are bounded too."""
+    cannot have one); a fenced one stays fenced when asked again; fenced ones are bounded too;
+    an unused one serves the next peer."""
     require_engines()
     from kvtransport_mooncake import engine as mooncake_engine
 
     monkeypatch.setattr(mooncake_engine, "MAX_RECEIVE_SIDES", 2)
     monkeypatch.setattr(mooncake_engine.Receivers, "MAX_FENCED", 1)
     pool = KVPool(4, 1, 4096, 0, shared=False)
-    receivers = mooncake_engine.Receivers("mooncake-gdr", "127.0.0.1")
+    regions = pool.regions.all()
+    receivers = mooncake_engine.Receivers(
+        "mooncake-gdr", "127.0.0.1", lambda: ([r.ptr for r in regions], [r.length for r in regions])
+    )
     try:
-        ptrs, lengths = [r.ptr for r in pool.regions.all()], [r.length for r in pool.regions.all()]
-        a = receivers.create("a", ptrs, lengths)
-        receivers.create("b", ptrs, lengths)
+        a = receivers.create("a")
+        b = receivers.create("b")
         with pytest.raises(KVTransportError, match="already have a receive engine"):
-            receivers.create("c", ptrs, lengths)
+            receivers.create("c")
         assert a.data_ports, "the engine's data port was not found"
         assert receivers.fence("a", 1.0) and receivers.fence("a", 1.0), "asked again: still fenced"
         assert not receivers.fence("c", 1.0), "a peer that never had an engine of its own cannot be fenced"
-        receivers.create("c", ptrs, lengths)  # a's place is free again
-        assert receivers.fence("b", 1.0)
+        receivers.drop("b")  # b never wrote into it: the next peer gets it
+        assert receivers.create("c") is b
+        receivers.create("d")
+        assert receivers.fence("c", 1.0)
         assert not receivers.fence("a", 1.0), "the oldest fenced engine went past MAX_FENCED"
     finally:
         receivers.close()

@@ -131,6 +131,9 @@ class Fence:
     leaves their pages held (logged)."""
 
     transfers: tuple[Transfer, ...]
+    #: Whether this side ever announced pages to the peer: if not, nothing of this endpoint was
+    #: ever the peer's to write, and no fence is needed (the drivers reuse its receive sides).
+    announced: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -174,6 +174,8 @@ class PeerProtocol:
         self.closing = False
         #: Ordered mode: the session's ordered messages travel on its express stream (set once).
         self.ordered = False
+        #: This side announced pages to the peer at least once (what a fence has to cover).
+        self.announced_any = False
         self._out: list[Action] = []
 
     # -- facts ---------------------------------------------------------------------------------
@@ -198,6 +200,7 @@ class PeerProtocol:
         "expect"): filed, its pages guarded, then announced once its drivers heard."""
         if self._file(t):
             t.announced = claim
+            self.announced_any = True
             if self.guard is None:
                 self.guard = InboundGuard(self.regions)
             self.guard.add(claim)
@@ -357,7 +360,7 @@ class PeerProtocol:
         self.transfers.clear()
         self.awaiting_drain.clear()
         self.tags.forget(self._key, filed)  # its early tables, and every tag it owned
-        self._out.append(Fence(unconfirmed))
+        self._out.append(Fence(unconfirmed, self.announced_any))
         return self._take()
 
     def _drain_overdue(self, t: Transfer) -> list[Action]:

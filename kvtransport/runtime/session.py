@@ -671,8 +671,9 @@ class Session:
                     lane.observe(raw_s, measured_s, self.peer_label)
                 case EndSession(error, notify):
                     self.endpoint.end_session(self, error, notify=notify)
-                case Fence(transfers):
-                    self._fence(transfers)
+                case Fence(transfers, announced):
+                    if announced:
+                        self._fence(transfers)
                 case Next(then):
                     self.run(then())
 

@@ -87,7 +87,7 @@ class MooncakeDataPath(KVTransport):
         self._next = 0
         self._regions: RegionSet | None = None
         #: The engines peers write into, one each (``receive_info``), and their fences.
-        self._receivers = Receivers(self.name, lambda: self.context.host)
+        self._receivers = Receivers(self.name, lambda: self.context.host, self._receiving_memory)
 
     def open(self, regions: RegionSet) -> bytes:
         if self._engine is not None:
@@ -107,8 +107,13 @@ class MooncakeDataPath(KVTransport):
     def receive_info(self, peer: str) -> bytes:
         if self._engine is None or self._regions is None:
             raise DriverError(f"{self.name}: receive_info() before open()")
+        return _info(self._receivers.create(peer))
+
+    def _receiving_memory(self) -> tuple[list[int], list[int]]:
+        """What a receive engine registers: every region (KV, aux, state)."""
+        assert self._regions is not None
         regs = self._regions.all()
-        return _info(self._receivers.create(peer, [r.ptr for r in regs], [r.length for r in regs]))
+        return [r.ptr for r in regs], [r.length for r in regs]
 
     def fence(self, peer: str) -> bool:
         return self._receivers.fence(peer, FENCE_WAIT_S)

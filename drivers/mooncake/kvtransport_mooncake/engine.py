@@ -23,6 +23,7 @@ from kvtransport.spi import process_sockets
 from kvtransport.spi.diagnose import capture_native_stderr
 from kvtransport.spi.driver import MAX_RECEIVE_SIDES
 from kvtransport.spi.errors import DriverError, DriverUnavailable, EngineError
+from kvtransport.spi.spares import Spares
 
 from .engine_probe import ENV_DEVICE, ENV_HOSTNAME, ENV_MAX_BATCH, probe_engine
 
@@ -119,6 +120,8 @@ class Engine:
         #: The ports this engine's TCP transport accepts data connections on: the listeners it
         #: opened while it started, in its port range, other than its handshake port.
         self.data_ports = {p for p in opened if low <= p <= high and p != rpc_port}
+        #: A peer was fenced off this engine: its ports stay held after it closes.
+        self.fenced = False
         self._registered: list[tuple[int, int]] = []
 
     def register(self, ptrs: Sequence[int], lengths: Sequence[int]) -> None:
@@ -267,24 +270,33 @@ class Receivers:
     Mooncake cannot refuse one peer's writes while it accepts another's: its TCP transport
     writes whatever a connection carries into any registered buffer, and reconnects on its own
     with writes still queued. So each peer gets an engine of its own with this endpoint's
-    receiving memory registered, and :meth:`fence` withdraws those registrations (Mooncake then
-    refuses every request of the peer, new connections included; over RDMA the NIC refuses its
-    memory keys), severs the engine's connections and waits until it has read what the kernel
-    had queued. A fenced engine is kept (at most ``MAX_FENCED``, for at most ``FENCED_KEEP_S``)
-    so that its port cannot go to another engine while the peer might still reconnect to it;
-    past that its ports stay taken by a socket that does not listen (``MAX_PLACEHOLDERS``), so
-    a peer that comes back later is refused instead of reaching another peer's engine."""
+    receiving memory (``memory()``: pointers and lengths) registered, and :meth:`fence`
+    withdraws those registrations (Mooncake then refuses every request of the peer, new
+    connections included; over RDMA the NIC refuses its memory keys), severs the engine's
+    connections and waits until it has read what the kernel had queued. A fenced engine is kept
+    (at most ``MAX_FENCED``, for at most ``FENCED_KEEP_S``) so that its port cannot go to
+    another engine while the peer might still reconnect to it; past that its ports stay taken by
+    a socket that does not listen (``MAX_PLACEHOLDERS``), so a peer that comes back later is
+    refused instead of reaching another peer's engine. Engines are made ahead and closed behind
+    on a thread of their own (``spi.spares``: closing one takes Mooncake a second)."""
 
     MAX_FENCED = 32
     FENCED_KEEP_S = 1800.0
     MAX_PLACEHOLDERS = 256
 
-    def __init__(self, driver: str, host: str | Callable[[], str]) -> None:
+    def __init__(
+        self, driver: str, host: str | Callable[[], str], memory: Callable[[], tuple[list[int], list[int]]]
+    ) -> None:
         self.driver = driver
         self._host = host
+        self._memory = memory
         self._live: dict[str, Engine] = {}
         self._fenced: collections.OrderedDict[str, _Fenced] = collections.OrderedDict()
         self._placeholders: collections.OrderedDict[int, socket.socket] = collections.OrderedDict()
+        self._lock = threading.Lock()  # the placeholders: held from the spares' thread too
+        # None made ahead (one takes milliseconds), one unused kept: closing one costs the whole
+        # process 0.9 s (it holds the interpreter lock), so closes are kept rare.
+        self._spares: Spares[Engine] = Spares(f"{driver}-receive", self._make, self._retire, keep=0, hold=1)
 
     @property
     def host(self) -> str:
@@ -294,23 +306,33 @@ class Receivers:
     def sessions(self) -> set[str]:
         return {e.session for e in self._live.values()}
 
-    def create(self, peer: str, ptrs: Sequence[int], lengths: Sequence[int]) -> Engine:
-        """A fresh engine for ``peer`` with ``ptrs``/``lengths`` registered (a previous one of
-        the same peer is closed)."""
-        self._prune()
-        if len(self._live) >= MAX_RECEIVE_SIDES and peer not in self._live:
-            raise DriverError(f"{self.driver}: {MAX_RECEIVE_SIDES} peers already have a receive engine of their own")
+    def _make(self) -> Engine:
         engine = Engine(self.driver, self.host)
         try:
-            engine.register(ptrs, lengths)
+            engine.register(*self._memory())
         except BaseException:
             engine.close()
             raise
         if not engine.data_ports and engine.protocol == "tcp" and process_sockets.supported():
-            _log.warning("%s: cannot tell which port the receive engine for %s listens on", self.driver, peer)
+            _log.warning("%s: cannot tell which port a receive engine listens on", self.driver)
+        return engine
+
+    def _retire(self, engine: Engine) -> None:
+        """Close ``engine`` (on the spares' thread); a fenced one leaves its ports held."""
+        ports = engine.data_ports if engine.fenced else set()
+        engine.close()
+        for port in sorted(ports):
+            self._hold_port(port)
+
+    def create(self, peer: str) -> Engine:
+        """An engine for ``peer`` alone (a ready one, or one made now)."""
+        self._prune()
+        if len(self._live) >= MAX_RECEIVE_SIDES and peer not in self._live:
+            raise DriverError(f"{self.driver}: {MAX_RECEIVE_SIDES} peers already have a receive engine of their own")
+        engine = self._spares.take()
         old = self._live.pop(peer, None)
         if old is not None:
-            old.close()
+            self._spares.release(old)
         self._live[peer] = engine
         return engine
 
@@ -324,6 +346,7 @@ class Receivers:
             engine = self._live.pop(peer, None)
             if engine is None:
                 return False
+            engine.fenced = True
             record = self._fenced[peer] = _Fenced(engine, time.monotonic())
             self._prune()
         engine = record.engine
@@ -345,19 +368,23 @@ class Receivers:
 
     def drop(self, peer: str) -> None:
         """``peer`` never wrote into its engine (another driver was chosen, or the handshake
-        failed): closed at once. A fenced one stays."""
+        failed): it serves the next connection. A fenced one stays."""
         engine = self._live.pop(peer, None)
         if engine is not None:
-            engine.close()
+            self._spares.give_back(engine)
 
     def close(self) -> None:
-        for engine in [*self._live.values(), *(f.engine for f in self._fenced.values())]:
-            engine.close()
-        for placeholder in self._placeholders.values():
-            placeholder.close()
+        """Every engine closed (in parallel), the held ports let go."""
+        engines = [*self._live.values(), *(f.engine for f in self._fenced.values())]
+        for engine in engines:
+            engine.fenced = False  # no port held past the endpoint
         self._live.clear()
         self._fenced.clear()
-        self._placeholders.clear()
+        self._spares.stop(engines)
+        with self._lock:
+            for placeholder in self._placeholders.values():
+                placeholder.close()
+            self._placeholders.clear()
 
     def _prune(self) -> None:
         now = time.monotonic()
@@ -366,10 +393,7 @@ class Receivers:
             if len(self._fenced) <= self.MAX_FENCED and now - record.since < self.FENCED_KEEP_S:
                 break
             del self._fenced[peer]
-            ports = record.engine.data_ports
-            record.engine.close()
-            for port in sorted(ports):
-                self._hold_port(port)
+            self._spares.release(record.engine)
 
     def _hold_port(self, port: int) -> None:
         """Keep ``port`` from any other engine: bound, not listening (a peer that reconnects is
@@ -386,7 +410,8 @@ class Receivers:
             break
         if holder is None:
             return
-        self._placeholders[port] = holder
-        while len(self._placeholders) > self.MAX_PLACEHOLDERS:
-            _, oldest = self._placeholders.popitem(last=False)
-            oldest.close()
+        with self._lock:
+            self._placeholders[port] = holder
+            while len(self._placeholders) > self.MAX_PLACEHOLDERS:
+                _, oldest = self._placeholders.popitem(last=False)
+                oldest.close()

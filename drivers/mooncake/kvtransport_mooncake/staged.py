@@ -100,7 +100,7 @@ class MooncakeStaged(StagedTransport):
         self._ring = (0, 0)
         self._sessions: dict[str, str] = {}  # peer -> its Mooncake session
         #: The engines peers write into this endpoint's ring through, one each.
-        self._receivers = Receivers(self.name, lambda: self.context.host)
+        self._receivers = Receivers(self.name, lambda: self.context.host, lambda: ([self._ring[0]], [self._ring[1]]))
 
     def open(self, regions: RegionSet) -> bytes:
         if self._engine is not None:
@@ -148,7 +148,7 @@ class MooncakeStaged(StagedTransport):
         that ``fence_wire`` can cut it off alone (``engine.Receivers``)."""
         if self._engine is None:
             raise DriverError(f"{self.name}: receive_info() before open()")
-        return self._info(self._receivers.create(peer, [self._ring[0]], [self._ring[1]]))
+        return self._info(self._receivers.create(peer))
 
     def fence_wire(self, peer: str) -> bool:
         return self._receivers.fence(peer, FENCE_WAIT_S)

@@ -24,6 +24,7 @@ import ctypes
 import itertools
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -39,6 +40,7 @@ from kvtransport.spi.errors import DriverError, DriverUnavailable, EngineError
 from kvtransport.spi.memory import MemoryKind, RegionSet
 from kvtransport.spi.plan import Runs
 from kvtransport.spi.probe import probe_host
+from kvtransport.spi.spares import Spares
 
 from .engine_probe import RDMA_TLS, WRITER_COPIES_TLS, allows, probe_nixl, quiet_nixl_logging
 from .posters import Part, Posters, posters_from_env, split_points
@@ -51,6 +53,9 @@ T = TypeVar("T")
 _RELEASE_RETRIES = 50
 #: How long ``disconnect`` waits for the helpers' parts of that peer's batches to stop.
 DISCONNECT_GRACE_S = 5.0
+#: How long a receive agent handed to a peer is driven by the warm-up thread, and how often.
+WARM_S = 3.0
+WARM_STEP_S = 0.002
 #: Fenced peers remembered (``fence`` is asked again while a peer's pages are held): at most
 #: this many, each for at most this long; their receive agents go with them.
 MAX_FENCED = 16
@@ -106,6 +111,12 @@ class _Receiver:
     name: str
     #: Its UCX listening ports (the peer's connections arrive on them).
     ports: set[int]
+    #: Its metadata (what the peer's ``add_remote_agent`` takes).
+    meta: bytes = b""
+    #: Calls into the agent, from the runner, the warm-up thread and the spares' thread.
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    #: Driven by the warm-up thread until then (the peer's connect waits for its answer).
+    warm_until: float = 0.0
 
 
 @dataclass
@@ -167,6 +178,12 @@ class NixlDataPath(KVTransport):
         self._posters: Posters | None = None
         self._split_bytes = 0
         self._receivers: dict[str, _Receiver] = {}
+        #: Receive agents made ahead and closed behind a handshake (started on first use).
+        self._spares: Spares[_Receiver] | None = None
+        #: The warm-up thread (``_warm``), started on first use, and what wakes it.
+        self._warmer: threading.Thread | None = None
+        self._warm_cv = threading.Condition()
+        self._closing = False
         #: peer -> the process its connection info names (kernel and PID namespace, pid, start)
         self._processes: dict[str, process_sockets.Identity] = {}
         self._fenced: collections.OrderedDict[str, _Fenced] = collections.OrderedDict()
@@ -266,30 +283,69 @@ class NixlDataPath(KVTransport):
     def receive_info(self, peer: str) -> bytes:
         if self._agent is None or self._regions is None:
             raise DriverError(f"{self.name}: receive_info() before open()")
-        kind = self._regions.kv_kind
-        descs = [(r.ptr, r.length, _device_id(r.kind), "") for r in self._regions.all()]
-        name, meta = self._make_receiver(peer, descs, _mem_type(kind))
-        return _info(name, meta, kind, self._name)
+        receiver = self._take_receiver(peer)
+        return _info(receiver.name, receiver.meta, self._regions.kv_kind, self._name)
 
-    def _make_receiver(self, peer: str, descs: list[tuple[int, int, int, str]], mem_type: str) -> tuple[str, bytes]:
-        """A NIXL agent of its own for ``peer`` to write into, ``descs`` registered; its name
-        and metadata (what the peer's ``add_remote_agent`` takes)."""
-        self._prune_fenced()
-        if len(self._receivers) >= MAX_RECEIVE_SIDES and peer not in self._receivers:
-            raise DriverError(f"{self.name}: {MAX_RECEIVE_SIDES} peers already have a receive agent of their own")
+    def _receiving_memory(self) -> tuple[list[tuple[int, int, int, str]], str]:
+        """What a receive agent registers (descriptors, memory type): every KV, aux and state
+        region; the staged variant registers its ring instead."""
+        assert self._regions is not None
+        descs = [(r.ptr, r.length, _device_id(r.kind), "") for r in self._regions.all()]
+        return descs, _mem_type(self._regions.kv_kind)
+
+    def _new_receiver(self) -> _Receiver:
+        """A NIXL agent of its own for one peer to write into, this endpoint's receiving memory
+        registered (made ahead on the spares' thread: ``spi.spares``)."""
         name = f"kvt-{self.context.endpoint_id}-r{uuid.uuid4().hex[:8]}"
         config = self._nixl.nixl_agent_config(enable_prog_thread=False, backends=[])
         with process_sockets.new_listeners() as opened:
             agent = self._call("receive agent creation", lambda: self._nixl.nixl_agent(name, config))
             self._call("receive backend creation", lambda: agent.create_backend(self._backend, self._params))
+        descs, mem_type = self._receiving_memory()
         registered = self._call("receive registration", lambda: agent.register_memory(descs, mem_type))
         meta = self._call("receive metadata export", agent.get_agent_metadata)
         ports = {p for p in opened if process_sockets.port_in_blob(p, meta)}
+        return _Receiver(agent, registered, name, ports, meta)
+
+    def _take_receiver(self, peer: str) -> _Receiver:
+        self._prune_fenced()
+        if len(self._receivers) >= MAX_RECEIVE_SIDES and peer not in self._receivers:
+            raise DriverError(f"{self.name}: {MAX_RECEIVE_SIDES} peers already have a receive agent of their own")
+        if self._spares is None:
+            self._spares = Spares(f"{self.name}-receive", self._new_receiver, self._drop_receiver)
+        receiver = self._spares.take()
         old = self._receivers.pop(peer, None)
         if old is not None:
-            self._drop_receiver(old)
-        self._receivers[peer] = _Receiver(agent, registered, name, ports)
-        return name, meta
+            self._spares.release(old)
+        self._receivers[peer] = receiver
+        self._warm(receiver)
+        return receiver
+
+    def _warm(self, receiver: _Receiver) -> None:
+        """Drive ``receiver`` for ``WARM_S``: the peer's NIXL connects to it during the
+        handshake and waits for its answer, which it gives only when driven (the core drives a
+        driver's agents only while bytes arrive)."""
+        with self._warm_cv:
+            receiver.warm_until = time.monotonic() + WARM_S
+            if self._warmer is None:
+                self._warmer = threading.Thread(target=self._warm_loop, name=f"{self.name}-warm", daemon=True)
+                self._warmer.start()
+            self._warm_cv.notify()
+
+    def _warm_loop(self) -> None:
+        while True:
+            with self._warm_cv:
+                while not self._closing:
+                    now = time.monotonic()
+                    warm = [r for r in list(self._receivers.values()) if r.warm_until > now]
+                    if warm:
+                        break
+                    self._warm_cv.wait()
+                if self._closing:
+                    return
+            for receiver in warm:
+                _drive(receiver)
+            time.sleep(WARM_STEP_S)
 
     def _note_process(self, peer: str, doc: Mapping[str, Any]) -> None:
         """The peer process a connection info names (``process_sockets.identity``)."""
@@ -319,12 +375,14 @@ class NixlDataPath(KVTransport):
             self._prune_fenced()
             process_sockets.sever(receiver.ports, 0.0)
         receiver = fenced.receiver
-        if receiver is not None and receiver.registered is not None:
-            try:
-                receiver.agent.deregister_memory(receiver.registered)
-                receiver.registered = None
-            except Exception as exc:  # noqa: BLE001 - asked again later
-                log.debug("%s: deregistering the receive agent of %s: %s", self.name, peer, exc)
+        if receiver is not None:
+            with receiver.lock:
+                if receiver.registered is not None and receiver.agent is not None:
+                    try:
+                        receiver.agent.deregister_memory(receiver.registered)
+                        receiver.registered = None
+                    except Exception as exc:  # noqa: BLE001 - asked again later
+                        log.debug("%s: deregistering the receive agent of %s: %s", self.name, peer, exc)
         tls = os.environ.get("UCX_TLS", "")
         if receiver is None or (receiver.registered is not None and _rdma_possible(tls)):
             return False  # pruned from memory, or RDMA may still write what is registered
@@ -334,20 +392,32 @@ class NixlDataPath(KVTransport):
         return True
 
     def _drop_receivers(self) -> None:
-        for receiver in [*self._receivers.values(), *(f.receiver for f in self._fenced.values() if f.receiver)]:
-            self._drop_receiver(receiver)
+        with self._warm_cv:
+            self._closing = True
+            self._warm_cv.notify()
+            warmer, self._warmer = self._warmer, None
+        if warmer is not None:
+            warmer.join(timeout=5.0)
+        held = [*self._receivers.values(), *(f.receiver for f in self._fenced.values() if f.receiver)]
         self._receivers.clear()
         self._fenced.clear()
         self._processes.clear()
+        if self._spares is not None:
+            self._spares.stop(held)
+            self._spares = None
+        else:
+            for receiver in held:
+                self._drop_receiver(receiver)
 
     def _drop_receiver(self, receiver: _Receiver) -> None:
-        if receiver.registered is not None:
-            try:
-                receiver.agent.deregister_memory(receiver.registered)
-            except Exception as exc:  # noqa: BLE001
-                log.debug("%s: deregistering receive agent %s: %s", self.name, receiver.name, exc)
-            receiver.registered = None
-        receiver.agent = None  # the agent goes with its last reference
+        with receiver.lock:
+            if receiver.registered is not None:
+                try:
+                    receiver.agent.deregister_memory(receiver.registered)
+                except Exception as exc:  # noqa: BLE001
+                    log.debug("%s: deregistering receive agent %s: %s", self.name, receiver.name, exc)
+                receiver.registered = None
+            receiver.agent = None  # the agent goes with its last reference
 
     def _prune_fenced(self) -> None:
         now = time.monotonic()
@@ -356,8 +426,8 @@ class NixlDataPath(KVTransport):
             if len(self._fenced) <= MAX_FENCED and now - fenced.since < FENCED_KEEP_S:
                 break
             del self._fenced[peer]
-            if fenced.receiver is not None:
-                self._drop_receiver(fenced.receiver)
+            if fenced.receiver is not None and self._spares is not None:
+                self._spares.release(fenced.receiver)
 
     def connect(self, peer: str, info: bytes, peer_regions: RegionSet) -> None:
         if self._agent is None:
@@ -527,7 +597,7 @@ class NixlDataPath(KVTransport):
             self._call("progress", agent.get_new_notifs)
         for receiver in list(self._receivers.values()):
             # Each peer's bytes arrive through its own agent, which moves only when driven.
-            self._call("progress", receiver.agent.get_new_notifs)
+            _drive(receiver)
 
     def disconnect(self, peer: str) -> None:
         target = self._peers.pop(peer, None)
@@ -551,8 +621,8 @@ class NixlDataPath(KVTransport):
         """A receive agent not fenced: its driver was not chosen, or the handshake failed
         before the peer could use it. Nothing of the peer was announced into it."""
         unused = self._receivers.pop(peer, None)
-        if unused is not None:
-            self._drop_receiver(unused)
+        if unused is not None and self._spares is not None:
+            self._spares.give_back(unused)  # nobody wrote into it: it serves the next peer
         self._processes.pop(peer, None)
 
     def close(self) -> None:
@@ -598,3 +668,13 @@ def _info(agent: str, meta: bytes, kind: MemoryKind, main: str) -> bytes:
     info = msgpack.packb({**doc, **process_sockets.identity()})
     assert isinstance(info, bytes)
     return info
+
+
+def _drive(receiver: _Receiver) -> None:
+    """One progress call of a receive agent (not one fenced or closed meanwhile)."""
+    with receiver.lock:
+        if receiver.agent is not None and receiver.registered is not None:
+            try:
+                receiver.agent.get_new_notifs()
+            except Exception as exc:  # noqa: BLE001 - the peer failed: its transfers say so
+                log.debug("progress of receive agent %s: %s", receiver.name, exc)

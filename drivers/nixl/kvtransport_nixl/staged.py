@@ -136,10 +136,13 @@ class NixlStaged(StagedTransport, NixlDataPath):
         ``fence_wire`` can cut it off alone (``NixlDataPath.fence_receiver``)."""
         if self._agent is None or self._ring_view is None:
             raise DriverError(f"{self.name}: receive_info() before open()")
-        ring = int(self._ring_view.ctypes.data)
-        with self.agent_lock:
-            name, meta = self._make_receiver(peer, [(ring, int(self._ring_view.nbytes), 0, "")], "DRAM")
-        return self._staged_info(name, meta)
+        receiver = self._take_receiver(peer)
+        return self._staged_info(receiver.name, receiver.meta)
+
+    def _receiving_memory(self) -> tuple[list[tuple[int, int, int, str]], str]:
+        """The ring: what a peer's receive agent takes its chunks into."""
+        assert self._ring_view is not None
+        return [(int(self._ring_view.ctypes.data), int(self._ring_view.nbytes), 0, "")], "DRAM"
 
     def fence_wire(self, peer: str) -> bool:
         return self.fence_receiver(peer)
