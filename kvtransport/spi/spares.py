@@ -2,8 +2,9 @@
 
 A driver that gives each peer a receive side of its own (``receives_per_peer``: an engine or
 agent with this endpoint's memory registered) pays for one at every handshake: a NIXL agent
-takes 30-50 ms to make here, and closing a Mooncake engine takes 0.9 s during which it holds
-the interpreter lock (measured: every other thread of the process stalls as long).
+takes 30-50 ms to make here, and closing a Mooncake engine took 0.9 s holding the interpreter
+lock (every other thread of the process stalled as long; the driver now shuts its listeners
+first, which makes it 1 ms, but a side made for nothing is still a cost).
 :class:`Spares` keeps ``keep`` of them ready, made on a thread of its own, so that
 ``receive_info`` hands one out at once; a side nobody wrote into (another driver was chosen, a
 connection that never announced pages) comes back to it instead of being closed (up to
