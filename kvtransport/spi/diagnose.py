@@ -69,13 +69,14 @@ class NativeOutput:
 
 
 @contextlib.contextmanager
-def capture_native_stderr() -> Iterator[NativeOutput]:
+def capture_native_stderr(echo: bool = True) -> Iterator[NativeOutput]:
     """Record what native code prints to stderr during a set-up call, then pass it on.
 
     Engines such as Mooncake report why a call failed only in their log (the call itself
     returns ``-1``); drivers wrap initialisation and registration in this so the error they
     raise can quote the engine's own words. The output is still written to the real stderr
-    afterwards, so nothing the user would have seen is lost.
+    afterwards, so nothing the user would have seen is lost (``echo=False``: it is dropped,
+    for an engine's known noise while it is torn down).
     """
     out = NativeOutput()
     try:
@@ -93,6 +94,6 @@ def capture_native_stderr() -> Iterator[NativeOutput]:
             os.close(saved)
             tmp.seek(0)
             out.text = tmp.read().decode(errors="replace")
-            if out.text:
+            if out.text and echo:
                 sys.stderr.write(out.text)
                 sys.stderr.flush()
