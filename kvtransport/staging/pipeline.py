@@ -175,6 +175,7 @@ class StagingPipeline(SendingSide, ReceivingSide):
                 # done (their chunk was written and announced: the peer no longer holds them).
                 if hold_slots:
                     self._held_in.setdefault(peer, []).extend([*inbound.granted, *inbound.revoked])
+                    self._cap_held()
                 else:
                     self._free_in.extend(inbound.granted)
                     self._free_in.extend(inbound.revoked)
@@ -187,6 +188,22 @@ class StagingPipeline(SendingSide, ReceivingSide):
         for handle in finished:
             self._completed(handle)
         self._grant()
+
+    def _cap_held(self) -> None:
+        """Lock held. Slots kept from departed peers take at most a quarter of the ring: past it
+        the oldest peer's go back (logged), so that peers that come and go on this host cannot
+        starve the ring (a residual risk for that peer's late writes, said in the log)."""
+        cap = max(1, self.config.slots // 4)
+        while sum(map(len, self._held_in.values())) > cap and len(self._held_in) > 0:
+            peer, slots = next(iter(self._held_in.items()))
+            del self._held_in[peer]
+            self._free_in.extend(slots)
+            log.warning(
+                "%s: %d ring slots of departed peer %s go back unfenced: departed peers hold a quarter of the ring",
+                self.name,
+                len(slots),
+                peer,
+            )
 
     def release_held(self, peer: str) -> None:
         """The slots kept from departed ``peer`` (``disconnect(hold_slots=True)``) are safe now."""
