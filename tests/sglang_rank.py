@@ -53,9 +53,9 @@ def poll_until(r: Any, states: set[int], timeout: float = 30.0) -> int:
     return int(state)
 
 
-def server_args(port: int, tp_size: int = 1, dp_size: int = 1) -> SimpleNamespace:
+def server_args(port: int, tp_size: int = 1, dp_size: int = 1, host: str = "127.0.0.1") -> SimpleNamespace:
     return SimpleNamespace(
-        host="127.0.0.1", disaggregation_bootstrap_port=port, tp_size=tp_size, dp_size=dp_size, device="cpu"
+        host=host, disaggregation_bootstrap_port=port, tp_size=tp_size, dp_size=dp_size, device="cpu"
     )
 
 
@@ -78,7 +78,7 @@ def run_scheduler(
     input, then poll until every request concluded."""
     senders = {}
     for r in requests:
-        s = KVTransportKVSender(mgr, f"127.0.0.1:{mgr.bootstrap_port}", r["room"])
+        s = KVTransportKVSender(mgr, f"{mgr.bootstrap_host}:{mgr.bootstrap_port}", r["room"])
         senders[r["room"]] = (s, r)
     sent: set[int] = set()
     prefixes: dict[int, int] = {}
@@ -119,6 +119,7 @@ def run_scheduler(
                 metric = s.get_transfer_metric()
                 states[room].append(metric.transfer_total_bytes)
                 states[room].append(prefixes.get(room))
+                states[room].append(time.monotonic())  # when the scheduler saw it end
         time.sleep(0.001)
     for room in senders:
         states.setdefault(room, ["TIMEOUT", ""])
@@ -136,14 +137,15 @@ def main() -> int:
     p.add_argument("--bootstrap-port", type=int, default=0)
     p.add_argument("--dp-rank", type=int, default=0)
     p.add_argument("--dp-size", type=int, default=1)
+    p.add_argument("--host", default="127.0.0.1", help="SGLang's --host: the bootstrap server's and the endpoint's")
     args = p.parse_args()
     pool = KVPool(args.pages, args.layers, args.item, args.aux_slots, shared=False)
     pool.fill(seed=99 + args.dp_rank)
-    server = KVTransportKVBootstrapServer("127.0.0.1", args.bootstrap_port)
+    server = KVTransportKVBootstrapServer(args.host, args.bootstrap_port)
     kv = kv_args(pool)
     kv.system_dp_rank = args.dp_rank
-    mgr = KVTransportKVManager(kv, "prefill", server_args(server.port, args.tp_size, args.dp_size))
-    print(json.dumps({"address": f"127.0.0.1:{server.port}", "name": mgr.endpoint.name}), flush=True)
+    mgr = KVTransportKVManager(kv, "prefill", server_args(server.port, args.tp_size, args.dp_size, args.host))
+    print(json.dumps({"address": f"{args.host}:{server.port}", "name": mgr.endpoint.name}), flush=True)
     try:
         for line in sys.stdin:
             cmd = json.loads(line)

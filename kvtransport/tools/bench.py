@@ -32,6 +32,7 @@ from kvtransport.spi.errors import KVTransportError, NegotiationError
 from kvtransport.spi.plan import plan
 from kvtransport.tools import cpu_pin
 from kvtransport.tools.baseline import RawEngine, raw_engine_of
+from kvtransport.tools.bench_hosts import Across, CutClock
 from kvtransport.tools.kv_pool import KVPool
 from kvtransport.tools.peer_process import Peer, PeerProcess
 
@@ -137,6 +138,13 @@ class Report:
     basis: str = "nominal"
     #: ``--pin``: the CPUs each process ran on, as each process read its threads' sets back.
     pinned: dict[str, list[list[int]]] | None = None
+    #: Where the two processes ran.
+    placement: str = "two processes on loopback"
+    #: KV bytes of the requests that arrived, by every path (warm-up and baseline included; a
+    #: request a cut caught counts once, for the try that arrived).
+    kv_bytes_moved: int = 0
+    #: ``--cut-at`` across simulated hosts: what the cut did (bench_hosts.CutRecord).
+    cut: dict[str, Any] | None = None
 
     @property
     def integrity_ok(self) -> bool:
@@ -200,12 +208,14 @@ class Report:
                 "bytes_verified": sum(s.ok for s in self.samples) * self.workload.request_bytes,
             },
             "requests": [asdict(s) for s in self.samples],
+            "kv_bytes_moved": self.kv_bytes_moved,
+            "cut": self.cut,
         }
 
     def render(self) -> str:
         w, f = self.workload, self.figures()
         lines = [
-            "kvtransport bench: prefill -> decode, two processes on loopback",
+            f"kvtransport bench: prefill -> decode, {self.placement}",
             f"  workload    {w.describe()}",
             f"  driver      {self.driver} ({self.path}, ~{self.estimate_gbps:g} GB/s estimated): {self.reason}",
         ]
@@ -243,6 +253,8 @@ class Report:
                 )
         elif self.workload.device is not None:
             lines.append("  raw engine  not compared for device KV (scripts/gpu-check measures copy bandwidths)")
+        elif self.cut is not None:
+            lines.append("  raw engine  not measured (--cut-at: a raw engine's write has no timeout to ride out a cut)")
         else:
             lines.append(f"  raw engine  not measured ({self.driver} offers no raw-engine baseline, or --no-baseline)")
         if "memcpy" in f:
@@ -321,12 +333,14 @@ def run(
     timeout: float = 120.0,
     compare: str | None = None,
     pin: bool = False,
+    across: Across | None = None,
 ) -> Report:
     """Run the bench; raises a :class:`KVTransportError` when no driver can serve the pair.
     ``pin``: this process's threads on the first half of its CPUs for the run, the decode
-    process on the rest (see :mod:`kvtransport.tools.cpu_pin`)."""
+    process on the rest (see :mod:`kvtransport.tools.cpu_pin`). ``across``: the decode side
+    on another simulated host (:mod:`kvtransport.tools.bench_hosts`)."""
     if not pin:
-        return _run(workload, driver, baseline, progress, timeout, compare, None)
+        return _run(workload, driver, baseline, progress, timeout, compare, None, across)
     prefill_cpus, decode_cpus = cpu_pin.split_halves(cpu_pin.available())
     # Before the pool, the endpoint and the engines start threads: they inherit the set.
     unpin = cpu_pin.pin_process(prefill_cpus)
@@ -344,6 +358,7 @@ def _run(
     timeout: float,
     compare: str | None,
     decode_cpus: list[int] | None,
+    across: Across | None = None,
 ) -> Report:
     pool = KVPool(workload.pool_pages, workload.regions, workload.item_len, 0, shared=False, device=workload.device)
     bar = Progress(workload.requests, progress)
@@ -351,8 +366,11 @@ def _run(
     pool.fill(workload.seed)
     pairs: list[tuple[Endpoint, PeerProcess | None]] = []
     raw: RawEngine | None = None
+    clock = CutClock(across) if across is not None and across.cut_at is not None else None
+    if clock is not None:
+        baseline = False  # a raw engine has no timeouts of its own to survive a cut with
     try:
-        endpoint, peer, conn = _open_pair(pool, workload, driver, timeout, pairs, decode_cpus)
+        endpoint, peer, conn = _open_pair(pool, workload, driver, timeout, pairs, decode_cpus, across)
         assert conn.decision is not None and conn.peer_regions is not None
         decision = conn.decision
         report = Report(
@@ -366,10 +384,12 @@ def _run(
             compare=compare,
             basis=decision.basis,
         )
+        if across is not None:
+            report.placement = "two simulated hosts (network, PID, IPC and mount namespaces, one switch per rail)"
         if decode_cpus is not None:
             # As each process reads its threads back, not as asked: a pin that did not hold shows.
             report.pinned = {"prefill": cpu_pin.process_cpus(), "decode": peer.call("cpus", timeout=timeout)["cpus"]}
-        other = _open_pair(pool, workload, compare, timeout, pairs, decode_cpus) if compare else None
+        other = _open_pair(pool, workload, compare, timeout, pairs, decode_cpus, across) if compare else None
         # Raw engines are compared on host KV; device KV is measured against copy bandwidths by
         # scripts/gpu-check instead (a raw engine may not register device memory at all).
         raw_cls = raw_engine_of(endpoint.classes[decision.driver]) if baseline and workload.device is None else None
@@ -389,14 +409,22 @@ def _run(
             sample = Sample(i, len(runs))
             expected = pool.page_digests(src)
             order = ["kvtransport", "compare", "raw"]
+            if i == 0 and clock is not None:
+                clock.start()
             for which in order if i % 2 == 0 else order[::-1]:
                 if which == "kvtransport":
-                    timed_transfer(sample, conn, peer, src, dst, expected, timeout)
+                    if clock is None:
+                        timed_transfer(sample, conn, peer, src, dst, expected, timeout)
+                    else:
+                        conn = _through_cut(clock, report, sample, endpoint, conn, peer, src, dst, expected, timeout)
+                    report.kv_bytes_moved += workload.request_bytes
                 elif which == "compare" and other is not None:
+                    report.kv_bytes_moved += workload.request_bytes
                     probe = Sample(i, len(runs))
                     timed_transfer(probe, other[2], other[1], src, dst, expected, timeout)
                     sample.compare_s, sample.compare_ok = probe.end_to_end_s, probe.ok
                 elif which == "raw" and raw is not None:
+                    report.kv_bytes_moved += workload.request_bytes
                     _via_raw(sample, raw, runs, peer, dst, expected, timeout)
             if scratch is not None:
                 sample.memcpy_s = _memcpy_s(pool, scratch, len(src))
@@ -408,10 +436,65 @@ def _run(
             bar.step(f"({workload.request_bytes / MiB:.0f} MiB each, last {sample.end_to_end_s * 1e3:.0f} ms)")
         return report
     finally:
+        if clock is not None:
+            clock.close()
+            report.cut = clock.record.to_dict()
         if raw is not None:
             raw.close()
         close_pairs(pairs)
         pool.close()
+
+
+def _through_cut(
+    clock: CutClock,
+    report: Report,
+    sample: Sample,
+    endpoint: Endpoint,
+    conn: Connection,
+    peer: PeerProcess,
+    src: list[int],
+    dst: list[int],
+    expected: list[int],
+    timeout: float,
+) -> Connection:
+    """One request while a cut may come: when it fails, the failure is recorded (the detection
+    time), and once the link is back the request goes again on a new connection until it
+    arrives. Returns the connection the bench goes on with."""
+    while True:
+        try:
+            timed_transfer(sample, conn, peer, src, dst, expected, timeout)
+        except KVTransportError as exc:
+            if not clock.record.cut_time:
+                raise
+            clock.record.failed.append(
+                {"request": sample.request, "after_s": clock.since_cut(), "error": f"{type(exc).__name__}: {exc}"}
+            )
+            conn = _reconnect(clock, endpoint, peer, timeout)
+            continue
+        if clock.record.failed and clock.record.failed[-1]["request"] == sample.request:
+            clock.record.recovered.append(
+                {
+                    "request": sample.request,
+                    "after_s": clock.since_cut(),
+                    "after_restore_s": round(time.monotonic() - clock.record.restore_time, 3),
+                }
+            )
+        return conn
+
+
+def _reconnect(clock: CutClock, endpoint: Endpoint, peer: PeerProcess, timeout: float) -> Connection:
+    """A new connection from the decode side, once the link is back."""
+    if not clock.restored.wait(clock.across.cut_for + timeout):
+        raise KVTransportError("the simulated link was never restored")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            peer.call("connect", address=endpoint.address, timeout=min(10.0, timeout))
+            return endpoint.accept(timeout)
+        except (RuntimeError, KVTransportError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def _cpu_sets(sets: list[list[int]]) -> str:
@@ -437,17 +520,21 @@ def _open_pair(
     timeout: float,
     opened: list[tuple[Endpoint, PeerProcess | None]],
     cpus: list[int] | None = None,
+    across: Across | None = None,
 ) -> tuple[Endpoint, PeerProcess, Connection]:
     """A prefill endpoint over ``pool`` and a decode endpoint in a child process (on ``cpus``
-    only, when given), connected."""
-    endpoint = Endpoint(pool.regions, pool.layout, drivers=_classes(driver), name="prefill")
+    only, when given; on another simulated host with ``across``), connected."""
+    listen = {"listen": across.listen} if across is not None else {}
+    endpoint = Endpoint(pool.regions, pool.layout, drivers=_classes(driver), name="prefill", **listen)
     opened.append((endpoint, None))
     peer = PeerProcess(
         *("--driver", driver or "auto", "--pages", str(workload.pool_pages), "--layers", str(workload.regions)),
         *("--item", str(workload.item_len), "--aux-slots", "0", "--private", "--name", "decode"),
         *(("--device", str(workload.device)) if workload.device is not None else ()),
         *(("--cpus", ",".join(map(str, cpus))) if cpus else ()),
+        *(("--listen", across.decode_listen) if across is not None else ()),
         timeout=timeout,
+        launcher=across.decode_launcher if across is not None else (),
     )
     opened[-1] = (endpoint, peer)
     try:

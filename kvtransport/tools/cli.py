@@ -322,6 +322,14 @@ def _add_bench(sub: Any) -> None:
         help="run the decode sides on the host serving --listen (a sweep, or one workload without --sweep)",
     )
     sweep.add_argument("--plot", metavar="FILE.png", help="draw bandwidth and latency per path (needs [plot])")
+    hosts = p.add_argument_group("hosts", "--hosts 2: across simulated hosts on this machine (docs/network.md; root)")
+    hosts.add_argument("--hosts", type=int, help="run the prefill and the decode on simulated hosts (2)")
+    hosts.add_argument("--rails", type=int, default=1, help="links (switches) between the hosts (default 1)")
+    hosts.add_argument("--rate", help="shape every rail to this rate each way (tc: 10gbit, 800mbit)")
+    hosts.add_argument("--cut-at", type=float, help="cut the prefill host off rail 0 this many seconds in")
+    hosts.add_argument("--cut-for", type=float, default=5.0, help="seconds the cut lasts (default 5)")
+    hosts.add_argument("--sim-plan", help=argparse.SUPPRESS)  # the child's placement (bench_hosts)
+    hosts.add_argument("--sim-report", help=argparse.SUPPRESS)  # where the child writes its report
     p.add_argument("--prefill-tp", type=int, default=1, help="prefill ranks (processes), each holding its heads")
     p.add_argument("--decode-tp", type=int, default=1, help="decode ranks (processes), each holding its heads")
     p.add_argument(
@@ -451,6 +459,16 @@ def bench_cmd(args: argparse.Namespace) -> int:
     if args.listen:
         os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # the peers it starts inherit it
         return _listen(args)
+    if args.hosts is not None:
+        from kvtransport.tools import bench_hosts
+
+        if other_mode or args.layerwise or args.consumer or (args.prefill_tp, args.decode_tp) != (1, 1):
+            raise ConfigError("--hosts runs the plain bench (one prefill, one decode) across simulated hosts")
+        return bench_hosts.run(
+            args.argv, args.hosts, args.rails, args.rate, args.cut_at, args.cut_for, as_json=args.json
+        )
+    if args.cut_at is not None or args.rate is not None:
+        raise ConfigError("--cut-at and --rate need --hosts")
     _check_bench_flags(args)
     if args.connect and not args.sweep:
         # One workload between two hosts: a one-point sweep of the bench's own flags, with no
@@ -538,6 +556,11 @@ def bench_cmd(args: argparse.Namespace) -> int:
             doc = in_flight(workload, args.in_flight, driver=args.driver, timeout=args.timeout, progress=sys.stderr)
         print(json.dumps(doc, indent=2) if args.json else render_in_flight(doc))
         return 0 if doc["integrity"]["ok"] else 1
+    across = None
+    if args.sim_plan:
+        from kvtransport.tools.bench_hosts import Across
+
+        across = Across.load(args.sim_plan)
     with native_stdout_to_stderr():
         report = run(
             workload,
@@ -547,7 +570,11 @@ def bench_cmd(args: argparse.Namespace) -> int:
             timeout=args.timeout,
             compare=args.compare,
             pin=args.pin,
+            across=across,
         )
+    if args.sim_report:
+        with open(args.sim_report, "w", encoding="utf-8") as f:
+            json.dump(report.to_dict(), f)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
@@ -590,6 +617,7 @@ def _engines(args: argparse.Namespace) -> tuple[str, str]:
 def main(argv: Sequence[str] | None = None) -> int:
     _setup_logging()
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # bench --hosts runs itself on a host
     try:
         return int(args.func(args))
     except KVTransportError as exc:

@@ -15,6 +15,8 @@ import argparse
 import base64
 import ctypes
 import json
+import os
+import socket
 import sys
 import time
 import traceback
@@ -25,6 +27,7 @@ from kvtransport.runtime.endpoint import Connection, Endpoint, State, Timeouts, 
 from kvtransport.runtime.fanin import FanIn, expect_from
 from kvtransport.spi.driver import KVTransport
 from kvtransport.spi.errors import KVTransportError
+from kvtransport.spi.probe import host_id
 from kvtransport.tools.baseline import RawEngine, raw_engine_of
 from kvtransport.tools.cpu_pin import pin_process, process_cpus
 from kvtransport.tools.kv_pool import PAGE_TOKENS, KVPool
@@ -207,6 +210,10 @@ def _run(cmd: dict[str, Any], session: _Session) -> dict[str, Any]:
         }
     if op == "state":
         return {"states": {tag: _state(transfers[tag]) for tag in cmd["tags"]}}
+    if op == "whereami":
+        # What a simulated host must not share with another (tools.simcluster).
+        namespaces = {ns: os.readlink(f"/proc/self/ns/{ns}") for ns in ("net", "pid", "uts", "ipc", "mnt")}
+        return {"hostname": socket.gethostname(), "pid": os.getpid(), "namespaces": namespaces, "host_id": host_id()}
     if op == "cpus":
         return {"cpus": process_cpus()}
     if op == "digests":
