@@ -241,8 +241,9 @@ def _resolve(path: Path) -> Path | None:
         return None
 
 
-def _natural(name: str) -> tuple[tuple[int, str], ...]:
-    return tuple((int(tok), "") if tok.isdigit() else (-1, tok) for tok in re.findall(r"\d+|\D+", name))
+def _natural(name: str) -> tuple[tuple[tuple[int, str], ...], str]:
+    """Natural order (``mlx5_2`` before ``mlx5_10``), ties (``mlx5_1``, ``mlx5_01``) by the name."""
+    return tuple((int(tok), "") if tok.isdigit() else (-1, tok) for tok in re.findall(r"\d+|\D+", name)), name
 
 
 def _by_name(rails: Iterable[Rail]) -> tuple[Rail, ...]:
