@@ -248,3 +248,31 @@ _rail_names = st.lists(st.from_regex(r"[a-z][a-z0-9_]{0,8}", fullmatch=True), mi
 @given(st.dictionaries(st.one_of(st.none(), st.integers(0, 16)), _rail_names, min_size=1, max_size=5))
 def test_forced_rails_text_round_trips(spec: dict[int | None, tuple[str, ...]]) -> None:
     assert parse_rails(format_rails(spec)) == spec
+
+
+# --- kvtransport doctor ---------------------------------------------------------------------
+
+
+def test_doctor_lists_each_gpus_rails_and_why() -> None:
+    from kvtransport.tools.doctor import rails_document, rails_lines
+
+    lines = rails_lines(ONE_SOCKET, choose_rails(ONE_SOCKET, {}))
+    assert lines[0].startswith("  rails:   RDMA devices: mlx5_0, mlx5_1 (from ")
+    assert lines[1] == "    cuda:0 -> mlx5_0 (PIX: same PCIe switch 0000:17:00.0)"
+    assert len(lines) == 9 and "cross-socket" in lines[8]
+    doc = rails_document(NAMESPACED, choose_rails(NAMESPACED, {}))
+    assert doc["tier"] == "virtual IP interfaces (no RDMA device, no PCI network device)"
+    assert doc["gpus"] == [
+        {
+            "gpu": f"cuda:{i}",
+            "pci": pci,
+            "numa": 0,
+            "rails": ["veth-kv0", "veth-kv1"],
+            "level": "VIRT",
+            "forced": False,
+            "reason": choose_rails(NAMESPACED, {})[i].reason,
+        }
+        for i, pci in enumerate(["0000:1a:00.0", "0000:1b:00.0"])
+    ]
+    empty = rails_lines(read_topology("/nonexistent"), ())
+    assert empty[0].startswith("  rails:   none") and any("no GPUs" in line for line in empty)

@@ -58,6 +58,7 @@ from typing import Literal
 
 from kvtransport.spi.env import env_flag
 from kvtransport.spi.errors import ConfigError
+from kvtransport.spi.probe import probe_host
 
 log = logging.getLogger(__name__)
 
@@ -473,6 +474,10 @@ def choose_rails(topology: Topology, env: Mapping[str, str] | None = None, warn:
         return chosen
     spec = parse_rails(text)
     insist = env_flag(ENV_RAILS_INSIST, False, env)
+    missing = [n for names in spec.values() for n in names if topology.rail(n) is None]
+    if missing:
+        existing = ", ".join(r.name for r in topology.all_rails) or "none"
+        raise ConfigError(f"{ENV_RAILS}: no rail {missing[0]!r} on this host; rails here: {existing}")
     known = {g.index for g in topology.gpus}
     unknown_gpus = sorted(g for g in spec if g is not None and g not in known)
     if unknown_gpus:
@@ -491,13 +496,7 @@ def choose_rails(topology: Topology, env: Mapping[str, str] | None = None, warn:
 
 
 def _forced(topology: Topology, gpu: Gpu, names: Sequence[str], insist: bool, warn: bool) -> GpuRails:
-    rails = []
-    for name in names:
-        rail = topology.rail(name)
-        if rail is None:
-            existing = ", ".join(r.name for r in topology.all_rails) or "none"
-            raise ConfigError(f"{ENV_RAILS}: no rail {name!r} on this host (for {gpu.name}); rails here: {existing}")
-        rails.append(rail)
+    rails = [rail for rail in map(topology.rail, names) if rail is not None]  # every one exists
     far = [r for r in rails if r.numa is not None and gpu.place.numa is not None and r.numa != gpu.place.numa]
     notes = []
     for rail in far:
@@ -535,22 +534,28 @@ def ucx_net_devices(rails: GpuRails) -> str:
     return ",".join(f"{r.name}:{r.port}" if r.kind == "rdma" else r.name for r in rails.rails)
 
 
+def cuda_order() -> tuple[str, ...] | None:
+    """The CUDA devices' PCI bus ids in CUDA index order, as the CUDA driver reports them
+    (``CUDA_VISIBLE_DEVICES`` applied); ``None`` without a CUDA driver (PCI bus order then)."""
+    ids = tuple(d.pci_bus_id for d in probe_host().cuda_devices if d.pci_bus_id)
+    return ids or None
+
+
 @functools.lru_cache(maxsize=4)
-def _host_topology(root: str, cuda_order: tuple[str, ...] | None) -> Topology:
-    return read_topology(root, cuda_order)
+def _host_topology(root: str, order: tuple[str, ...] | None) -> Topology:
+    return read_topology(root, order)
 
 
-def host_topology(root: str = "/sys", cuda_order: Sequence[str] | None = None) -> Topology:
-    """:func:`read_topology`, read once per process for one root and CUDA order."""
-    return _host_topology(root, tuple(cuda_order) if cuda_order is not None else None)
+def host_topology(root: str = "/sys") -> Topology:
+    """This host's topology, GPUs named as this process's CUDA driver names them (read once per
+    process)."""
+    return _host_topology(root, cuda_order())
 
 
-def rails_for_gpu(
-    index: int, cuda_order: Sequence[str] | None = None, env: Mapping[str, str] | None = None, root: str = "/sys"
-) -> GpuRails | None:
+def rails_for_gpu(index: int, env: Mapping[str, str] | None = None, root: str = "/sys") -> GpuRails | None:
     """``cuda:index``'s rails on this host (``None`` when sysfs does not list that GPU).
     Raises ConfigError for a bad ``KVTRANSPORT_RAILS``."""
-    topology = host_topology(root, cuda_order)
+    topology = host_topology(root)
     for gpu, rails in zip(topology.gpus, choose_rails(topology, env), strict=True):
         if gpu.index == index:
             return rails
