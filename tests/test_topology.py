@@ -7,6 +7,7 @@ from __future__ import annotations
 import filecmp
 import os
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from kvtransport.spi.topology import (
     ENV_RAILS,
     ENV_RAILS_INSIST,
     Gpu,
+    GpuRails,
     Level,
     PciPlace,
     Rail,
@@ -276,3 +278,45 @@ def test_doctor_lists_each_gpus_rails_and_why() -> None:
     ]
     empty = rails_lines(read_topology("/nonexistent"), ())
     assert empty[0].startswith("  rails:   none") and any("no GPUs" in line for line in empty)
+
+
+# --- what the drivers pass their engines (pure: the engines need GPUs and RDMA to run) --------
+
+
+def rails_of(topology: Topology, env: dict[str, str] | None = None) -> Callable[[int], GpuRails | None]:
+    chosen = choose_rails(topology, env or {})
+    return lambda index: next((g for g in chosen if g.gpu == f"cuda:{index}"), None)
+
+
+def test_mooncake_is_started_on_the_gpus_rdma_rails_under_rdma_only() -> None:
+    from kvtransport_mooncake.rails import device_filter
+
+    far = rails_of(ONE_SOCKET)
+    assert device_filter("rdma", 6, {}, far) == ("mlx5_0,mlx5_1", choose_rails(ONE_SOCKET, {})[6].reason)
+    assert device_filter("rdma", 1, {}, rails_of(DGX))[0] == "mlx5_3"
+    assert device_filter("tcp", 6, {}, far) == ("", "protocol tcp: no RDMA device to choose")
+    assert device_filter("rdma", None, {}, far)[0] == ""  # host memory: Mooncake's choice
+    assert device_filter("rdma", 9, {}, far)[0] == ""
+    assert device_filter("rdma", 6, {"KVTRANSPORT_MOONCAKE_DEVICE": "mlx5_1"}, far) == (
+        "mlx5_1",
+        "set by KVTRANSPORT_MOONCAKE_DEVICE",
+    )
+    forced = rails_of(ONE_SOCKET, {ENV_RAILS: "cuda:2=eno1"})  # an IP rail: nothing for Mooncake
+    assert device_filter("rdma", 2, {}, forced)[0] == ""
+
+
+def test_nixl_agents_get_ucx_net_devices_unless_the_user_set_them() -> None:
+    from kvtransport_nixl.rails import ENV_UCX_NET_DEVICES, net_devices, ucx_net_devices_set
+
+    assert net_devices(6, {}, rails_of(ONE_SOCKET))[0] == "mlx5_0:1,mlx5_1:1"
+    assert net_devices(0, {}, rails_of(DGX))[0] == "mlx5_0:1"
+    kept = net_devices(0, {ENV_UCX_NET_DEVICES: "mlx5_4:1"}, rails_of(DGX))
+    assert kept == ("", "UCX_NET_DEVICES=mlx5_4:1 set by the user: kept")
+    assert net_devices(None, {}, rails_of(DGX))[0] == ""
+    assert net_devices(0, {}, rails_of(NAMESPACED))[0] == ""  # veth chosen by topology: UCX's choice
+    forced = rails_of(NAMESPACED, {ENV_RAILS: "veth-kv1"})
+    assert net_devices(0, {}, forced)[0] == "veth-kv1"
+    before = os.environ.get(ENV_UCX_NET_DEVICES)
+    with ucx_net_devices_set("mlx5_0:1"):
+        assert os.environ[ENV_UCX_NET_DEVICES] == "mlx5_0:1"
+    assert os.environ.get(ENV_UCX_NET_DEVICES) == before
