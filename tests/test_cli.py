@@ -23,6 +23,10 @@ def test_doctor_json_is_a_hello_document() -> None:
     if not doc["host"]["cuda_devices"]:
         assert not doc["drivers"]["cuda-local"]["status"]["available"]
         assert "CUDA" in doc["drivers"]["cuda-local"]["status"]["reason"]
+    rails = doc["diagnostics"]["rails"]
+    assert rails["root"] == "/sys" and isinstance(rails["gpus"], list)
+    if not rails["gpus"]:
+        assert any(note.startswith("no GPUs") for note in rails["notes"])
 
 
 def test_doctor_table_names_each_driver() -> None:
@@ -32,6 +36,15 @@ def test_doctor_table_names_each_driver() -> None:
     for name in ("cuda-local", "mooncake-gdr", "mooncake-staged", "nixl-ucx"):
         assert name in out.stdout
     assert "available" in out.stdout
+    assert "\n  rails:   " in out.stdout
+    if not probe_host().cuda_devices:
+        assert "\n    no GPUs (" in out.stdout
+
+
+def test_doctor_refuses_a_forced_rail_that_does_not_exist() -> None:
+    out = run_cli("doctor", env={"KVTRANSPORT_RAILS": "cuda:0=no_such_rail"})
+    assert out.returncode == 1
+    assert "KVTRANSPORT_RAILS: no rail 'no_such_rail' on this host; rails here: " in out.stdout
 
 
 def test_negotiate_on_this_host_picks_a_host_memory_driver() -> None:

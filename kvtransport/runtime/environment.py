@@ -18,6 +18,7 @@ from kvtransport.runtime.auth import ENV_INSECURE, ENV_SECRET, ENV_SECRET_FILE
 from kvtransport.runtime.config import ENV_VARS as CONFIG_ENV_VARS
 from kvtransport.runtime.discovery_config import ENV_DISCOVERY, ENV_DISCOVERY_TTL
 from kvtransport.runtime.layer_groups import ENV_VARS as LAYERWISE_ENV_VARS
+from kvtransport.spi.topology import ENV_VARS as RAILS_ENV_VARS
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,8 @@ CORE_ENV_VARS = frozenset(
         ENV_INSECURE,
         # layer-wise sends (layer_groups)
         *LAYERWISE_ENV_VARS,
+        # rails chosen by topology (spi.topology)
+        *RAILS_ENV_VARS,
         *CONFIG_ENV_VARS,
     }
 )

@@ -1,6 +1,7 @@
 """``kvtransport doctor``: what this host can do and why: its hello (capabilities, every
 installed driver and why each is or is not usable, what to install), the control plane's
-authentication, and the discovery backend with whether it answers; rendered as text or JSON.
+authentication, the discovery backend with whether it answers, and which rails (network
+devices) each GPU sends through and why; rendered as text or JSON.
 Also the loading helpers the other commands share (drivers, their variables, a KV layout).
 """
 
@@ -25,6 +26,7 @@ from kvtransport.runtime.environment import warn_unknown_env_vars
 from kvtransport.spi.errors import ConfigError, KVTransportError
 from kvtransport.spi.memory import KVLayout, MemoryKind
 from kvtransport.spi.probe import probe_host
+from kvtransport.spi.topology import GpuRails, Topology, choose_rails, host_topology, nearest_rails
 
 
 @contextlib.contextmanager
@@ -79,6 +81,9 @@ def doctor(args: argparse.Namespace) -> int:
     discovery, discovery_problem = discovery_report()
     if discovery_problem:
         problems.append(discovery_problem)
+    topology, rails, rails_problem = rails_report()
+    if rails_problem:
+        problems.append(rails_problem)
     usable = [n for n, d in hello.drivers.items() if d.usable]
     if not usable:
         problems.append("no driver is usable on this host")
@@ -90,11 +95,12 @@ def doctor(args: argparse.Namespace) -> int:
             "kvtransport": __version__,
             "control_plane": {"listen": args.listen, "authenticated": authenticated, "detail": control},
             "discovery": {"detail": discovery, "problem": discovery_problem},
+            "rails": rails_document(topology, rails),
         }
         print(json.dumps(doc, indent=2, sort_keys=True))
     else:
-        print(render_doctor(hello, problems, control, discovery))
-    failed = not usable or control_problem or discovery_problem
+        print(render_doctor(hello, problems, control, discovery, rails_lines(topology, rails)))
+    failed = not usable or control_problem or discovery_problem or rails_problem
     return 1 if (failed or any("No such driver" in p for p in problems)) else 0
 
 
@@ -135,7 +141,50 @@ def discovery_report(env: Mapping[str, str] | None = None) -> tuple[str, str]:
     return f"{where}: reachable, {', '.join(answers)}{note}; {signed}", ""
 
 
-def render_doctor(hello: Hello, problems: Sequence[str], control: str = "", discovery: str = "") -> str:
+def rails_report(env: Mapping[str, str] | None = None) -> tuple[Topology, tuple[GpuRails, ...], str]:
+    """For ``doctor``: this host's topology, each GPU's rails, and the problem with a forced
+    rail (then the rails shown are the nearest ones, which an endpoint would refuse to replace)."""
+    topology = host_topology()
+    try:
+        return topology, choose_rails(topology, env, warn=False), ""
+    except ConfigError as exc:
+        return topology, nearest_rails(topology), str(exc)
+
+
+def rails_lines(topology: Topology, rails: Sequence[GpuRails]) -> list[str]:
+    """The doctor's rails section: per GPU its rails and why, else what is missing."""
+    candidates, tier = topology.candidates()
+    names = ", ".join(r.name for r in candidates)
+    lines = [f"  rails:   {tier + ': ' + names if tier else 'none'} (from {topology.root})"]
+    lines += [f"    {r.reason}" for r in rails]
+    lines += [f"    {note}" for note in topology.notes]
+    return lines
+
+
+def rails_document(topology: Topology, rails: Sequence[GpuRails]) -> dict[str, object]:
+    _, tier = topology.candidates()
+    return {
+        "root": topology.root,
+        "tier": tier,
+        "gpus": [
+            {
+                "gpu": r.gpu,
+                "pci": r.pci,
+                "numa": r.numa,
+                "rails": list(r.names),
+                "level": r.level.name if r.level is not None else None,
+                "forced": r.forced,
+                "reason": r.reason,
+            }
+            for r in rails
+        ],
+        "notes": list(topology.notes),
+    }
+
+
+def render_doctor(
+    hello: Hello, problems: Sequence[str], control: str = "", discovery: str = "", rails: Sequence[str] = ()
+) -> str:
     host = hello.host
     lines = [f"kvtransport {__version__} on {host.hostname} (host id {host.host_id})", ""]
     if host.cuda_devices:
@@ -146,6 +195,7 @@ def render_doctor(hello: Hello, problems: Sequence[str], control: str = "", disc
         lines.append(f"  CUDA:    none ({host.cuda_note})")
     lines.append(f"  RDMA:    {', '.join(host.rdma_devices) if host.rdma_devices else 'none (' + host.rdma_note + ')'}")
     lines.append(f"  peermem: {'loaded' if host.peermem else 'not loaded'}")
+    lines += rails
     versions = ", ".join(f"{k} {v}" for k, v in sorted(host.versions.items()))
     lines.append(f"  engines: {versions or 'none installed'}")
     if control:

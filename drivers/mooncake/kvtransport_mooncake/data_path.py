@@ -87,12 +87,17 @@ class MooncakeDataPath(KVTransport):
         self._next = 0
         self._regions: RegionSet | None = None
         #: The engines peers write into, one each (``receive_info``), and their fences.
-        self._receivers = Receivers(self.name, lambda: self.context.host, self._receiving_memory)
+        self._receivers = Receivers(
+            self.name,
+            lambda: self.context.host,
+            self._receiving_memory,
+            lambda: self._regions.kv_kind.device if self._regions is not None else None,
+        )
 
     def open(self, regions: RegionSet) -> bytes:
         if self._engine is not None:
             raise DriverError(f"{self.name}: open() called twice")
-        engine = Engine(self.name, self.context.host)
+        engine = Engine(self.name, self.context.host, regions.kv_kind.device)
         try:
             regs = regions.all()
             engine.register([r.ptr for r in regs], [r.length for r in regs])

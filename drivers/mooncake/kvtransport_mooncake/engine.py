@@ -25,7 +25,8 @@ from kvtransport.spi.driver import MAX_RECEIVE_SIDES
 from kvtransport.spi.errors import DriverError, DriverUnavailable, EngineError
 from kvtransport.spi.spares import Spares
 
-from .engine_probe import ENV_DEVICE, ENV_HOSTNAME, ENV_MAX_BATCH, probe_engine
+from .engine_probe import ENV_HOSTNAME, ENV_MAX_BATCH, probe_engine
+from .rails import device_filter
 
 _log = logging.getLogger(__name__)
 
@@ -92,7 +93,9 @@ def split_host(value: str) -> str:
 class Engine:
     """A started ``TransferEngine`` and the session id peers write to."""
 
-    def __init__(self, driver: str, default_host: str) -> None:
+    def __init__(self, driver: str, default_host: str, gpu: int | None = None) -> None:
+        """``gpu``: the CUDA device of the KV this engine moves (its nearest RDMA devices are
+        the engine's), ``None`` for host memory."""
         facts = probe_engine()
         if not facts.status.available:
             raise DriverUnavailable(f"{driver}: {facts.status.reason}")
@@ -107,12 +110,15 @@ class Engine:
         if problem:
             raise EngineError(f"{driver}: Mooncake cannot start on {self.host}: {problem}")
         self.engine: Any = mooncake.engine.TransferEngine()
-        device = os.environ.get(ENV_DEVICE, "")
+        device, why = device_filter(self.protocol, gpu, os.environ)
+        if device:
+            _log.info("%s: Mooncake on RDMA devices %s (%s)", driver, device, why)
         with process_sockets.new_listeners() as opened, capture_native_stderr() as log:
             rc = self.engine.initialize(self.host, "P2PHANDSHAKE", self.protocol, device)
         if rc != 0:
+            on = f", {device!r}" if device else ""
             raise EngineError(
-                f"{driver}: Mooncake initialize({self.host!r}, P2PHANDSHAKE, {self.protocol}) returned {rc}: "
+                f"{driver}: Mooncake initialize({self.host!r}, P2PHANDSHAKE, {self.protocol}{on}) returned {rc}: "
                 f"{log.tail() or 'no message from the engine'}"
             )
         rpc_port = int(self.engine.get_rpc_port())
@@ -294,10 +300,15 @@ class Receivers:
     MAX_PLACEHOLDERS = 256
 
     def __init__(
-        self, driver: str, host: str | Callable[[], str], memory: Callable[[], tuple[list[int], list[int]]]
+        self,
+        driver: str,
+        host: str | Callable[[], str],
+        memory: Callable[[], tuple[list[int], list[int]]],
+        gpu: Callable[[], int | None] = lambda: None,
     ) -> None:
         self.driver = driver
         self._host = host
+        self._gpu = gpu  # the CUDA device of the KV, read when an engine is made
         self._memory = memory
         self._live: dict[str, Engine] = {}
         self._fenced: collections.OrderedDict[str, _Fenced] = collections.OrderedDict()
@@ -316,7 +327,7 @@ class Receivers:
         return {e.session for e in self._live.values()}
 
     def _make(self) -> Engine:
-        engine = Engine(self.driver, self.host)
+        engine = Engine(self.driver, self.host, self._gpu())
         try:
             engine.register(*self._memory())
         except BaseException:

@@ -100,13 +100,19 @@ class MooncakeStaged(StagedTransport):
         self._ring = (0, 0)
         self._sessions: dict[str, str] = {}  # peer -> its Mooncake session
         #: The engines peers write into this endpoint's ring through, one each.
-        self._receivers = Receivers(self.name, lambda: self.context.host, lambda: ([self._ring[0]], [self._ring[1]]))
+        #: The CUDA device of the KV: the ring is host memory, but the NICs near that GPU are
+        #: the ones near the copies into and out of it.
+        self._gpu: int | None = None
+        self._receivers = Receivers(
+            self.name, lambda: self.context.host, lambda: ([self._ring[0]], [self._ring[1]]), lambda: self._gpu
+        )
 
     def open(self, regions: RegionSet) -> bytes:
         if self._engine is not None:
             raise DriverError(f"{self.name}: open() called twice")
         config = RingConfig.from_env(options=self.context.options)
-        engine = Engine(self.name, self.context.host)
+        self._gpu = regions.kv_kind.device
+        engine = Engine(self.name, self.context.host, self._gpu)
         try:
             ring = int(engine.engine.allocate_managed_buffer(config.ring_bytes))
             if ring == 0:

@@ -44,6 +44,7 @@ from kvtransport.spi.spares import Spares
 
 from .engine_probe import RDMA_TLS, WRITER_COPIES_TLS, allows, probe_nixl, quiet_nixl_logging
 from .posters import Part, Posters, posters_from_env, split_points
+from .rails import ENV_UCX_NET_DEVICES, net_devices, ucx_net_devices_set
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +168,8 @@ class NixlDataPath(KVTransport):
         self._name = ""
         self._registered: Any = None
         self._params: dict[str, str] = {}
+        #: UCX_NET_DEVICES this endpoint's agents are made under ("": UCX's own choice; see rails.py).
+        self._net_devices = ""
         self._regions: RegionSet | None = None
         self._peers: dict[str, _Peer] = {}
         self._batches: dict[int, _Batch] = {}
@@ -211,8 +214,9 @@ class NixlDataPath(KVTransport):
 
     # -- data path -----------------------------------------------------------------------------
 
-    def _start_agent(self) -> str:
-        """Create this endpoint's agent and backend; returns the agent's name."""
+    def _start_agent(self, gpu: int | None = None) -> str:
+        """Create this endpoint's agent and backend (on ``gpu``'s rails, ``None``: host-memory
+        KV); returns the agent's name."""
         if self._agent is not None:
             raise DriverError(f"{self.name}: open() called twice")
         facts = probe_nixl()
@@ -238,12 +242,18 @@ class NixlDataPath(KVTransport):
         else:
             config = self._nixl.nixl_agent_config(enable_prog_thread=False, backends=[])
         self._params = dict(facts.backend_params)
-        self._agent = self._call("agent creation", lambda: self._nixl.nixl_agent(name, config), DriverUnavailable)
-        self._call(
-            "backend creation",
-            lambda: self._agent.create_backend(facts.backend, params),
-            DriverUnavailable,
-        )
+        self._net_devices, why = net_devices(gpu, os.environ) if facts.backend == "UCX" else ("", "")
+        if self._net_devices:
+            log.info("%s: UCX on %s=%s (%s)", self.name, ENV_UCX_NET_DEVICES, self._net_devices, why)
+        elif why:
+            log.debug("%s: %s", self.name, why)
+        with ucx_net_devices_set(self._net_devices):
+            self._agent = self._call("agent creation", lambda: self._nixl.nixl_agent(name, config), DriverUnavailable)
+            self._call(
+                "backend creation",
+                lambda: self._agent.create_backend(facts.backend, params),
+                DriverUnavailable,
+            )
         if posters > 1:
             self._posters = Posters(posters - 1, self._agent, self.name)
         return name
@@ -269,7 +279,7 @@ class NixlDataPath(KVTransport):
         return agent.decode() if isinstance(agent, bytes) else str(agent)
 
     def open(self, regions: RegionSet) -> bytes:
-        name = self._start_agent()
+        name = self._start_agent(regions.kv_kind.device)
         kind = regions.kv_kind
         descs = [(r.ptr, r.length, _device_id(r.kind), "") for r in regions.all()]
         self._registered = self._call(
@@ -298,7 +308,7 @@ class NixlDataPath(KVTransport):
         registered (made ahead on the spares' thread: ``spi.spares``)."""
         name = f"kvt-{self.context.endpoint_id}-r{uuid.uuid4().hex[:8]}"
         config = self._nixl.nixl_agent_config(enable_prog_thread=False, backends=[])
-        with process_sockets.new_listeners() as opened:
+        with process_sockets.new_listeners() as opened, ucx_net_devices_set(self._net_devices):
             agent = self._call("receive agent creation", lambda: self._nixl.nixl_agent(name, config))
             self._call("receive backend creation", lambda: agent.create_backend(self._backend, self._params))
         descs, mem_type = self._receiving_memory()

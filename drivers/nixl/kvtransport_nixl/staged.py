@@ -109,7 +109,7 @@ class NixlStaged(StagedTransport, NixlDataPath):
 
     def open(self, regions: RegionSet) -> bytes:
         config = RingConfig.from_env(options=self.context.options)
-        name = self._start_agent()
+        name = self._start_agent(regions.kv_kind.device)
         try:
             self._ring_map = mmap.mmap(-1, config.ring_bytes)
             self._ring_view = np.frombuffer(self._ring_map, dtype=np.uint8)

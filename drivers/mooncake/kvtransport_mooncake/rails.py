@@ -1,0 +1,40 @@
+"""Which RDMA devices a Mooncake engine is started on: ``initialize``'s ``device_name``.
+
+Mooncake takes a comma-separated list of RDMA devices and stripes a batch's slices across them;
+an empty list lets it use every device it finds. An engine here serves one GPU's KV, so it is
+given that GPU's rails (``spi.topology``: the nearest ones, or those ``KVTRANSPORT_RAILS``
+forces), only under the ``rdma`` protocol: over TCP the list means nothing to Mooncake.
+``KVTRANSPORT_MOONCAKE_DEVICE``, when set, is passed as it is and wins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from kvtransport.spi.topology import GpuRails, mooncake_device_names, rails_for_gpu
+
+from .engine_probe import ENV_DEVICE
+
+
+def device_filter(
+    protocol: str,
+    gpu: int | None,
+    env: Mapping[str, str],
+    rails: Callable[[int], GpuRails | None] = rails_for_gpu,
+) -> tuple[str, str]:
+    """(``device_name`` for ``initialize``, why). ``gpu``: the CUDA device of the KV (``None``:
+    host memory). Raises ConfigError for a bad ``KVTRANSPORT_RAILS``."""
+    explicit = env.get(ENV_DEVICE, "").strip()
+    if explicit:
+        return explicit, f"set by {ENV_DEVICE}"
+    if protocol != "rdma":
+        return "", f"protocol {protocol}: no RDMA device to choose"
+    if gpu is None:
+        return "", "host-memory KV: every RDMA device (Mooncake's choice)"
+    chosen = rails(gpu)
+    if chosen is None:
+        return "", f"cuda:{gpu} not found in sysfs: every RDMA device (Mooncake's choice)"
+    names = mooncake_device_names(chosen)
+    if not names:
+        return "", f"{chosen.reason}, no RDMA device among them: every RDMA device (Mooncake's choice)"
+    return names, chosen.reason
