@@ -1,6 +1,5 @@
-"""Writes the sysfs trees under tests/sysfs/ that the topology tests read (``python -m
-tests.sysfs_trees tests/sysfs`` rewrites them; test_topology checks the committed trees are
-what this writes).
+"""Writes the sysfs trees that the topology tests read (test_topology writes them into a
+temporary folder; ``python -m tests.sysfs_trees DIR`` writes them into DIR to look at).
 
 The trees were generated, not captured: no 8-GPU host is reachable from where kvtransport is
 developed and tested. They lay out files and symlinks exactly as Linux does (``devices/pci*``
@@ -156,7 +155,10 @@ TREES = {"dgx-h100": write_dgx_h100, "one-socket-nics": write_one_socket_nics, "
 
 
 def main(argv: list[str]) -> int:
-    base = Path(argv[1] if len(argv) > 1 else Path(__file__).parent / "sysfs")
+    if len(argv) != 2:
+        print("usage: python -m tests.sysfs_trees DIR", file=sys.stderr)
+        return 2
+    base = Path(argv[1])
     for name, write in TREES.items():
         if (base / name).exists():
             print(f"{base / name} exists; remove it first", file=sys.stderr)
