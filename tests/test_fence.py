@@ -14,19 +14,17 @@ there the pages stay held while the stopped prefill lives, and are given back on
 ended. The same test without the per-peer receive sides the fence relies on (drivers as they
 were before it) fails: 98 of 128 pages overwritten on mooncake-gdr, all of them on nixl-ucx.
 
-The finding as it was made comes last: two simulated hosts (network, UTS, IPC, PID and mount
-namespaces joined by a veth link), the link cut mid-write past the heartbeat timeout and
-restored. Without the fence, 74 of 96 pages (mooncake-gdr) and 96 of 96 (nixl-ucx over TCP) were
-rewritten after the decode side reused them; with it, none.
+The finding as it was made, on two simulated hosts with the link cut mid-write past the
+heartbeat timeout and restored, is tests/test_cluster.py's partition test, on every driver and
+three kinds of cut. Without the fence, 74 of 96 pages (mooncake-gdr) and 96 of 96 (nixl-ucx over
+TCP) were rewritten after the decode side reused them; with it, none.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -172,119 +170,3 @@ def test_receive_engines_are_bounded_and_a_fenced_one_refuses_its_peer(monkeypat
     finally:
         receivers.close()
         pool.close()
-
-
-# -- the finding as it was made: a link between two hosts cut, then restored ------------------
-
-NETNS = ("kvt-fence-p", "kvt-fence-d")
-ADDRESSES = ("10.254.77.1", "10.254.77.2")  # inside this test's own namespaces only
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
-
-
-@pytest.fixture
-def two_hosts() -> Iterator[tuple[str, str]]:
-    """Two network namespaces joined by one veth link: a prefill host and a decode host (no
-    shared loopback, so the engines' bytes cross the link). Removed afterwards, also when the
-    test fails."""
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None:
-        pytest.skip("needs root, iproute2 and unshare for simulated hosts")
-    for ns in NETNS:
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
-    try:
-        for ns in NETNS:
-            _ip("netns", "add", ns)
-            _ip("-n", ns, "link", "set", "lo", "up")
-        _ip("link", "add", "kvtfp", "netns", NETNS[0], "type", "veth", "peer", "name", "kvtfd", "netns", NETNS[1])
-        for ns, dev, addr in zip(NETNS, ("kvtfp", "kvtfd"), ADDRESSES, strict=True):
-            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-            _ip("-n", ns, "link", "set", dev, "up")
-        yield NETNS
-    finally:
-        for ns in NETNS:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
-
-
-@pytest.mark.parametrize("driver", ["mooncake-gdr", "nixl-ucx"])
-def test_a_partitions_late_writes_never_land_in_pages_given_back(driver: str, two_hosts: tuple[str, str]) -> None:
-    """The link cut in the middle of a large write for longer than the heartbeat timeout, then
-    restored: TCP delivers what it held, the prefill's engine sends what it still had queued.
-    Decode fenced the prefill when it lost it, reused the pages, and none of them changes."""
-    require_engines()
-    prefill_ns, decode_ns = two_hosts
-    args = ("--driver", driver, "--pages", str(PAGES + 8), "--layers", str(LAYERS), "--item", str(ITEM))
-    args += ("--aux-slots", "0", "--private", "--timeouts", json.dumps(HEARTBEAT))
-
-    def host(ns: str, name: str) -> list[str]:
-        # Its own network, UTS (hostname: its own host id), IPC, PID and mount namespaces and
-        # /dev/shm, so that no engine can take a shared-memory or cross-memory-attach shortcut.
-        script = f'hostname {name} && mount -t tmpfs tmpfs /dev/shm && exec "$0" "$@"'
-        unshare = ["unshare", "--uts", "--ipc", "--pid", "--fork", "--mount", "--mount-proc"]
-        return ["ip", "netns", "exec", ns, *unshare, "sh", "-c", script]
-
-    env = {**os.environ, "KVTRANSPORT_SECRET": os.urandom(16).hex()}  # two hosts: authenticated
-    prefill = PeerProcess(
-        *args,
-        "--name",
-        "prefill",
-        "--seed",
-        "7",
-        "--listen",
-        f"tcp://{ADDRESSES[0]}:0",
-        launcher=host(prefill_ns, "kvt-prefill-host"),
-        env=env,
-    )
-    decode = PeerProcess(
-        *args,
-        "--name",
-        "decode",
-        "--listen",
-        f"tcp://{ADDRESSES[1]}:0",
-        launcher=host(decode_ns, "kvt-decode-host"),
-        env=env,
-    )
-    cut = False
-    try:
-        accepting = threading.Thread(target=lambda: prefill.call("accept", timeout=20))
-        accepting.start()
-        decode.call("connect", address=prefill.address)
-        accepting.join(20)
-        pages = list(range(PAGES))
-        decode.call("expect", transfers={"big": pages})
-        prefill.call("send", transfers={"big": [pages]})
-        time.sleep(0.05)
-        _ip("-n", prefill_ns, "link", "set", "kvtfp", "down")
-        cut = True
-        state = decode.call("wait", tags=["big"], timeout=10)["states"]["big"]
-        if state[0] == "SUCCESS":
-            pytest.skip("the write finished before the cut; nothing to observe")
-        deadline = time.monotonic() + 5
-        while not state[3] and time.monotonic() < deadline:
-            time.sleep(0.1)
-            state = decode.call("state", tags=["big"])["states"]["big"]
-        assert state[0] == "FAILED" and state[3], f"decode never fenced the partitioned prefill: {state}"
-        decode.call("poison", pages=pages)
-        marked = decode.call("digests", pages=pages)["digests"]
-        time.sleep(1.0)  # the partition outlives the heartbeat timeout by a margin, as in the finding
-        _ip("-n", prefill_ns, "link", "set", "kvtfp", "up")
-        cut = False
-        # A new connection while the old writes come back to life (TCP retransmits within seconds).
-        accepting = threading.Thread(target=lambda: prefill.call("accept", timeout=30))
-        accepting.start()
-        decode.call("connect", address=prefill.address, timeout=20)
-        accepting.join(30)
-        extra = list(range(PAGES, PAGES + 8))
-        decode.call("expect", transfers={"after": extra})
-        prefill.call("send", transfers={"after": [list(range(8))]})
-        assert decode.call("wait", tags=["after"], timeout=20)["states"]["after"][0] == "SUCCESS"
-        time.sleep(4.0)
-        after = decode.call("digests", pages=pages)["digests"]
-        changed = [p for p, a, b in zip(pages, marked, after, strict=True) if a != b]
-        assert changed == [], f"{len(changed)} pages written after the fence: {changed[:8]}"
-    finally:
-        if cut:
-            subprocess.run(["ip", "-n", prefill_ns, "link", "set", "kvtfp", "up"], capture_output=True, timeout=10)
-        prefill.close()
-        decode.close()

@@ -61,7 +61,6 @@ FULL: dict[str, list[str]] = {
     "test_fence": [
         "test_a_stopped_prefills_late_writes_never_land_in_pages_given_back[nixl-*",
         "test_a_stopped_prefills_late_writes_never_land_in_pages_given_back[mooncake-staged]",
-        "test_a_partitions_late_writes_never_land_in_pages_given_back*",
     ],
     # soaks: thousands of verified transfers with aborts (the fast tier keeps the soak's own check)
     "test_soak": ["test_soak_on_every_real_host_driver", "test_soak_of_a_connection_with_two_lanes"],
@@ -169,6 +168,16 @@ FULL: dict[str, list[str]] = {
         "test_a_stranger_learns_a_nonce_and_authentication_failed_nothing_else",
     ],
     "test_express": ["test_a_peer_that_reads_nothing_costs_only_its_own_session"],
+    # across simulated hosts: the fast tier keeps the cluster's sweep, the bench's flags and the
+    # KV crossing a rail on mooncake-gdr; every driver, every kind of partition, SGLang's classes
+    # and the bench across hosts here
+    "test_cluster": [
+        "test_two_hosts_share_nothing_and_the_kv_crosses_the_rail[mooncake-staged]",
+        "test_two_hosts_share_nothing_and_the_kv_crosses_the_rail[nixl-*",
+        "test_a_silent_partition_fails_every_transfer_in_time_and_no_late_write_lands*",
+        "test_sglangs_schedulers_see_a_partition_as_failed_requests_in_time",
+        "test_bench_across_hosts_shows_where_the_bytes_went_and_what_a_cut_did",
+    ],
     "test_cli": [
         "test_negotiate_with_a_misspelled_driver_fails_with_a_suggestion",
         "test_negotiate_with_nothing_allowed_fails_listing_reasons",

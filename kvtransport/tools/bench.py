@@ -524,8 +524,8 @@ def _open_pair(
 ) -> tuple[Endpoint, PeerProcess, Connection]:
     """A prefill endpoint over ``pool`` and a decode endpoint in a child process (on ``cpus``
     only, when given; on another simulated host with ``across``), connected."""
-    listen = {"listen": across.listen} if across is not None else {}
-    endpoint = Endpoint(pool.regions, pool.layout, drivers=_classes(driver), name="prefill", **listen)
+    listen = across.listen if across is not None else "tcp://127.0.0.1:0"
+    endpoint = Endpoint(pool.regions, pool.layout, drivers=_classes(driver), name="prefill", listen=listen)
     opened.append((endpoint, None))
     peer = PeerProcess(
         *("--driver", driver or "auto", "--pages", str(workload.pool_pages), "--layers", str(workload.regions)),
