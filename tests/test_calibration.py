@@ -452,6 +452,46 @@ def test_a_lane_whose_transfers_run_far_slower_than_predicted_is_demoted(caplog:
     assert within.correction == 1.0
 
 
+def test_lanes_with_nominal_models_try_each_lane_then_follow_what_they_measured(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An uncalibrated connection between two hosts: whole transfers go to each learning lane
+    until it has MIN_SAMPLES measurements; then the lane that measured fastest wins, however
+    close to its nominal figure it measured, and a lane measured long ago is revisited."""
+    from kvtransport.negotiation.cost_model import NOMINAL
+    from kvtransport.runtime.lane import MIN_SAMPLES, REVISIT_EVERY, Lane, LanePicker
+
+    def nominal(gbps: float) -> tuple[CostModel, ...]:
+        return (CostModel("tcp", 0.5e-3, 1e-6, gbps, "far", NOMINAL),)
+
+    # Nominally "a" is twice as fast as "b"; on this link "b" is, by 20%.
+    a = Lane("a", _Driver(), None, b"", nominal(2.0))  # type: ignore[arg-type]
+    b = Lane("b", _Driver(), None, b"", nominal(1.0))  # type: ignore[arg-type]
+    measured = {"a": 0.012, "b": 0.010}
+    nbytes = 8 << 20
+    picker = LanePicker([a, b])
+    picks = []
+    with caplog.at_level(logging.INFO, logger="kvtransport.runtime.lane"):
+        for _ in range(1, 3 * REVISIT_EVERY):
+            lane = picker.explore()
+            if lane is None:
+                lane = min((a, b), key=lambda x: x.predict(1, nbytes))
+                picker.picked(lane)
+            picks.append(lane.name)
+            lane.observe(lane.raw_prediction(1, nbytes), measured[lane.name], "peer")
+    explore = 2 * MIN_SAMPLES
+    assert sorted(picks[:explore]) == ["a"] * MIN_SAMPLES + ["b"] * MIN_SAMPLES, picks[:explore]
+    after = picks[explore:]
+    # Revisits of the lane that took a transfer longest ago ("a"), one in REVISIT_EVERY; else "b".
+    assert after.count("a") == len([n for n in range(explore + 1, len(picks) + 1) if n % REVISIT_EVERY == 0])
+    assert after.count("b") == len(after) - after.count("a") > 0
+    assert a.predict(1, nbytes) == pytest.approx(0.012) and b.predict(1, nbytes) == pytest.approx(0.010)
+    assert "learned its cost" in caplog.text and all(r.levelno == logging.INFO for r in caplog.records)
+    # A lane with a measured model does not learn: it is scaled only when far off (above).
+    assert not Lane("c", _Driver(), None, b"", (CostModel("tcp", 1e-3, 0.0, 1.0),)).learning  # type: ignore[arg-type]
+    assert LanePicker([a]).explore() is None
+
+
 def test_a_done_naming_a_one_sided_lane_still_waits_for_the_two_sided_lanes_copies(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

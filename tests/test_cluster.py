@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -57,12 +58,12 @@ def cluster() -> Iterator[SimCluster]:
         yield c
 
 
-def _hosts(cluster: SimCluster, driver: str) -> tuple[PeerProcess, PeerProcess]:
+def _hosts(cluster: SimCluster, driver: str, **extra_env: str) -> tuple[PeerProcess, PeerProcess]:
     """A prefill on host 0 and a decode on host 1, connected (decode dials)."""
     require_engines()
     args = ("--driver", driver, "--pages", str(PAGES + 8), "--layers", str(LAYERS), "--item", str(ITEM))
     args += ("--aux-slots", "0", "--private", "--timeouts", json.dumps(HEARTBEAT))
-    env = {**os.environ, "KVTRANSPORT_SECRET": os.urandom(16).hex()}  # two hosts: authenticated
+    env = {**os.environ, "KVTRANSPORT_SECRET": os.urandom(16).hex(), **extra_env}  # two hosts: authenticated
     env.pop("UCX_TLS", None)  # UCX picks what it finds: across hosts, that is TCP
     peers = []
     try:
@@ -328,3 +329,45 @@ def test_the_bench_on_host_zero_gets_every_flag_but_the_clusters() -> None:
 
     argv = ["bench", "--hosts", "2", "--rails=2", "--driver", "x", "--rate", "1gbit", "--cut-at", "1", "--json"]
     assert forwarded(argv) == ["bench", "--driver", "x", "--json"]
+
+
+def test_an_uncalibrated_pair_of_hosts_learns_which_lane_is_fastest_across_the_link(
+    cluster: SimCluster, tmp_path: Any
+) -> None:
+    """No calibration between the hosts: the connection keeps the best-ranked drivers as lanes,
+    sends whole transfers to each until it measured each MIN_SAMPLES times, then each to the
+    lane whose measured median (of its last transfers) is lowest, as computed here from the
+    same transfers' times; every byte verified."""
+    from kvtransport.negotiation.negotiate import LEARNING_LANES
+    from kvtransport.runtime.lane import MIN_SAMPLES, RATIO_WINDOW
+
+    no_models = str(tmp_path / "no-calibration.json")  # nothing measured on either host
+    prefill, decode = _hosts(cluster, "auto", KVTRANSPORT_CALIBRATION=no_models)
+    try:
+        decision = _connect(prefill, decode)
+        lanes = decision["lanes"]
+        assert 1 < len(lanes) <= LEARNING_LANES and "learning" in decision["basis_note"], decision
+        measured: dict[str, list[float]] = {lane: [] for lane in lanes}
+        exploring = len(lanes) * MIN_SAMPLES
+        src, dst = list(range(8)), list(range(40, 48))
+        for i in range(exploring + 8):
+            tag = f"learn-{i}"
+            expected = None
+            if i >= exploring:
+                # The lane a learned connection must pick: the lowest median of what each lane
+                # measured over its last transfers (equal sizes: the prediction is that median).
+                expected = min(lanes, key=lambda n: statistics.median(measured[n][-RATIO_WINDOW:]))
+            _round(prefill, decode, tag, src, dst)
+            # Prefill's own Success comes after its lane took the measurement in.
+            assert prefill.call("wait", tags=[tag], timeout=30)["states"][tag][0] == "SUCCESS"
+            driver, seconds = prefill.call("taken", tags=[tag])["taken"][tag]
+            assert seconds > 0, (tag, driver)
+            if i < exploring:
+                assert len(measured[driver]) < MIN_SAMPLES, f"{tag} went to {driver}, measured enough already"
+            else:
+                assert driver == expected, (tag, driver, {n: sorted(v)[-RATIO_WINDOW:] for n, v in measured.items()})
+            measured[driver].append(seconds)
+        assert all(len(v) >= MIN_SAMPLES for v in measured.values()), measured
+    finally:
+        prefill.close()
+        decode.close()

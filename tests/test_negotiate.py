@@ -9,8 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvtransport.negotiation.cost_model import NOMINAL
 from kvtransport.negotiation.hello import Hello
-from kvtransport.negotiation.negotiate import negotiate, sliced_pages
+from kvtransport.negotiation.negotiate import LEARNING_LANES, negotiate, sliced_pages
 from kvtransport.negotiation.registry import Policy
 from kvtransport.spi.driver import TransferPath
 from kvtransport.spi.errors import (
@@ -364,3 +365,41 @@ def test_layouts_differ_exactly_where_a_stated_field_differs(
     if pages[0] != pages[1]:
         expected.add("page_size")
     assert named == expected, problems
+
+
+# --- learning across hosts ---------------------------------------------------------------------
+
+
+def test_uncalibrated_peers_on_two_hosts_keep_the_best_ranked_drivers_as_lanes_to_learn_from() -> None:
+    d = decide(hello(host("a")), hello(host("b")))
+    ranked = [c.driver for c in d.candidates if c.outcome in ("chosen", "lost")]
+    assert d.lanes == tuple(ranked[:LEARNING_LANES]) and d.lanes[0] == d.driver and len(d.lanes) > 1
+    offered = {c.driver: c.gbps for c in d.candidates}
+    for name in d.lanes:
+        (model,) = d.models_of(name)
+        assert model.version == NOMINAL and model.gbps == offered[name] and model.peer_host == "b"
+    assert "learning on this connection" in d.basis_note
+    # On one host (loopback figures describe it) and under a user's policy: the chosen driver alone.
+    assert decide(hello(host("a")), hello(host("a"))).lanes == (decide(hello(host("a")), hello(host("a"))).driver,)
+    bound = decide(hello(host("a"), policy=Policy(allow=("nixl-ucx", "mooncake-gdr"))), hello(host("b")))
+    assert bound.lanes == (bound.driver,)
+
+
+@settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
+@given(pairs())
+def test_lanes_are_the_chosen_driver_first_then_ranked_and_only_across_hosts_learn(pair: tuple[Hello, Hello]) -> None:
+    a, b = pair
+    try:
+        d = decide(a, b)
+    except (NegotiationError, ConfigError, DriverUnavailable):
+        return
+    ranked = [c.driver for c in d.candidates if c.outcome in ("chosen", "lost")]
+    assert d.lanes[0] == d.driver and len(set(d.lanes)) == len(d.lanes) and set(d.lanes) <= set(ranked)
+    nominal = [n for n in d.lanes if any(m.version == NOMINAL for m in d.models_of(n))]
+    policy_bound = any(s.policy.allow or s.policy.force for s in (a, b))
+    if a.host.host_id == b.host.host_id or policy_bound:
+        assert nominal == [], "only a connection between two hosts learns"
+    elif d.basis == "nominal" and len(ranked) > 1:
+        assert d.lanes == tuple(ranked[:LEARNING_LANES])
+    if len(d.lanes) == 1:
+        assert d.lanes == (d.driver,)

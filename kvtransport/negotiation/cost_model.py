@@ -43,7 +43,13 @@ __all__ = [
     "fit",
     "models_from_list",
     "slowest_prediction",
+    "NOMINAL",
 ]
+
+
+#: The ``version`` of a model made from a driver's nominal estimate for a connection to learn
+#: from (negotiate.nominal_model): never measured, never saved.
+NOMINAL = "nominal"
 
 
 @dataclass(frozen=True)

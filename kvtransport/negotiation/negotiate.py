@@ -19,6 +19,12 @@ calibrate``; the hellos carry them), the sliced-pages rule and the nominal bandw
 the lowest predicted time of a reference request (:func:`reference_transfer`), each driver's
 prediction the slower of the two sides' models. Otherwise the decision says it rests on nominal
 figures, and which drivers lack a model.
+
+Between two hosts with no measured model for the pair, nominal figures (or models measured on
+loopback) do not describe the link, so the connection learns: it keeps the
+:data:`LEARNING_LANES` best-ranked drivers as lanes, each with a nominal model from its offer
+(:func:`nominal_model`), and its lanes learn their real cost from the connection's transfers
+(:mod:`kvtransport.runtime.lane`), which then go to the lane that measures fastest.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtransport.negotiation.cost_model import CostModel, slowest_prediction
+from kvtransport.negotiation.cost_model import NOMINAL, CostModel, slowest_prediction
 from kvtransport.negotiation.hello import Hello, layout_to_dict
 from kvtransport.negotiation.registry import ENV_DRIVER
 from kvtransport.spi.driver import KVTransport, Offer, PeerView, Rejection, TransferPath
@@ -44,6 +50,13 @@ log = logging.getLogger(__name__)
 REFERENCE_TOKENS = 4096
 #: The longest driver name that can be a lane besides the chosen driver (wire.py's ``lane``).
 MAX_LANE_NAME = 64
+
+#: Lanes an uncalibrated connection between two hosts keeps, to learn which is fastest there.
+LEARNING_LANES = 3
+#: A nominal model's fixed costs: a batch's latency and a descriptor's cost (the offers give
+#: a bandwidth only; these are typical of TCP engines here, docs/performance.md).
+NOMINAL_LATENCY_S = 0.5e-3
+NOMINAL_PER_RUN_S = 1e-6
 
 #: Tie-break order when two drivers offer the same bandwidth; unknown names come after.
 BUILTIN_PREFERENCE = ("cuda-local", "mooncake-gdr", "nixl-ucx", "mooncake-staged", "nixl-staged")
@@ -93,6 +106,12 @@ class Decision:
     lanes: tuple[str, ...] = ()
     #: Per lane, both sides' models of it on its path (a transfer's prediction is the slower).
     lane_models: tuple[tuple[CostModel, ...], ...] = ()
+
+    @property
+    def learning(self) -> bool:
+        """Whether the connection learns its lanes' costs from its transfers (an uncalibrated
+        pair of hosts: :func:`learning_lanes`)."""
+        return any(m.version == NOMINAL for models in self.lane_models for m in models)
 
     def models_of(self, driver: str) -> tuple[CostModel, ...]:
         for name, models in zip(self.lanes, self.lane_models, strict=False):
@@ -306,7 +325,17 @@ def negotiate(
         candidates.append(Candidate(name, "lost", lost, offer.path.value, offer.gbps, predicted.get(name, 0.0)))
     candidates += [Candidate(n, "rejected", r) for n, r in sorted(rejected.items())]
     policy_bound = any(h.policy.force or h.policy.allow for h in (initiator, acceptor))
-    lanes = lane_drivers(ranked, models, initiator) if calibrated and not policy_bound else (best,)
+    across = initiator.host.host_id != acceptor.host.host_id
+    lane_models: dict[str, tuple[CostModel, ...]] = {n: tuple(ms) for n, ms in models.items()}
+    if calibrated and not policy_bound:
+        lanes = lane_drivers(ranked, models, initiator)
+    elif across and not policy_bound and len(ranked) > 1:
+        lanes = learning_lanes(ranked)
+        # A driver measured between these hosts keeps its models; the others learn from nominal ones.
+        lane_models = {n: tuple(models[n]) or (nominal_model(offers[n], acceptor.host.host_id),) for n in lanes}
+        basis_note += f"; learning on this connection which of {', '.join(lanes)} is fastest across the link"
+    else:
+        lanes = (best,)
     return Decision(
         driver=best,
         path=chosen.path,
@@ -318,7 +347,26 @@ def negotiate(
         basis="calibrated" if calibrated else "nominal",
         basis_note=basis_note,
         lanes=lanes,
-        lane_models=tuple(tuple(models.get(n, ())) for n in lanes),
+        lane_models=tuple(lane_models.get(n, ()) for n in lanes),
+    )
+
+
+def learning_lanes(ranked: list[str]) -> tuple[str, ...]:
+    """The lanes of an uncalibrated connection between two hosts: the chosen driver and the
+    next best-ranked ones, up to :data:`LEARNING_LANES` (names the wire can carry)."""
+    eligible = [n for n in ranked[1:] if len(n) <= MAX_LANE_NAME]
+    return (ranked[0], *eligible[: LEARNING_LANES - 1])
+
+
+def nominal_model(offer: Offer, peer_host: str) -> CostModel:
+    """A model from an offer's estimated bandwidth, for a lane to learn from (never saved)."""
+    return CostModel(
+        path=offer.path.value,
+        latency_s=NOMINAL_LATENCY_S,
+        per_run_s=NOMINAL_PER_RUN_S,
+        gbps=max(offer.gbps, 1e-3),
+        peer_host=peer_host,
+        version=NOMINAL,
     )
 
 

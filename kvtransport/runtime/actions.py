@@ -108,11 +108,14 @@ class CheckInbound:
 
 @dataclass(frozen=True, slots=True)
 class Calibrate:
-    """A one-chunk transfer on ``lane`` took ``measured_s`` against ``raw_s`` predicted."""
+    """A one-chunk transfer of ``runs`` descriptors and ``nbytes`` on ``lane`` took
+    ``measured_s`` against ``raw_s`` predicted."""
 
     lane: Lane
     raw_s: float
     measured_s: float
+    runs: int = 0
+    nbytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

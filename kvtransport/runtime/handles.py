@@ -166,6 +166,7 @@ class Transfer:
         #: the seconds from that chunk's submission to Success (0 until then).
         self.predicted_s = 0.0
         self.raw_predicted_s = 0.0  # uncorrected, for a one-chunk transfer: what the lane checks
+        self.runs = 0  # a one-chunk transfer's descriptors (with raw_predicted_s)
         self.measured_s = 0.0
         self.submitted_at = 0.0
         self.lane: Lane | None = None

@@ -9,6 +9,14 @@ are scaled by that median for this connection (demoted when slower, promoted whe
 WARNING per lane and connection), and unscaled once the median is back within [2/3, 1.5]. A
 demoted lane is picked less, so it may stay scaled for the rest of the connection; a new
 connection, or a new calibration, starts afresh.
+
+A lane whose model is nominal (an uncalibrated connection between two hosts, see
+:func:`kvtransport.negotiation.negotiate.learning_lanes`) *learns*: until each such lane has
+measured :data:`MIN_SAMPLES` whole transfers, whole transfers go to the least-measured one
+(:func:`explore`), and from then on its predictions are scaled by the median of its measured
+over predicted times, however close to 1, so that transfers go to the lane that measures
+fastest; one in :data:`REVISIT_EVERY` whole transfers goes to the lane measured longest ago,
+so a lane that got faster (or a link that changed) is noticed.
 """
 
 from __future__ import annotations
@@ -16,9 +24,11 @@ from __future__ import annotations
 import collections
 import logging
 import statistics
+import threading
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvtransport.negotiation.cost_model import CostModel, slowest_prediction
+from kvtransport.negotiation.cost_model import NOMINAL, CostModel, slowest_prediction
 
 if TYPE_CHECKING:
     from kvtransport.runtime.runner import DriverRunner
@@ -34,6 +44,8 @@ MIN_SAMPLES = 4
 #: the edge does not flip the lane, and its log lines, at every transfer).
 FAR_OFF = 2.0
 BACK_IN = 1.5
+#: A learning connection sends one whole transfer in this many to the lane measured longest ago.
+REVISIT_EVERY = 32
 
 
 class Lane:
@@ -61,6 +73,12 @@ class Lane:
         #: Read by caller threads when they pick a lane (a float is replaced atomically).
         self.correction = 1.0
         self.warned = False
+        #: Whether its model is nominal: it learns its cost from this connection's transfers.
+        self.learning = any(m.version == NOMINAL for m in models)
+        #: Whole transfers sent to it to be measured (caller threads, under the picker's lock),
+        #: and the picker's count when it last took a whole transfer.
+        self.explored = 0
+        self.last_picked = 0
 
     def __repr__(self) -> str:
         return f"<Lane {self.name}>"
@@ -81,6 +99,17 @@ class Lane:
         if len(self.ratios) < MIN_SAMPLES:
             return
         median = statistics.median(self.ratios)
+        if self.learning:
+            if self.correction == 1.0:
+                log.info(
+                    "%s: learned its cost towards %s from %d transfers: %.2gx its nominal estimate",
+                    self.name,
+                    peer,
+                    len(self.ratios),
+                    median,
+                )
+            self.correction = median
+            return
         was_off = self.correction != 1.0
         band = BACK_IN if was_off else FAR_OFF
         off = not 1 / band <= median <= band
@@ -99,3 +128,38 @@ class Lane:
             )
         elif was_off and not off:
             log.debug("%s: predictions for %s agree with measurements again", self.name, peer)
+
+
+class LanePicker:
+    """Which lane a whole transfer of a learning connection goes to (any thread): one not yet
+    measured enough first, then, every :data:`REVISIT_EVERY` transfers, the one that took a
+    whole transfer longest ago; ``None``: the lowest prediction decides (then :meth:`picked`)."""
+
+    def __init__(self, lanes: Sequence[Lane]) -> None:
+        self._learning = [lane for lane in lanes if lane.learning]
+        self._lock = threading.Lock()
+        self._count = 0
+
+    def explore(self) -> Lane | None:
+        if len(self._learning) < 2:
+            return None
+        with self._lock:
+            self._count += 1
+            n = self._count
+            # (a lane whose transfers never come back measured stops being tried after a while)
+            unmeasured = [
+                lane for lane in self._learning if len(lane.ratios) < MIN_SAMPLES and lane.explored < 2 * MIN_SAMPLES
+            ]
+            if unmeasured:
+                lane = min(unmeasured, key=lambda lane: (lane.explored, len(lane.ratios)))
+            elif n % REVISIT_EVERY == 0:
+                lane = min(self._learning, key=lambda lane: lane.last_picked)
+            else:
+                return None
+            lane.explored += 1
+            lane.last_picked = n
+            return lane
+
+    def picked(self, lane: Lane) -> None:
+        """A whole transfer went to ``lane`` by its prediction."""
+        lane.last_picked = self._count

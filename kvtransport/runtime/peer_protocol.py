@@ -579,7 +579,7 @@ class PeerProtocol:
             if t.submitted_at:
                 t.measured_s = self._now() - t.submitted_at
                 if t.lane is not None and t.raw_predicted_s:
-                    self._out.append(Calibrate(t.lane, t.raw_predicted_s, t.measured_s))
+                    self._out.append(Calibrate(t.lane, t.raw_predicted_s, t.measured_s, t.runs, t.bytes))
             self._set(t, State.SUCCESS)
 
     def _abort(

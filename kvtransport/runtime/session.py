@@ -51,7 +51,7 @@ from kvtransport.runtime.chunk import Chunk
 from kvtransport.runtime.driver_side import SessionDrivers
 from kvtransport.runtime.express_link import ORDERED_KINDS
 from kvtransport.runtime.handles import RECV, SEND, Connection, State, Transfer
-from kvtransport.runtime.lane import Lane
+from kvtransport.runtime.lane import MIN_SAMPLES, Lane, LanePicker
 from kvtransport.runtime.layer_groups import Grouper, LayerwisePolicy, regions_by_layer
 from kvtransport.runtime.layer_groups import region_layers as region_layers_of
 from kvtransport.runtime.layerwise import LayerStream
@@ -182,6 +182,10 @@ class Session:
         self.peer_hello: Hello | None = None
         #: One per driver of the decision's lanes, the chosen driver's first (set at handshake).
         self.lanes: dict[str, Lane] = {}
+        self.picker: LanePicker | None = None  # set with the lanes
+        #: The lane a connection that learns its lanes' costs last found fastest (log once per change).
+        self.fastest_lane = ""
+        self._ranking_logged = -1e9
         #: This side's per-connection receive infos (``KVTransport.receive_info``), by driver,
         #: and the open drivers that made one (each is disconnected when the session ends).
         self.receive_infos: dict[str, bytes] = {}
@@ -289,13 +293,23 @@ class Session:
         """Whether any lane's driver is two-sided (its notices must precede "done")."""
         return self.protocol.two_sided
 
-    def pick_lane(self, runs: int, nbytes: int) -> Lane:
+    def pick_lane(self, runs: int, nbytes: int, *, whole: bool = False) -> Lane:
         """Any thread: the lane with the lowest predicted time for ``runs`` descriptors of
-        ``nbytes`` (the chosen driver when only it is a lane, or on a tie)."""
+        ``nbytes`` (the chosen driver when only it is a lane, or on a tie). A ``whole``
+        transfer (sent in one part: its time is measured) of a connection that learns its
+        lanes' costs may go to a lane it has not measured enough yet (:class:`LanePicker`)."""
         lanes = list(self.lanes.values())
         if len(lanes) == 1:
             return lanes[0]
-        return min(lanes, key=lambda lane: lane.predict(runs, nbytes))
+        picker = self.picker if whole else None
+        if picker is not None:
+            explored = picker.explore()
+            if explored is not None:
+                return explored
+        fastest = min(lanes, key=lambda lane: lane.predict(runs, nbytes))
+        if picker is not None:
+            picker.picked(fastest)
+        return fastest
 
     @property
     def plan(self) -> PairPlan:
@@ -462,11 +476,12 @@ class Session:
         lane = transfer.lane
         if lane is None:
             # The first part picks the transfer's driver; later parts follow it.
-            lane = self.pick_lane(len(runs), runs.total_bytes)
+            lane = self.pick_lane(len(runs), runs.total_bytes, whole=last)
             raw = lane.raw_prediction(len(runs), runs.total_bytes)
             transfer.driver = lane.name
             transfer.predicted_s = raw * lane.correction
             transfer.raw_predicted_s = raw if last else 0.0
+            transfer.runs = len(runs)
             transfer.submitted_at = time.monotonic()
             transfer.lane = lane
             if len(self.lanes) > 1:
@@ -667,8 +682,10 @@ class Session:
                     self.drivers.stop_writes(transfer, functools.partial(self._writes_stopped, transfer.tag))
                 case CheckInbound(transfer, kind):
                     self.drivers.after_inbound(transfer, kind, functools.partial(self._inbound_checked, transfer, kind))
-                case Calibrate(lane, raw_s, measured_s):
+                case Calibrate(lane, raw_s, measured_s, runs, nbytes):
                     lane.observe(raw_s, measured_s, self.peer_label)
+                    if lane.learning:
+                        self._check_ranking(runs, nbytes)
                 case EndSession(error, notify):
                     self.endpoint.end_session(self, error, notify=notify)
                 case Fence(transfers, announced):
@@ -676,6 +693,34 @@ class Session:
                         self._fence(transfers)
                 case Next(then):
                     self.run(then())
+
+    def _check_ranking(self, runs: int, nbytes: int) -> None:
+        """I/O thread, on a connection that learns its lanes' costs: once every lane measured
+        enough, say (INFO) which lane transfers like the last one now go to, when that changes."""
+        lanes = list(self.lanes.values())
+        if any(lane.learning and len(lane.ratios) < MIN_SAMPLES for lane in lanes):
+            return
+        fastest = min(lanes, key=lambda lane: lane.predict(runs, nbytes))
+        if fastest.name == self.fastest_lane:
+            return
+        figures = ", ".join(
+            f"{lane.name} {nbytes / max(lane.predict(runs, nbytes), 1e-9) / 1e9:.2g} GB/s" for lane in lanes
+        )
+        # Transfers of several sizes may favour different lanes: at INFO once a minute at most.
+        now = time.monotonic()
+        quiet = now - self._ranking_logged < 60.0
+        self._ranking_logged = self._ranking_logged if quiet else now
+        log.log(
+            logging.DEBUG if quiet else logging.INFO,
+            "%s: transfers of %d bytes to %s now go via %s (measured on this connection: %s; the handshake chose %s)",
+            self.endpoint.name,
+            nbytes,
+            self.peer_label,
+            fastest.name,
+            figures,
+            self.decision.driver if self.decision else "?",
+        )
+        self.fastest_lane = fastest.name
 
     def _fence(self, transfers: tuple[Transfer, ...]) -> None:
         """The session ended: every lane's driver fences the peer (queued before its

@@ -33,7 +33,7 @@ from kvtransport.runtime.admission import Acceptor, InitiatorExchange, PendingAu
 from kvtransport.runtime.control import Route
 from kvtransport.runtime.express import ExpressPort
 from kvtransport.runtime.handles import Connection
-from kvtransport.runtime.lane import Lane
+from kvtransport.runtime.lane import Lane, LanePicker
 from kvtransport.runtime.runner import DriverRunner
 from kvtransport.runtime.session import Phase, Session, SessionHost
 from kvtransport.runtime.wire import Message, encode
@@ -244,6 +244,7 @@ class SessionSetup:
             endpoint.end_session(session, exc, notify=False)
             return
         session.decision, session.peer_regions, session.lanes = decision, peer_regions, lanes
+        session.picker = LanePicker(list(lanes.values()))
         session.release_receivers(set(lanes))  # the receive sides of drivers not chosen
         session.held = []
         if endpoint.express is not None and msg["express"]:
@@ -304,6 +305,7 @@ class SessionSetup:
         self._admission.take(route)
         endpoint.channel.timers.cancel(auth.timer)
         session.decision, session.peer_regions, session.lanes = decision, peer_regions, lanes
+        session.picker = LanePicker(list(lanes.values()))
         endpoint.file_session(session)
         endpoint.channel.claim(route)
         endpoint.pending_handshakes += 1

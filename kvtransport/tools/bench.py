@@ -140,6 +140,8 @@ class Report:
     pinned: dict[str, list[list[int]]] | None = None
     #: Where the two processes ran.
     placement: str = "two processes on loopback"
+    #: Whether the connection learned its lanes' costs (two hosts, no calibration).
+    learning: bool = False
     #: KV bytes of the requests that arrived, by every path (warm-up and baseline included; a
     #: request a cut caught counts once, for the try that arrived).
     kv_bytes_moved: int = 0
@@ -227,11 +229,12 @@ class Report:
             )
         taken = collections.Counter(s.driver for s in self.samples if s.driver)
         if set(taken) - {self.driver}:
-            lines.append(
-                "  per transfer "
-                + ", ".join(f"{n} x{c}" for n, c in taken.most_common())
-                + " (each request took the lane predicted fastest for its plan)"
+            why = (
+                "the connection tried each lane, then sent each request on the one it measured fastest"
+                if self.learning
+                else "each request took the lane predicted fastest for its plan"
             )
+            lines.append("  per transfer " + ", ".join(f"{n} x{c}" for n, c in taken.most_common()) + f" ({why})")
 
         def row(label: str, s: dict[str, float]) -> str:
             return f"  {label:<12}{s['median_gbps']:7.2f} GB/s   p50 {s['p50_ms']:8.1f} ms   p90 {s['p90_ms']:8.1f} ms"
@@ -384,6 +387,7 @@ def _run(
             compare=compare,
             basis=decision.basis,
         )
+        report.learning = decision.learning
         if across is not None:
             report.placement = "two simulated hosts (network, PID, IPC and mount namespaces, one switch per rail)"
         if decode_cpus is not None:

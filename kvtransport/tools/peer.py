@@ -208,6 +208,13 @@ def _run(cmd: dict[str, Any], session: _Session) -> dict[str, Any]:
             "states": {tag: _state(transfers[tag]) for tag in cmd["tags"]},
             "finished": {tag: transfers[tag].finished for tag in cmd["tags"]},
         }
+    if op == "taken":
+        # Which driver each transfer took and how long it took on this side (lanes).
+        taken = {
+            tag: [getattr(transfers[tag], "driver", ""), getattr(transfers[tag], "measured_s", 0.0)]
+            for tag in cmd["tags"]
+        }
+        return {"taken": taken}
     if op == "state":
         return {"states": {tag: _state(transfers[tag]) for tag in cmd["tags"]}}
     if op == "whereami":
