@@ -64,7 +64,8 @@ FULL: dict[str, list[str]] = {
     ],
     # soaks: thousands of verified transfers with aborts (the fast tier keeps the soak's own check)
     "test_soak": ["test_soak_on_every_real_host_driver", "test_soak_of_a_connection_with_two_lanes"],
-    # the hostile campaign (100,000 generated frames) and the slower single attacks; the
+    # the hostile campaign (40,000 generated frames here; KVTRANSPORT_HOSTILE_MESSAGES for the
+    # full size) and the slower single attacks; the
     # fast tier keeps the attacks that take under a second (a live victim each)
     "test_hostile": [
         "test_fuzz_*",
@@ -177,6 +178,7 @@ FULL: dict[str, list[str]] = {
         "test_a_silent_partition_fails_every_transfer_in_time_and_no_late_write_lands*",
         "test_sglangs_schedulers_see_a_partition_as_failed_requests_in_time",
         "test_bench_across_hosts_shows_where_the_bytes_went_and_what_a_cut_did",
+        "test_an_uncalibrated_pair_of_hosts_learns_which_lane_is_fastest_across_the_link",
     ],
     "test_cli": [
         "test_negotiate_with_a_misspelled_driver_fails_with_a_suggestion",
