@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 
 # --- the wire schema, as read from kvtransport/runtime/wire.py (deliberately not imported) -----------
 
-VERSION = 11
+VERSION = 12
 LIMIT = 4 << 20  # DEFAULT_MAX_MESSAGE_BYTES
 #: Frames larger than this make zmq drop the connection (MAXMSGSIZE: the limit plus framing room):
 #: the attacker's DEALER reconnects with a new route, so a session on the old one is orphaned.

@@ -5,7 +5,6 @@ machine's real /sys, forcing rails, and the device lists the engines take."""
 from __future__ import annotations
 
 import atexit
-import os
 import random
 import shutil
 import tempfile
@@ -277,35 +276,37 @@ def rails_of(topology: Topology, env: dict[str, str] | None = None) -> Callable[
     return lambda index: next((g for g in chosen if g.gpu == f"cuda:{index}"), None)
 
 
-def test_mooncake_is_started_on_the_gpus_rdma_rails_under_rdma_only() -> None:
+def test_mooncake_is_given_rdma_rails_only_when_the_user_forces_them_under_rdma() -> None:
+    """Topology's choice alone leaves Mooncake every device (its own nearest-first choice keeps
+    a way to peers behind other NICs); forced rails are passed, RDMA ones only."""
     from kvtransport_mooncake.rails import device_filter
 
     far = rails_of(ONE_SOCKET)
-    assert device_filter("rdma", 6, {}, far) == ("mlx5_0,mlx5_1", choose_rails(ONE_SOCKET, {})[6].reason)
-    assert device_filter("rdma", 1, {}, rails_of(DGX))[0] == "mlx5_3"
-    assert device_filter("tcp", 6, {}, far) == ("", "protocol tcp: no RDMA device to choose")
-    assert device_filter("rdma", None, {}, far)[0] == ""  # host memory: Mooncake's choice
+    assert device_filter("rdma", 6, {}, far)[0] == ""
+    assert "force rails with KVTRANSPORT_RAILS" in device_filter("rdma", 6, {}, far)[1]
+    forced = rails_of(ONE_SOCKET, {ENV_RAILS: "cuda:6=mlx5_0,mlx5_1", ENV_RAILS_INSIST: "1"})
+    assert device_filter("rdma", 6, {}, forced)[0] == "mlx5_0,mlx5_1"
+    assert device_filter("rdma", 1, {}, rails_of(DGX, {ENV_RAILS: "cuda:1=mlx5_3"}))[0] == "mlx5_3"
+    assert device_filter("tcp", 6, {}, forced) == ("", "protocol tcp: no RDMA device to choose")
+    assert device_filter("rdma", None, {}, forced)[0] == ""  # host memory: Mooncake's choice
     assert device_filter("rdma", 9, {}, far)[0] == ""
     assert device_filter("rdma", 6, {"KVTRANSPORT_MOONCAKE_DEVICE": "mlx5_1"}, far) == (
         "mlx5_1",
         "set by KVTRANSPORT_MOONCAKE_DEVICE",
     )
-    forced = rails_of(ONE_SOCKET, {ENV_RAILS: "cuda:2=eno1"})  # an IP rail: nothing for Mooncake
-    assert device_filter("rdma", 2, {}, forced)[0] == ""
+    ip_only = rails_of(ONE_SOCKET, {ENV_RAILS: "cuda:2=eno1"})  # an IP rail: nothing for Mooncake
+    assert device_filter("rdma", 2, {}, ip_only)[0] == ""
 
 
-def test_nixl_agents_get_ucx_net_devices_unless_the_user_set_them() -> None:
-    from kvtransport_nixl.rails import ENV_UCX_NET_DEVICES, net_devices, ucx_net_devices_set
+def test_nixl_agents_get_a_device_list_only_for_forced_rails_and_never_over_the_users() -> None:
+    from kvtransport_nixl.rails import ENV_UCX_NET_DEVICES, net_devices
 
-    assert net_devices(6, {}, rails_of(ONE_SOCKET))[0] == "mlx5_0:1,mlx5_1:1"
-    assert net_devices(0, {}, rails_of(DGX))[0] == "mlx5_0:1"
-    kept = net_devices(0, {ENV_UCX_NET_DEVICES: "mlx5_4:1"}, rails_of(DGX))
+    # Topology's choice alone: UCX keeps every device (a list would drop its TCP devices).
+    assert net_devices(6, {}, rails_of(ONE_SOCKET))[0] == ""
+    assert net_devices(0, {}, rails_of(DGX))[0] == ""
+    forced = rails_of(ONE_SOCKET, {ENV_RAILS: "cuda:6=mlx5_0,mlx5_1", ENV_RAILS_INSIST: "1"})
+    assert net_devices(6, {}, forced)[0] == "mlx5_0:1, mlx5_1:1"  # NIXL splits on ", "
+    kept = net_devices(6, {ENV_UCX_NET_DEVICES: "mlx5_4:1"}, forced)
     assert kept == ("", "UCX_NET_DEVICES=mlx5_4:1 set by the user: kept")
-    assert net_devices(None, {}, rails_of(DGX))[0] == ""
-    assert net_devices(0, {}, rails_of(NAMESPACED))[0] == ""  # veth chosen by topology: UCX's choice
-    forced = rails_of(NAMESPACED, {ENV_RAILS: "veth-kv1"})
-    assert net_devices(0, {}, forced)[0] == "veth-kv1"
-    before = os.environ.get(ENV_UCX_NET_DEVICES)
-    with ucx_net_devices_set("mlx5_0:1"):
-        assert os.environ[ENV_UCX_NET_DEVICES] == "mlx5_0:1"
-    assert os.environ.get(ENV_UCX_NET_DEVICES) == before
+    assert net_devices(None, {}, forced)[0] == ""
+    assert net_devices(0, {}, rails_of(NAMESPACED, {ENV_RAILS: "veth-kv1"}))[0] == "veth-kv1"

@@ -47,7 +47,9 @@ log = logging.getLogger(__name__)
 
 #: Version of the hello document and of the control protocol carrying it.
 #: 11: the hello and the welcome carry each side's per-connection receive infos (``lanes``).
-PROTOCOL_VERSION = 11
+#: 12: a decision between two hosts with no measured model keeps several lanes to learn from
+#: (negotiate.learning_lanes): an 11 peer would compute other lanes and refuse the decision.
+PROTOCOL_VERSION = 12
 PROTOCOL_NAME: Final = "kvtransport"
 
 

@@ -1,10 +1,12 @@
 """Which RDMA devices a Mooncake engine is started on: ``initialize``'s ``device_name``.
 
 Mooncake takes a comma-separated list of RDMA devices and stripes a batch's slices across them;
-an empty list lets it use every device it finds. An engine here serves one GPU's KV, so it is
-given that GPU's rails (``spi.topology``: the nearest ones, or those ``KVTRANSPORT_RAILS``
-forces), only under the ``rdma`` protocol: over TCP the list means nothing to Mooncake.
-``KVTRANSPORT_MOONCAKE_DEVICE``, when set, is passed as it is and wins.
+an empty list lets it use every device it finds, and choose among them by its own topology
+(nearest to the memory first). An engine here serves one GPU's KV; it is given that GPU's rails
+only when the user forces them (``KVTRANSPORT_RAILS``), and only under the ``rdma`` protocol:
+a list of the nearest rails alone would take away Mooncake's way to a peer reachable only
+through another NIC (a rail-only fabric). ``KVTRANSPORT_MOONCAKE_DEVICE``, when set, is passed
+as it is and wins. ``kvtransport doctor`` says which rails topology finds nearest either way.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ def device_filter(
     chosen = rails(gpu)
     if chosen is None:
         return "", f"cuda:{gpu} not found in sysfs: every RDMA device (Mooncake's choice)"
+    if not chosen.forced:
+        return "", f"{chosen.reason}; every RDMA device, Mooncake's choice (force rails with KVTRANSPORT_RAILS)"
     names = mooncake_device_names(chosen)
     if not names:
         return "", f"{chosen.reason}, no RDMA device among them: every RDMA device (Mooncake's choice)"

@@ -44,7 +44,7 @@ from kvtransport.spi.spares import Spares
 
 from .engine_probe import RDMA_TLS, WRITER_COPIES_TLS, allows, probe_nixl, quiet_nixl_logging
 from .posters import Part, Posters, posters_from_env, split_points
-from .rails import ENV_UCX_NET_DEVICES, net_devices, ucx_net_devices_set
+from .rails import DEVICE_LIST, net_devices
 
 log = logging.getLogger(__name__)
 
@@ -244,16 +244,16 @@ class NixlDataPath(KVTransport):
         self._params = dict(facts.backend_params)
         self._net_devices, why = net_devices(gpu, os.environ) if facts.backend == "UCX" else ("", "")
         if self._net_devices:
-            log.info("%s: UCX on %s=%s (%s)", self.name, ENV_UCX_NET_DEVICES, self._net_devices, why)
+            log.info("%s: UCX on devices %s (%s)", self.name, self._net_devices, why)
+            params[DEVICE_LIST] = self._params[DEVICE_LIST] = self._net_devices
         elif why:
             log.debug("%s: %s", self.name, why)
-        with ucx_net_devices_set(self._net_devices):
-            self._agent = self._call("agent creation", lambda: self._nixl.nixl_agent(name, config), DriverUnavailable)
-            self._call(
-                "backend creation",
-                lambda: self._agent.create_backend(facts.backend, params),
-                DriverUnavailable,
-            )
+        self._agent = self._call("agent creation", lambda: self._nixl.nixl_agent(name, config), DriverUnavailable)
+        self._call(
+            "backend creation",
+            lambda: self._agent.create_backend(facts.backend, params),
+            DriverUnavailable,
+        )
         if posters > 1:
             self._posters = Posters(posters - 1, self._agent, self.name)
         return name
@@ -308,7 +308,7 @@ class NixlDataPath(KVTransport):
         registered (made ahead on the spares' thread: ``spi.spares``)."""
         name = f"kvt-{self.context.endpoint_id}-r{uuid.uuid4().hex[:8]}"
         config = self._nixl.nixl_agent_config(enable_prog_thread=False, backends=[])
-        with process_sockets.new_listeners() as opened, ucx_net_devices_set(self._net_devices):
+        with process_sockets.new_listeners() as opened:
             agent = self._call("receive agent creation", lambda: self._nixl.nixl_agent(name, config))
             self._call("receive backend creation", lambda: agent.create_backend(self._backend, self._params))
         descs, mem_type = self._receiving_memory()
