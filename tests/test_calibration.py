@@ -492,6 +492,40 @@ def test_lanes_with_nominal_models_try_each_lane_then_follow_what_they_measured(
     assert LanePicker([a]).explore() is None
 
 
+def test_a_learning_lane_that_fails_or_measures_far_slower_is_left_alone(caplog: pytest.LogCaptureFixture) -> None:
+    """A lane kept only to learn from: once a transfer on it failed it is never picked again on
+    that connection; one that measured more than FAR_OFF slower than the best is not revisited
+    (a revisit would only cost its request). A lane with a measured model never breaks."""
+    from kvtransport.negotiation.cost_model import NOMINAL
+    from kvtransport.runtime.lane import FAR_OFF, MIN_SAMPLES, REVISIT_EVERY, Lane, LanePicker
+
+    def lane(name: str) -> Lane:
+        return Lane(name, _Driver(), None, b"", (CostModel("tcp", 0.5e-3, 1e-6, 1.0, "far", NOMINAL),))  # type: ignore[arg-type]
+
+    fast, slow, doomed = lane("fast"), lane("slow"), lane("doomed")
+    seconds = {"fast": 0.01, "slow": 0.01 * (FAR_OFF + 1), "doomed": 0.01}
+    picker = LanePicker([fast, slow, doomed])
+    picks = []
+    with caplog.at_level(logging.WARNING, logger="kvtransport.runtime.lane"):
+        for _ in range(4 * REVISIT_EVERY):
+            chosen = picker.explore()
+            if chosen is None:
+                chosen = min((x for x in (fast, slow, doomed) if not x.broken), key=lambda x: x.predict(1, 1 << 20))
+                picker.picked(chosen)
+            picks.append(chosen.name)
+            if chosen is doomed:
+                doomed.failed("a transfer failed: EngineError", "peer")
+                continue
+            chosen.observe(chosen.raw_prediction(1, 1 << 20), seconds[chosen.name], "peer")
+    assert picks.count("doomed") == 1 and doomed.broken
+    assert picks.count("slow") == MIN_SAMPLES, "a lane far slower than the best was revisited"
+    assert picks.count("fast") == len(picks) - 1 - MIN_SAMPLES
+    assert sum("not used again" in r.message for r in caplog.records) == 1
+    measured = Lane("m", _Driver(), None, b"", (CostModel("tcp", 1e-3, 0.0, 1.0),))  # type: ignore[arg-type]
+    measured.failed("a transfer failed", "peer")
+    assert not measured.broken
+
+
 def test_a_done_naming_a_one_sided_lane_still_waits_for_the_two_sided_lanes_copies(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -130,8 +130,19 @@ CUTS = {"both-ways": (0, "both"), "prefill-sends-nothing": (0, "out"), "decode-s
 def test_a_silent_partition_fails_every_transfer_in_time_and_no_late_write_lands(
     cluster: SimCluster, driver: str, cut: str
 ) -> None:
+    _partition(cluster, driver, cut)
+
+
+def test_a_partition_of_a_connection_learning_its_lanes_fences_every_lane(cluster: SimCluster, tmp_path: Any) -> None:
+    """No driver named, nothing calibrated: the connection keeps three lanes (one-sided and
+    two-sided drivers), and its first three transfers go one to each; the cut fails all three
+    in time and the fence covers every lane (no late write of any of them lands)."""
+    _partition(cluster, "auto", "both-ways", KVTRANSPORT_CALIBRATION=str(tmp_path / "none.json"))
+
+
+def _partition(cluster: SimCluster, driver: str, cut: str, **env: str) -> None:
     host, direction = CUTS[cut]
-    prefill, decode = _hosts(cluster, driver)
+    prefill, decode = _hosts(cluster, driver, **env)
     tags = ["a", "b", "c"]
     pages = {tag: list(range(i * 32, (i + 1) * 32)) for i, tag in enumerate(tags)}
     restored = False
@@ -209,7 +220,7 @@ def test_a_crashed_owners_namespaces_are_swept(cluster: SimCluster) -> None:
 def test_sglangs_schedulers_see_a_partition_as_failed_requests_in_time(
     cluster: SimCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """SGLang's prefill rank on host 0, its decode rank here (10.77.0.254), the link of host 0
+    """SGLang's prefill rank on host 0, its decode rank here (198.18.0.254), the link of host 0
     cut both ways while four requests are in flight, restored, then a fifth request."""
     require_engines()
     sglang_conn = pytest.importorskip("sglang.srt.disaggregation.base.conn", reason="sglang==0.5.23 not installed")
@@ -326,9 +337,14 @@ def test_bench_across_hosts_shows_where_the_bytes_went_and_what_a_cut_did(cluste
 
 def test_the_bench_on_host_zero_gets_every_flag_but_the_clusters() -> None:
     from kvtransport.tools.bench_hosts import forwarded
+    from kvtransport.tools.cli import build_parser
 
     argv = ["bench", "--hosts", "2", "--rails=2", "--driver", "x", "--rate", "1gbit", "--cut-at", "1", "--json"]
     assert forwarded(argv) == ["bench", "--driver", "x", "--json"]
+    # An abbreviation would slip past forwarded() into the bench on host 0: refused instead.
+    for abbreviated in (["bench", "--host", "2"], ["bench", "--hosts", "2", "--cut-a", "1"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(abbreviated)
 
 
 def test_an_uncalibrated_pair_of_hosts_learns_which_lane_is_fastest_across_the_link(

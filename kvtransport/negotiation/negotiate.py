@@ -329,10 +329,10 @@ def negotiate(
     lane_models: dict[str, tuple[CostModel, ...]] = {n: tuple(ms) for n, ms in models.items()}
     if calibrated and not policy_bound:
         lanes = lane_drivers(ranked, models, initiator)
-    elif across and not policy_bound and len(ranked) > 1:
+    elif across and not policy_bound and len(ranked) > 1 and not predicted:
+        # Nothing measured between these hosts (a partly calibrated pair ranks as before).
         lanes = learning_lanes(ranked)
-        # A driver measured between these hosts keeps its models; the others learn from nominal ones.
-        lane_models = {n: tuple(models[n]) or (nominal_model(offers[n], acceptor.host.host_id),) for n in lanes}
+        lane_models = {n: (nominal_model(offers[n], acceptor.host.host_id),) for n in lanes}
         basis_note += f"; learning on this connection which of {', '.join(lanes)} is fastest across the link"
     else:
         lanes = (best,)

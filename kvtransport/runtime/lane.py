@@ -16,7 +16,9 @@ measured :data:`MIN_SAMPLES` whole transfers, whole transfers go to the least-me
 (:func:`explore`), and from then on its predictions are scaled by the median of its measured
 over predicted times, however close to 1, so that transfers go to the lane that measures
 fastest; one in :data:`REVISIT_EVERY` whole transfers goes to the lane measured longest ago,
-so a lane that got faster (or a link that changed) is noticed.
+so a lane that got faster (or a link that changed) is noticed, among the lanes not far slower
+than the best. A learning lane whose connect or a transfer on it failed is not used again on
+that connection (:meth:`Lane.failed`).
 """
 
 from __future__ import annotations
@@ -44,8 +46,10 @@ MIN_SAMPLES = 4
 #: the edge does not flip the lane, and its log lines, at every transfer).
 FAR_OFF = 2.0
 BACK_IN = 1.5
-#: A learning connection sends one whole transfer in this many to the lane measured longest ago.
+#: A learning connection sends one whole transfer in this many to the lane measured longest ago
+#: among those within FAR_OFF of the best, judged on a reference transfer of this shape.
 REVISIT_EVERY = 32
+REFERENCE_RUNS, REFERENCE_BYTES = 64, 64 << 20
 
 
 class Lane:
@@ -75,6 +79,9 @@ class Lane:
         self.warned = False
         #: Whether its model is nominal: it learns its cost from this connection's transfers.
         self.learning = any(m.version == NOMINAL for m in models)
+        #: A learning lane that failed (its connect, or a transfer on it): no transfer is sent
+        #: on it again for this connection (set on the I/O thread, read by caller threads).
+        self.broken = False
         #: Whole transfers sent to it to be measured (caller threads, under the picker's lock),
         #: and the picker's count when it last took a whole transfer.
         self.explored = 0
@@ -82,6 +89,14 @@ class Lane:
 
     def __repr__(self) -> str:
         return f"<Lane {self.name}>"
+
+    def failed(self, why: str, peer: str) -> None:
+        """I/O thread: a transfer on this lane failed (or its connect did). A lane kept only to
+        learn from is not tried again on this connection; the chosen driver's lane stays (the
+        connection's fate is its own)."""
+        if self.learning and not self.broken:
+            self.broken = True
+            log.warning("%s: not used again for %s on this connection: %s", self.name, peer, why)
 
     def raw_prediction(self, runs: int, nbytes: int) -> float:
         """Seconds the slower side's model gives (0 without a model)."""
@@ -147,18 +162,27 @@ class LanePicker:
             self._count += 1
             n = self._count
             # (a lane whose transfers never come back measured stops being tried after a while)
-            unmeasured = [
-                lane for lane in self._learning if len(lane.ratios) < MIN_SAMPLES and lane.explored < 2 * MIN_SAMPLES
-            ]
+            usable = [lane for lane in self._learning if not lane.broken]
+            unmeasured = [lane for lane in usable if len(lane.ratios) < MIN_SAMPLES and lane.explored < 2 * MIN_SAMPLES]
             if unmeasured:
                 lane = min(unmeasured, key=lambda lane: (lane.explored, len(lane.ratios)))
-            elif n % REVISIT_EVERY == 0:
-                lane = min(self._learning, key=lambda lane: lane.last_picked)
+            elif n % REVISIT_EVERY == 0 and (near := self._near_the_best(usable)):
+                lane = min(near, key=lambda lane: lane.last_picked)
             else:
                 return None
             lane.explored += 1
             lane.last_picked = n
             return lane
+
+    @staticmethod
+    def _near_the_best(lanes: list[Lane]) -> list[Lane]:
+        """The lanes worth a revisit: measured within :data:`FAR_OFF` of the best lane's
+        learned cost for a reference transfer (a far slower one would only cost its request)."""
+        costs = {lane.name: lane.predict(REFERENCE_RUNS, REFERENCE_BYTES) for lane in lanes if lane.ratios}
+        if not costs:
+            return []
+        best = min(costs.values())
+        return [lane for lane in lanes if lane.name in costs and costs[lane.name] <= FAR_OFF * best]
 
     def picked(self, lane: Lane) -> None:
         """A whole transfer went to ``lane`` by its prediction."""

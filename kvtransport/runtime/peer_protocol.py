@@ -563,6 +563,9 @@ class PeerProtocol:
             self._out.append(Arriving(-1))
 
     def _batch_failed(self, t: Transfer, error: KVTransportError) -> None:
+        if t.lane is not None and self.phase is Phase.READY and not self.closing:
+            # (not when the whole connection is going: that says nothing of this lane)
+            t.lane.failed(f"a transfer failed: {error}", self.peer_label)
         self._abort(t, f"{self._driver_of(t, 'driver')}: {error}", notify=True, error=error)
 
     def _progress(self, t: Transfer) -> None:

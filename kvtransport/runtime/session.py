@@ -298,7 +298,7 @@ class Session:
         ``nbytes`` (the chosen driver when only it is a lane, or on a tie). A ``whole``
         transfer (sent in one part: its time is measured) of a connection that learns its
         lanes' costs may go to a lane it has not measured enough yet (:class:`LanePicker`)."""
-        lanes = list(self.lanes.values())
+        lanes = [lane for lane in self.lanes.values() if not lane.broken]
         if len(lanes) == 1:
             return lanes[0]
         picker = self.picker if whole else None
@@ -697,7 +697,7 @@ class Session:
     def _check_ranking(self, runs: int, nbytes: int) -> None:
         """I/O thread, on a connection that learns its lanes' costs: once every lane measured
         enough, say (INFO) which lane transfers like the last one now go to, when that changes."""
-        lanes = list(self.lanes.values())
+        lanes = [lane for lane in self.lanes.values() if not lane.broken]
         if any(lane.learning and len(lane.ratios) < MIN_SAMPLES for lane in lanes):
             return
         fastest = min(lanes, key=lambda lane: lane.predict(runs, nbytes))

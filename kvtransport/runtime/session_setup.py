@@ -403,7 +403,13 @@ class SessionSetup:
                 endpoint.channel.timers.cancel(session.handshake_timer)
                 then(None, error)
 
-        def one(_: Any, error: KVTransportError | None) -> None:
+        chosen = session.decision.driver if session.decision else ""
+
+        def one(lane: Lane, _: Any, error: KVTransportError | None) -> None:
+            if error is not None and lane.learning and lane.name != chosen:
+                # A lane kept only to learn from: the connection goes on without it.
+                lane.failed(f"its connect failed: {error}", session.peer_label)
+                error = None
             if error is not None:
                 first.append(error)
             left[0] -= 1
@@ -420,7 +426,9 @@ class SessionSetup:
             # behind this connect, so it runs after it whatever the order of events).
             lane.connect_queued = True
             driver, info = lane.driver, lane.peer_info
-            lane.runner.call(functools.partial(driver.connect, conn_id, info, peer_regions), one)
+            lane.runner.call(
+                functools.partial(driver.connect, conn_id, info, peer_regions), functools.partial(one, lane)
+            )
 
     def _ready(self, session: Session) -> None:
         session.phase = Phase.READY

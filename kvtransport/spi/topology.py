@@ -387,6 +387,10 @@ def distance(gpu: PciPlace, rail: Rail) -> tuple[Level, str]:
     if gpu.numa == place.numa:
         where = f"NUMA node {gpu.numa}" if gpu.numa is not None else "NUMA node (both unknown)"
         return Level.NODE, f"same {where}, different PCIe host bridges"
+    if gpu.numa is None or place.numa is None:
+        # One side's node unknown (no numa_node, or -1): it may be the same socket; not ranked
+        # below a rail known to share the GPU's node, nor called cross-socket.
+        return Level.NODE, f"NUMA node unknown (GPU on {_numa(gpu.numa)}, rail on {_numa(place.numa)})"
     return Level.SYS, f"cross-socket: GPU on NUMA node {_numa(gpu.numa)}, rail on NUMA node {_numa(place.numa)}"
 
 
@@ -537,8 +541,11 @@ def ucx_net_devices(rails: GpuRails) -> str:
 def cuda_order() -> tuple[str, ...] | None:
     """The CUDA devices' PCI bus ids in CUDA index order, as the CUDA driver reports them
     (``CUDA_VISIBLE_DEVICES`` applied); ``None`` without a CUDA driver (PCI bus order then)."""
-    ids = tuple(d.pci_bus_id for d in probe_host().cuda_devices if d.pci_bus_id)
-    return ids or None
+    devices = probe_host().cuda_devices
+    if not devices or any(not d.pci_bus_id for d in devices):
+        # A device without its bus id would shift every later index: PCI bus order instead.
+        return None
+    return tuple(d.pci_bus_id for d in devices)
 
 
 @functools.lru_cache(maxsize=4)

@@ -65,6 +65,9 @@ class CutRecord:
     restore_time: float = 0.0
     failed: list[dict[str, Any]] = field(default_factory=list)
     recovered: list[dict[str, Any]] = field(default_factory=list)
+    #: Commands of the cut or the restore that failed (the cut then did not happen, or the
+    #: link may still be down: the report says so).
+    errors: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -81,6 +84,7 @@ class CutClock:
         self.across = across
         self.record = CutRecord(across.cut_at, across.cut_for)
         self._timer: threading.Timer | None = None
+        self._closing = threading.Event()
         self.restored = threading.Event()
 
     def start(self) -> None:
@@ -90,23 +94,36 @@ class CutClock:
             self._timer.start()
 
     def _cut(self) -> None:
-        for cmd in self.across.cut:
-            subprocess.run(cmd, check=True, capture_output=True, timeout=20)
-        self.record.cut_time = time.monotonic()
-        time.sleep(self.across.cut_for)
-        for cmd in self.across.restore:
-            subprocess.run(cmd, check=True, capture_output=True, timeout=20)
-        self.record.restore_time = time.monotonic()
-        self.restored.set()
+        try:
+            if self._closing.is_set() or not self._run(self.across.cut, "cut"):
+                return
+            self.record.cut_time = time.monotonic()
+            self._closing.wait(self.across.cut_for)  # a bench that ends meanwhile restores at once
+        finally:
+            # Whatever happened, the link is put back (a restore of a link never cut is harmless).
+            if self._run(self.across.restore, "restore"):
+                self.record.restore_time = time.monotonic()
+            self.restored.set()
+
+    def _run(self, commands: list[list[str]], what: str) -> bool:
+        for cmd in commands:
+            try:
+                subprocess.run(cmd, check=True, capture_output=True, timeout=20)
+            except (OSError, subprocess.SubprocessError) as exc:
+                self.record.errors.append(f"{what}: {' '.join(cmd)}: {exc}")
+                return False
+        return True
 
     def since_cut(self, when: float | None = None) -> float:
         return round((time.monotonic() if when is None else when) - self.record.cut_time, 3)
 
     def close(self) -> None:
+        """Stop: a cut not made yet is not made, one in progress is restored now, and the
+        timer's thread is joined (nothing touches the link after the bench)."""
+        self._closing.set()
         if self._timer is not None:
             self._timer.cancel()
-            if self.record.cut_time and not self.restored.is_set():
-                self.restored.wait(self.across.cut_for + 30)
+            self._timer.join(60)
 
 
 def forwarded(argv: Sequence[str]) -> list[str]:
@@ -196,6 +213,8 @@ def render(doc: dict[str, Any]) -> str:
         share = f" ({tx / moved:.0%} of the KV that arrived)" if moved else ""
         lines.append(f"  rail{r}       prefill host sent {tx / 1e9:.3f} GB{share}, decode host sent {rx / 1e9:.3f} GB")
     cut = doc.get("cut")
+    for error in (cut or {}).get("errors", []):
+        lines.append(f"  cut failed  {error}")
     if cut:
         if not cut["happened"]:
             lines.append(f"  cut         none: the bench ended before {cut['at_s']} s")

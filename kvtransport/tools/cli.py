@@ -241,6 +241,9 @@ def _add_bench(sub: Any) -> None:
     w = Workload()
     p = sub.add_parser(
         "bench",
+        # No abbreviations: --hosts runs the bench again on a simulated host with the flags it
+        # was given, less its own, which it recognises by their full names.
+        allow_abbrev=False,
         help="prefill -> decode transfer on loopback, verified, against the raw engine",
         description="Send KV pages between two processes on this host with the negotiated driver "
         "(or --driver), verify every byte, and compare with the driver's engine used directly.",
@@ -459,7 +462,7 @@ def bench_cmd(args: argparse.Namespace) -> int:
     if args.listen:
         os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # the peers it starts inherit it
         return _listen(args)
-    if args.hosts is not None:
+    if args.hosts is not None and not args.sim_plan:
         from kvtransport.tools import bench_hosts
 
         if other_mode or args.layerwise or args.consumer or (args.prefill_tp, args.decode_tp) != (1, 1):

@@ -3,7 +3,7 @@
 A :class:`SimCluster` of N hosts and R rails is N+1 Linux network namespaces: one per host and
 one holding the switches, a bridge per rail. Each host has one interface per rail (``rail0``,
 ``rail1``, ...), a veth whose other end is a port of that rail's bridge, with the address
-``10.77.<rail>.<host + 1>/24``. A process started with :meth:`SimCluster.launcher` also gets
+``198.18.<rail>.<host + 1>/24``. A process started with :meth:`SimCluster.launcher` also gets
 its own hostname (UTS), System V IPC, PID namespace, mount namespace and ``/dev/shm``: it
 shares nothing with another simulated host that two real hosts would share, so UCX, Mooncake
 and NIXL cannot take a shared-memory or cross-memory-attach shortcut, and their bytes cross
@@ -18,15 +18,21 @@ Failures, as the network makes them:
   ``tbf`` qdisc that no packet fits through: this kernel has no ``netem``), silently.
 - :meth:`shape` limits a rail's rate both ways (``tbf``).
 
-Namespaces are named ``kvtsim-<pid>-<n>-...`` after the process that made them. They are
-removed when the cluster is closed, at interpreter exit, and, after a crash that skipped both,
-by the next cluster made on the machine (:func:`sweep_stale`: the owner pid is gone). Traffic
-stays inside the namespaces: no host namespace has a route out of the machine.
+Namespaces are named ``kvtsim-<pid>-<n>-...`` after the process that made them, which holds a
+lock on ``<lock dir>/kvtsim-<pid>-<n>.lock`` (``flock``) for the cluster's life. They are
+removed when the cluster is closed, when the owner's interpreter exits, and, after a crash that
+skipped both, by the next cluster made on the machine (:func:`sweep_stale`: nobody holds the
+lock any more; a lock works across PID namespaces, where a pid would not). Traffic stays inside
+the namespaces: no host namespace has a route out of the machine, and the addresses are in
+198.18.0.0/15, the range set aside for benchmarks (RFC 2544), so that the routes ``here=True``
+adds to this process's namespace cannot shadow a network of the machine's.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import fcntl
 import itertools
 import json
 import os
@@ -34,6 +40,7 @@ import re
 import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 from dataclasses import dataclass
 from typing import Literal
@@ -41,7 +48,7 @@ from typing import Literal
 from kvtransport.spi.errors import ConfigError, KVTransportError
 
 PREFIX = "kvtsim"
-_STALE = re.compile(rf"^{PREFIX}-(\d+)-\d+-")
+_STALE = re.compile(rf"^({PREFIX}-(\d+)-\d+)-")
 _COUNT = itertools.count()
 _LIVE: set[SimCluster] = set()
 _LIVE_LOCK = threading.Lock()
@@ -98,21 +105,43 @@ def _remove_namespace(ns: str) -> None:
     _run("ip", "netns", "del", ns, check=False)
 
 
-def _alive(pid: int) -> bool:
+def _lock_dir() -> str:
+    for folder in ("/run/kvtsim", os.path.join(tempfile.gettempdir(), "kvtsim")):
+        try:
+            os.makedirs(folder, exist_ok=True)
+            return folder
+        except OSError:
+            continue
+    raise KVTransportError("simulated cluster: no folder for its lock files (/run, the temp folder)")
+
+
+def _held(tag: str) -> bool:
+    """Whether a live process holds cluster ``tag``'s lock (its namespaces are in use)."""
+    path = os.path.join(_lock_dir(), f"{tag}.lock")
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
         return False
-    except PermissionError:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
         return True
-    return True
+    finally:
+        os.close(fd)  # (releases the lock it may just have taken)
+    return False
 
 
 def sweep_stale() -> list[str]:
-    """Remove the namespaces of clusters whose process is gone (a crash); returns their names."""
-    stale = [ns for ns in _namespaces() if (m := _STALE.match(ns)) and not _alive(int(m.group(1)))]
-    for ns in stale:
-        _remove_namespace(ns)
+    """Remove the namespaces of clusters nobody holds any more (a crash); returns their names."""
+    stale: list[str] = []
+    for ns in _namespaces():
+        m = _STALE.match(ns)
+        if m and not _held(m.group(1)):
+            _remove_namespace(ns)
+            stale.append(ns)
+    for tag in {m.group(1) for ns in stale if (m := _STALE.match(ns))}:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(_lock_dir(), f"{tag}.lock"))
     return stale
 
 
@@ -128,7 +157,7 @@ class SimCluster:
     """``hosts`` simulated hosts joined by ``rails`` switches; a context manager (closing removes
     everything). ``rate``: a ``tc`` rate (``10gbit``) for every rail, both ways; None: unshaped.
     ``here``: this process's own network namespace is plugged into every switch too, at
-    ``10.77.<rail>.254`` (:data:`HERE`), so that a test can hold one side itself; one cluster
+    ``198.18.<rail>.254`` (:data:`HERE`), so that a test can hold one side itself; one cluster
     at a time can (the routes would clash)."""
 
     def __init__(self, hosts: int = 2, rails: int = 1, rate: str | None = None, *, here: bool = False) -> None:
@@ -139,7 +168,11 @@ class SimCluster:
             raise ConfigError(reason)
         sweep_stale()
         self.hosts, self.rails = hosts, rails
-        tag = f"{PREFIX}-{os.getpid()}-{next(_COUNT)}"
+        self.owner = os.getpid()
+        tag = f"{PREFIX}-{self.owner}-{next(_COUNT)}"
+        self._lock_path = os.path.join(_lock_dir(), f"{tag}.lock")
+        self._lock = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(self._lock, fcntl.LOCK_EX)  # held until close (or this process's end)
         self.switch = f"{tag}-sw"
         self.netns = [f"{tag}-h{i}" for i in range(hosts)]
         self._rate: dict[tuple[int, int], str] = {}
@@ -195,7 +228,7 @@ class SimCluster:
     def address(self, host: int, rail: int = 0) -> str:
         """``host``'s address on ``rail`` (reached over that rail only); :data:`HERE`: this
         process's (``here=True``)."""
-        return f"10.77.{rail}.{254 if host == HERE else host + 1}"
+        return f"198.18.{rail}.{254 if host == HERE else host + 1}"
 
     def hostname(self, host: int) -> str:
         return f"{PREFIX}-host{host}"
@@ -263,6 +296,8 @@ class SimCluster:
         if self._closed:
             return
         self._closed = True
+        if os.getpid() != self.owner:
+            return  # a forked child: the cluster is its parent's
         for ns in (*self.netns, self.switch):
             _remove_namespace(ns)  # takes the veth pairs with it, the ends plugged in here too
         for link in self._here_links:
@@ -270,6 +305,9 @@ class SimCluster:
         if self._here_held:
             self._here_held = False
             _HERE_LOCK.release()
+        with contextlib.suppress(OSError):
+            os.unlink(self._lock_path)
+        os.close(self._lock)
         with _LIVE_LOCK:
             _LIVE.discard(self)
 
