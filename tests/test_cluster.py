@@ -387,3 +387,51 @@ def test_an_uncalibrated_pair_of_hosts_learns_which_lane_is_fastest_across_the_l
     finally:
         prefill.close()
         decode.close()
+
+
+def test_vllms_schedulers_see_a_partition_as_a_failed_load_and_serve_on(cluster: SimCluster) -> None:
+    """vLLM's own scheduler in a prefill instance on host 0 and a decode instance on host 1: a
+    first request connects them; the link is cut after the second request's prefill, before
+    its decode loads; decode's load fails within the heartbeat timeout + 1 s and the request
+    ends in error (what vLLM's kv_load_failure_policy takes); prefill gives the request's blocks
+    back at its lease; after the link returns, the next request moves byte-exact."""
+    from .vllm_cluster import Instance, engine_config, instance_env, prompt, require_vllm, run_request
+
+    require_vllm()
+    lease = 3.0
+    fast = {
+        "KVTRANSPORT_HEARTBEAT_INTERVAL": str(HEARTBEAT["heartbeat_interval"]),
+        "KVTRANSPORT_HEARTBEAT_TIMEOUT": str(HEARTBEAT["heartbeat_timeout"]),
+    }
+    instances: list[Instance] = []
+    restored = True
+    try:
+        for host, name in enumerate(("prefill", "decode")):
+            config = engine_config(extra={"listen_host": cluster.address(host), "lease_s": lease})
+            env = instance_env("nixl-ucx", **fast)
+            instances.append(Instance(name, config, env, launcher=cluster.launcher(host)))
+        p, d = instances
+        first = run_request(p, d, "before", prompt(64, seed=1))
+        assert first["bad"] == 0 and first["finished"] != "error", first
+        p.send(op="prefill", id="p-cut", tokens=prompt(64, seed=2))
+        params = p.wait("prefilled", "p-cut")["params"]
+        cluster.cut(0, 0, "both")
+        restored = False
+        cut_at = time.monotonic()
+        d.send(op="decode", id="cut", tokens=prompt(64, seed=2), params=params, max_tokens=1)
+        assert d.wait("finished", "cut", timeout=30)["reason"] == "error"
+        took = time.monotonic() - cut_at
+        assert took <= BOUND_S + 0.5, f"decode's load failed {took:.2f} s after the cut"  # (+ the event's way out)
+        time.sleep(1.0)
+        cluster.restore(0, 0)
+        restored = True
+        # Prefill never heard from decode about it: its blocks come back at the lease.
+        held = p.settle(timeout=lease + 10)
+        assert held["requests"] == 0 and held["holding"] == 0, held
+        after = run_request(p, d, "after", prompt(96, seed=3))
+        assert after["bad"] == 0 and after["checked"] == 95 and after["finished"] != "error", after
+    finally:
+        if not restored:
+            cluster.restore(0, 0)
+        for inst in reversed(instances):
+            inst.close()

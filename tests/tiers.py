@@ -178,6 +178,7 @@ FULL: dict[str, list[str]] = {
         "test_a_silent_partition_fails_every_transfer_in_time_and_no_late_write_lands*",
         "test_a_partition_of_a_connection_learning_its_lanes_fences_every_lane",
         "test_sglangs_schedulers_see_a_partition_as_failed_requests_in_time",
+        "test_vllms_schedulers_see_a_partition_as_a_failed_load_and_serve_on",
         "test_bench_across_hosts_shows_where_the_bytes_went_and_what_a_cut_did",
         "test_an_uncalibrated_pair_of_hosts_learns_which_lane_is_fastest_across_the_link",
     ],

@@ -10,7 +10,7 @@ import queue
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -44,10 +44,11 @@ def require_vllm() -> str:
 class Instance:
     """One vLLM instance: commands in, events out (a reader thread queues them)."""
 
-    def __init__(self, name: str, config: dict[str, Any], env: dict[str, str]) -> None:
+    def __init__(self, name: str, config: dict[str, Any], env: dict[str, str], launcher: Sequence[str] = ()) -> None:
+        """``launcher``: a command the instance runs under (a simulated host's, say)."""
         self.name = name
         self.proc = subprocess.Popen(
-            [require_vllm(), str(ENGINE), json.dumps(config)],
+            [*launcher, require_vllm(), str(ENGINE), json.dumps(config)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
