@@ -51,7 +51,7 @@ import functools
 import logging
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -567,3 +567,22 @@ def rails_for_gpu(index: int, env: Mapping[str, str] | None = None, root: str = 
         if gpu.index == index:
             return rails
     return None
+
+
+def forced_rails(
+    gpu: int | None, rails: Callable[[int], GpuRails | None], engine_choice: str
+) -> tuple[GpuRails | None, str]:
+    """The rails the user forced for an engine serving ``gpu``'s KV (``None``: host memory), or
+    ``None`` and why the engine keeps its own choice (``engine_choice`` names it: "every RDMA
+    device, Mooncake's choice"). A driver hands only forced rails to its engine: a list of the
+    nearest ones alone would take away the engine's way to peers only other devices reach."""
+    if gpu is None:
+        return None, f"host-memory KV: {engine_choice}"
+    chosen = rails(gpu)
+    if chosen is None:
+        return None, f"cuda:{gpu} not found in sysfs: {engine_choice}"
+    if not chosen.rails:
+        return None, f"{chosen.reason}: {engine_choice}"
+    if not chosen.forced:
+        return None, f"{chosen.reason}; {engine_choice} (force rails with KVTRANSPORT_RAILS)"
+    return chosen, chosen.reason

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from kvtransport.spi.topology import GpuRails, mooncake_device_names, rails_for_gpu
+from kvtransport.spi.topology import GpuRails, forced_rails, mooncake_device_names, rails_for_gpu
 
 from .engine_probe import ENV_DEVICE
 
@@ -31,13 +31,9 @@ def device_filter(
         return explicit, f"set by {ENV_DEVICE}"
     if protocol != "rdma":
         return "", f"protocol {protocol}: no RDMA device to choose"
-    if gpu is None:
-        return "", "host-memory KV: every RDMA device (Mooncake's choice)"
-    chosen = rails(gpu)
+    chosen, why = forced_rails(gpu, rails, "every RDMA device, Mooncake's choice")
     if chosen is None:
-        return "", f"cuda:{gpu} not found in sysfs: every RDMA device (Mooncake's choice)"
-    if not chosen.forced:
-        return "", f"{chosen.reason}; every RDMA device, Mooncake's choice (force rails with KVTRANSPORT_RAILS)"
+        return "", why
     names = mooncake_device_names(chosen)
     if not names:
         return "", f"{chosen.reason}, no RDMA device among them: every RDMA device (Mooncake's choice)"

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from kvtransport.spi.topology import GpuRails, rails_for_gpu, ucx_net_devices
+from kvtransport.spi.topology import GpuRails, forced_rails, rails_for_gpu, ucx_net_devices
 
 ENV_UCX_NET_DEVICES = "UCX_NET_DEVICES"
 #: The UCX backend's parameter naming the devices its context uses (NIXL's ucx_backend).
@@ -34,13 +34,7 @@ def net_devices(
     user = env.get(ENV_UCX_NET_DEVICES, "").strip()
     if user:
         return "", f"{ENV_UCX_NET_DEVICES}={user} set by the user: kept"
-    if gpu is None:
-        return "", "host-memory KV: UCX's own choice of devices"
-    chosen = rails(gpu)
+    chosen, why = forced_rails(gpu, rails, "UCX's own choice among every device")
     if chosen is None:
-        return "", f"cuda:{gpu} not found in sysfs: UCX's own choice of devices"
-    if not chosen.rails:
-        return "", f"{chosen.reason}: UCX's own choice of devices"
-    if not chosen.forced:
-        return "", f"{chosen.reason}; UCX chooses among every device (force rails with KVTRANSPORT_RAILS)"
+        return "", why
     return ", ".join(d for d in ucx_net_devices(chosen).split(",") if d), chosen.reason
