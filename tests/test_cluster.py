@@ -435,3 +435,30 @@ def test_vllms_schedulers_see_a_partition_as_a_failed_load_and_serve_on(cluster:
             cluster.restore(0, 0)
         for inst in reversed(instances):
             inst.close()
+
+
+def test_a_simulated_hosts_own_rails_are_what_topology_reads_there(cluster: SimCluster) -> None:
+    """spi.topology inside a simulated host (its own /sys/class/net): its rails are the
+    cluster's veth interfaces, virtual (no PCI device, so equally near), loopback left out;
+    and doctor lists them."""
+    import subprocess
+    import sys
+
+    code = (
+        "import json; from kvtransport.spi.topology import read_topology; t = read_topology('/sys'); "
+        "print(json.dumps({'rdma': [r.name for r in t.rdma], 'ip': [r.name for r in t.ip], "
+        "'virtual': [r.name for r in t.virtual]}))"
+    )
+    done = subprocess.run(
+        [*cluster.launcher(0), sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen == {"rdma": [], "ip": [], "virtual": [f"rail{r}" for r in range(cluster.rails)]}, seen
+    doctor = subprocess.run(
+        [*cluster.launcher(0), sys.executable, "-m", "kvtransport", "doctor"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    rails = [line for line in doctor.stdout.splitlines() if line.strip().startswith("rails:")]
+    assert rails and "rail0" in rails[0], doctor.stdout[-2000:]
