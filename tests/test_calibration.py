@@ -524,6 +524,10 @@ def test_a_learning_lane_that_fails_or_measures_far_slower_is_left_alone(caplog:
     measured = Lane("m", _Driver(), None, b"", (CostModel("tcp", 1e-3, 0.0, 1.0),))  # type: ignore[arg-type]
     measured.failed("a transfer failed", "peer")
     assert not measured.broken
+    # Nor does the handshake's chosen driver, learning or not: a connection keeps a lane to send on.
+    chosen = Lane("c", _Driver(), None, b"", fast.models, chosen=True)  # type: ignore[arg-type]
+    chosen.failed("a transfer failed", "peer")
+    assert chosen.learning and not chosen.broken
 
 
 def test_a_done_naming_a_one_sided_lane_still_waits_for_the_two_sided_lanes_copies(

@@ -60,6 +60,8 @@ class Lane:
         runner: DriverRunner,
         peer_info: bytes,
         models: tuple[CostModel, ...] = (),
+        *,
+        chosen: bool = False,
     ) -> None:
         self.name = name
         self.driver = driver
@@ -79,6 +81,9 @@ class Lane:
         self.warned = False
         #: Whether its model is nominal: it learns its cost from this connection's transfers.
         self.learning = any(m.version == NOMINAL for m in models)
+        #: Whether it is the handshake's chosen driver: never dropped (the connection's fate is
+        #: its own), so a connection always has a lane to send on.
+        self.chosen = chosen
         #: A learning lane that failed (its connect, or a transfer on it): no transfer is sent
         #: on it again for this connection (set on the I/O thread, read by caller threads).
         self.broken = False
@@ -94,7 +99,7 @@ class Lane:
         """I/O thread: a transfer on this lane failed (or its connect did). A lane kept only to
         learn from is not tried again on this connection; the chosen driver's lane stays (the
         connection's fate is its own)."""
-        if self.learning and not self.broken:
+        if self.learning and not self.chosen and not self.broken:
             self.broken = True
             log.warning("%s: not used again for %s on this connection: %s", self.name, peer, why)
 

@@ -355,7 +355,14 @@ class SessionSetup:
                 raise NegotiationError(f"{name} was chosen but is not open on both sides")
             info = peer_lanes.get(name, entry.conn)
             self._check_identity(name, entry.conn, info)
-            lanes[name] = Lane(name, driver, self._endpoint.runners[name], info, decision.models_of(name))
+            lanes[name] = Lane(
+                name,
+                driver,
+                self._endpoint.runners[name],
+                info,
+                decision.models_of(name),
+                chosen=name == decision.driver,
+            )
         return lanes
 
     def _check_identity(self, driver: str, endpoint_info: Any, lane_info: Any) -> None:
@@ -403,10 +410,8 @@ class SessionSetup:
                 endpoint.channel.timers.cancel(session.handshake_timer)
                 then(None, error)
 
-        chosen = session.decision.driver if session.decision else ""
-
         def one(lane: Lane, _: Any, error: KVTransportError | None) -> None:
-            if error is not None and lane.learning and lane.name != chosen:
+            if error is not None and lane.learning and not lane.chosen:
                 # A lane kept only to learn from: the connection goes on without it.
                 lane.failed(f"its connect failed: {error}", session.peer_label)
                 error = None
