@@ -13,7 +13,7 @@ connection, or a new calibration, starts afresh.
 A lane whose model is nominal (an uncalibrated connection between two hosts, see
 :func:`kvtransport.negotiation.negotiate.learning_lanes`) *learns*: until each such lane has
 measured :data:`MIN_SAMPLES` whole transfers, whole transfers go to the least-measured one
-(:func:`explore`), and from then on its predictions are scaled by the median of its measured
+(:meth:`LanePicker.explore`), and from then on its predictions are scaled by the median of its measured
 over predicted times, however close to 1, so that transfers go to the lane that measures
 fastest; one in :data:`REVISIT_EVERY` whole transfers goes to the lane measured longest ago,
 so a lane that got faster (or a link that changed) is noticed, among the lanes not far slower

@@ -293,12 +293,17 @@ class Session:
         """Whether any lane's driver is two-sided (its notices must precede "done")."""
         return self.protocol.two_sided
 
+    def usable_lanes(self) -> list[Lane]:
+        """Any thread: the lanes a transfer may take (all but learning lanes that failed; the
+        chosen driver's is always among them)."""
+        return [lane for lane in self.lanes.values() if not lane.broken]
+
     def pick_lane(self, runs: int, nbytes: int, *, whole: bool = False) -> Lane:
         """Any thread: the lane with the lowest predicted time for ``runs`` descriptors of
         ``nbytes`` (the chosen driver when only it is a lane, or on a tie). A ``whole``
         transfer (sent in one part: its time is measured) of a connection that learns its
         lanes' costs may go to a lane it has not measured enough yet (:class:`LanePicker`)."""
-        lanes = [lane for lane in self.lanes.values() if not lane.broken]
+        lanes = self.usable_lanes()
         if len(lanes) == 1:
             return lanes[0]
         picker = self.picker if whole else None
@@ -697,7 +702,7 @@ class Session:
     def _check_ranking(self, runs: int, nbytes: int) -> None:
         """I/O thread, on a connection that learns its lanes' costs: once every lane measured
         enough, say (INFO) which lane transfers like the last one now go to, when that changes."""
-        lanes = [lane for lane in self.lanes.values() if not lane.broken]
+        lanes = self.usable_lanes()
         if any(lane.learning and len(lane.ratios) < MIN_SAMPLES for lane in lanes):
             return
         fastest = min(lanes, key=lambda lane: lane.predict(runs, nbytes))

@@ -386,8 +386,8 @@ def _run(
             raw_engine=False,
             compare=compare,
             basis=decision.basis,
+            learning=decision.learning,
         )
-        report.learning = decision.learning
         if across is not None:
             report.placement = "two simulated hosts (network, PID, IPC and mount namespaces, one switch per rail)"
         if decode_cpus is not None:

@@ -152,15 +152,14 @@ def run(argv: Sequence[str], hosts: int, rails: int, rate: str | None, cut_at: f
     if cut_at is not None and (cut_at < 0 or cut_for <= 0):
         raise ConfigError("--cut-at must be >= 0 and --cut-for > 0 seconds")
     with SimCluster(hosts, rails, rate) as cluster, tempfile.TemporaryDirectory(prefix="kvtsim-bench-") as tmp:
-        port = f"{cluster.switch}"
         plan = Across(
             listen=f"tcp://{cluster.address(0)}:0",
             decode_launcher=cluster.launcher(1),
             decode_listen=f"tcp://{cluster.address(1)}:0",
             cut_at=cut_at,
             cut_for=cut_for,
-            cut=[["ip", "-n", port, "link", "set", "h0r0", "down"]],
-            restore=[["ip", "-n", port, "link", "set", "h0r0", "up"]],
+            cut=[cluster.port_command(0, 0, "down")],
+            restore=[cluster.port_command(0, 0, "up")],
         )
         plan_path, report_path = os.path.join(tmp, "plan.json"), os.path.join(tmp, "report.json")
         with open(plan_path, "w", encoding="utf-8") as f:

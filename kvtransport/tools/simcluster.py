@@ -211,8 +211,8 @@ class SimCluster:
                 _run("ip", "-n", ns, "addr", "add", f"{self.address(host, rail)}/24", "dev", f"rail{rail}")
                 _run("ip", "-n", ns, "link", "set", f"rail{rail}", "up")
             if self.here:
-                # The port's end here is named after the switch's namespace, unique on this host.
-                link = f"kvt{os.getpid() % 100000}x{rail}"
+                # Named after this process (one cluster at a time plugs in here): unique on the host.
+                link = f"kvt{os.getpid()}x{rail}"
                 _run("ip", "link", "add", link, "type", "veth", "peer", "name", f"here{rail}", "netns", self.switch)
                 self._here_links.append(link)
                 _run("ip", "-n", self.switch, "link", "set", f"here{rail}", "master", f"br{rail}")
@@ -259,11 +259,17 @@ class SimCluster:
             return [], self._here_links[rail]
         return ["-n", self.netns[host]], f"rail{rail}"
 
+    def port_command(self, host: int, rail: int, state: Literal["up", "down"]) -> list[str]:
+        """The command that takes ``host``'s switch port on ``rail`` down (a silent cut both
+        ways) or up again: for :meth:`cut` and :meth:`restore`, and for a process that cuts
+        at a moment of its own (bench --cut-at)."""
+        return ["ip", "-n", self.switch, "link", "set", self._port(host, rail), state]
+
     def cut(self, host: int, rail: int = 0, direction: Direction = "both") -> None:
         """Cut ``host`` off ``rail``, silently: ``both`` ways (its switch port down), or only what
         it sends (``out``) or only what it receives (``in``)."""
         if direction == "both":
-            _run("ip", "-n", self.switch, "link", "set", self._port(host, rail), "down")
+            _run(*self.port_command(host, rail, "down"))
         elif direction == "out":
             where, dev = self._host_end(host, rail)
             _run("tc", *where, "qdisc", "replace", "dev", dev, "root", *_DROP_ALL)
@@ -274,7 +280,7 @@ class SimCluster:
 
     def restore(self, host: int, rail: int = 0) -> None:
         """Undo every cut of ``host`` on ``rail`` (its rate limit, if any, stays)."""
-        _run("ip", "-n", self.switch, "link", "set", self._port(host, rail), "up")
+        _run(*self.port_command(host, rail, "up"))
         where, dev = self._host_end(host, rail)
         _run("tc", *where, "qdisc", "del", "dev", dev, "root", check=False)
         _run("tc", "-n", self.switch, "qdisc", "del", "dev", self._port(host, rail), "root", check=False)

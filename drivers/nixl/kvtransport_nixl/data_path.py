@@ -168,8 +168,6 @@ class NixlDataPath(KVTransport):
         self._name = ""
         self._registered: Any = None
         self._params: dict[str, str] = {}
-        #: UCX_NET_DEVICES this endpoint's agents are made under ("": UCX's own choice; see rails.py).
-        self._net_devices = ""
         self._regions: RegionSet | None = None
         self._peers: dict[str, _Peer] = {}
         self._batches: dict[int, _Batch] = {}
@@ -242,10 +240,11 @@ class NixlDataPath(KVTransport):
         else:
             config = self._nixl.nixl_agent_config(enable_prog_thread=False, backends=[])
         self._params = dict(facts.backend_params)
-        self._net_devices, why = net_devices(gpu, os.environ) if facts.backend == "UCX" else ("", "")
-        if self._net_devices:
-            log.info("%s: UCX on devices %s (%s)", self.name, self._net_devices, why)
-            params[DEVICE_LIST] = self._params[DEVICE_LIST] = self._net_devices
+        # Forced rails (rails.py): for this agent and, through _params, every receive agent.
+        devices, why = net_devices(gpu, os.environ) if facts.backend == "UCX" else ("", "")
+        if devices:
+            log.info("%s: UCX on devices %s (%s)", self.name, devices, why)
+            params[DEVICE_LIST] = self._params[DEVICE_LIST] = devices
         elif why:
             log.debug("%s: %s", self.name, why)
         self._agent = self._call("agent creation", lambda: self._nixl.nixl_agent(name, config), DriverUnavailable)
