@@ -181,6 +181,7 @@ FULL: dict[str, list[str]] = {
         "test_vllms_schedulers_see_a_partition_as_a_failed_load_and_serve_on",
         "test_bench_across_hosts_shows_where_the_bytes_went_and_what_a_cut_did",
         "test_an_uncalibrated_pair_of_hosts_learns_which_lane_is_fastest_across_the_link",
+        "test_learning_connections_that_come_and_go_leave_both_hosts_flat",
     ],
     "test_cli": [
         "test_negotiate_with_a_misspelled_driver_fails_with_a_suggestion",
