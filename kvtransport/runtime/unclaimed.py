@@ -43,6 +43,10 @@ T = TypeVar("T")
 
 #: Monitor events read in one loop pass (the rest wait for the next one).
 EVENTS_PER_PASS = 256
+#: A connection whose disconnect was read while its descriptor still held it is looked at again
+#: after this long, then after twice as long, up to RECHECK_LAST_S.
+RECHECK_FIRST_S = 0.05
+RECHECK_LAST_S = 1.6
 
 
 @dataclass
@@ -66,6 +70,8 @@ class UnclaimedConnections:
         #: addresses -> descriptor.
         self._unclaimed: collections.OrderedDict[Any, _Conn] = collections.OrderedDict()
         self._claimed: dict[Any, int] = {}
+        #: Connections to look at again (:meth:`_recheck`), at most one timer each.
+        self._rechecks: dict[Any, Any] = {}
         self._sweep_at = 64
         #: Connections closed for carrying no session (for the log's running count).
         self.closed_total = 0
@@ -98,16 +104,40 @@ class UnclaimedConnections:
         self._track(key, fd)
 
     def _disconnected(self, fd: int) -> None:
-        """A connection on ``fd`` ended: forget what was known of it, unless the number already
-        belongs to that same connection (then the event is an older one's)."""
+        """A connection on ``fd`` ended: forget what was known of it. zmq says so just before
+        it closes the descriptor, so the number may still hold that connection when the event
+        is read: then it is looked at again shortly (:meth:`_recheck`); a newer connection that
+        holds the number by now is kept."""
         now_there = self._key_on(fd)
         for key, conn in list(self._unclaimed.items()):
             if conn.fd == fd and key != now_there:
-                del self._unclaimed[key]
-                self._timers.cancel(conn.timer)
+                self._forget(key)
         for key, claimed_fd in list(self._claimed.items()):
             if claimed_fd == fd and key != now_there:
-                del self._claimed[key]
+                self._forget(key)
+        if now_there is not None and (now_there in self._unclaimed or now_there in self._claimed):
+            self._recheck(fd, now_there, RECHECK_FIRST_S)
+
+    def _recheck(self, fd: int, key: Any, delay: float) -> None:
+        """Forget ``key`` once ``fd`` no longer holds it; look again after ``delay``, backing
+        off, until :data:`RECHECK_LAST_S` (a connection still open then is alive, and is
+        bounded as any other: the timeout if unclaimed, its session's end if claimed)."""
+        if self._key_on(fd) != key:
+            self._forget(key)
+        elif delay <= RECHECK_LAST_S and key not in self._rechecks:
+            self._rechecks[key] = self._timers.call_later(delay, functools.partial(self._recheck_due, fd, key, delay))
+
+    def _recheck_due(self, fd: int, key: Any, delay: float) -> None:
+        del self._rechecks[key]
+        if key in self._unclaimed or key in self._claimed:
+            self._recheck(fd, key, 2 * delay)
+
+    def _forget(self, key: Any) -> None:
+        conn = self._unclaimed.pop(key, None)
+        if conn is not None:
+            self._timers.cancel(conn.timer)
+        self._claimed.pop(key, None)
+        self._timers.cancel(self._rechecks.pop(key, None))
 
     def _track(self, key: Any, fd: int) -> None:
         conn = _Conn(fd)
@@ -153,6 +183,8 @@ class UnclaimedConnections:
     def _close(self, key: Any, conn: _Conn, why: str) -> None:
         del self._unclaimed[key]
         self._timers.cancel(conn.timer)
+        if key not in self._claimed:
+            self._timers.cancel(self._rechecks.pop(key, None))
         if key not in self._claimed and _shut_down_if(conn.fd, key):
             self.closed_total += 1
             log.debug("closed the control connection from %s: %s", _describe(key[1]), why)
@@ -178,6 +210,7 @@ class UnclaimedConnections:
         self.monitor.close(0)
         self._unclaimed.clear()
         self._claimed.clear()
+        self._rechecks.clear()
 
 
 def _names(sock: socket.socket) -> tuple[Any, Any]:
