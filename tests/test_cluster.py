@@ -464,12 +464,6 @@ def test_a_simulated_hosts_own_rails_are_what_topology_reads_there(cluster: SimC
     assert rails and "rail0" in rails[0], doctor.stdout[-2000:]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open defect: each connection the NIXL drivers carry leaves file descriptors behind on both "
-    "sides (8 per connection for nixl-ucx, 16 with UCX_TLS=tcp,self, 2 for nixl-staged; linear over 60 "
-    "connections, on one host too; Mooncake's drivers stay flat), so the descriptors here grow",
-)
 def test_learning_connections_that_come_and_go_leave_both_hosts_flat(cluster: SimCluster, tmp_path: Any) -> None:
     """Each connection between the hosts keeps three lanes, each with its receive side on the
     other host; connections that come and go (a handshake, three drivers connected, closed)

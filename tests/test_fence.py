@@ -42,6 +42,8 @@ from .conftest import require_engines
 
 PAGES, LAYERS, ITEM = 96, 4, 256 * 1024  # 96 MiB: a write of a few hundred ms here
 HEARTBEAT = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.5}
+#: Connections made and closed in the descriptor test (the NIXL drivers left 2-8 each).
+CHURN = 16
 
 #: (driver, UCX_TLS for both processes, whether the decode side can fence the stopped peer)
 CASES = {
@@ -170,3 +172,36 @@ def test_receive_engines_are_bounded_and_a_fenced_one_refuses_its_peer(monkeypat
     finally:
         receivers.close()
         pool.close()
+
+
+@pytest.mark.parametrize("driver", ["nixl-ucx", "nixl-staged", "mooncake-gdr", "mooncake-staged"])
+def test_connections_that_come_and_go_leave_descriptors_flat(driver: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every connection gets receive sides of its own on both endpoints; connections that come
+    and go (handshake, lanes connected, closed) leave each process's descriptors where they
+    were. The NIXL drivers left 8 (nixl-ucx) and 2 (nixl-staged) a connection on each side,
+    without bound: a receive agent the peer had connected to was reused, with the UCX
+    connections that peer's agent made to it, and the endpoint's own agent, never driven while
+    idle, kept its half of each closed one. The same over TCP between simulated hosts is in
+    tests/test_cluster.py."""
+    require_engines()
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    args = ("--driver", driver, "--pages", "16", "--layers", "2", "--item", "4096", "--aux-slots", "0", "--private")
+    prefill = PeerProcess(*args, "--name", "prefill")
+    decode = PeerProcess(*args, "--name", "decode")
+    try:
+        decode.call("connects", address=prefill.address, count=3, timeout=60)  # spares and threads exist
+        before = [p.call("stats")["process"]["fds"] for p in (prefill, decode)]
+        decode.call("connects", address=prefill.address, count=CHURN, timeout=120)
+        deadline = time.monotonic() + 10
+        while True:
+            after = [p.call("stats")["process"]["fds"] for p in (prefill, decode)]
+            # (a connection's worth may still be closing: the spares' thread drops agents late)
+            if all(a <= b + 8 for a, b in zip(after, before, strict=True)) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert all(a <= b + 8 for a, b in zip(after, before, strict=True)), (
+            f"descriptors of prefill, decode before {before}, after {CHURN} connections {after}"
+        )
+    finally:
+        prefill.close()
+        decode.close()

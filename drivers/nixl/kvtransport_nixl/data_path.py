@@ -60,6 +60,8 @@ WARM_STEP_S = 0.002
 #: Fenced peers remembered (``fence`` is asked again while a peer's pages are held): at most
 #: this many, each for at most this long; their receive agents go with them.
 MAX_FENCED = 16
+#: Progress calls of the endpoint's agent at each connect and disconnect (``_tidy``).
+TIDY_PASSES = 4
 FENCED_KEEP_S = 600.0
 
 
@@ -457,6 +459,7 @@ class NixlDataPath(KVTransport):
                 f"{self.name}: the peer registered {mem} memory but describes its KV as {peer_regions.kv_kind}"
             )
         self._note_process(peer, doc)
+        self._tidy()
         main = doc.get("main")
         # Known from here on: metadata naming it (a copy of that endpoint's own agent, presented
         # by another connection) is refused by ``_add_remote``.
@@ -624,14 +627,37 @@ class NixlDataPath(KVTransport):
                 self._agent.remove_remote_agent(target.agent)
             except Exception as exc:  # noqa: BLE001 - the peer may be gone already
                 log.debug("%s: removing remote agent %s: %s", self.name, target.agent, exc)
-        self._forget_receiver(peer)
+        self._forget_receiver(peer, connected=target is not None)
+        self._tidy()
 
-    def _forget_receiver(self, peer: str) -> None:
+    def _tidy(self) -> None:
+        """Let the endpoint's agent see the connections its peers closed. UCX closes its side
+        of a connection only when its worker is driven, and nothing drives an idle endpoint's
+        agent: the sockets of every peer receive agent closed since (8 a connection) stayed
+        open, half closed, until the next transfer. Driven here at each connect and
+        disconnect (runner thread), what is left is the last few connections'."""
+        if self._agent is not None:
+            for _ in range(TIDY_PASSES):
+                try:
+                    self._agent.get_new_notifs()
+                except Exception as exc:  # noqa: BLE001 - a failed peer: its transfers say so
+                    log.debug("%s: progress after a disconnect: %s", self.name, exc)
+                    return
+
+    def _forget_receiver(self, peer: str, connected: bool) -> None:
         """A receive agent not fenced: its driver was not chosen, or the handshake failed
-        before the peer could use it. Nothing of the peer was announced into it."""
-        unused = self._receivers.pop(peer, None)
-        if unused is not None and self._spares is not None:
-            self._spares.give_back(unused)  # nobody wrote into it: it serves the next peer
+        before the peer could use it. Nothing of the peer was announced into it. Where this
+        side ``connected`` the peer's lane, the peer connected this agent's as well, and UCX
+        keeps what that made in the agent's worker (an endpoint and its sockets back to the
+        peer's agent, which nothing here can name to close): given to the next peer, an agent
+        carried every earlier one's (8 descriptors a connection on each side, without bound),
+        so it is closed instead; one nobody connected serves the next peer."""
+        receiver = self._receivers.pop(peer, None)
+        if receiver is not None and self._spares is not None:
+            if connected:
+                self._spares.release(receiver)
+            else:
+                self._spares.give_back(receiver)
         self._processes.pop(peer, None)
 
     def close(self) -> None:

@@ -155,6 +155,7 @@ class NixlStaged(StagedTransport, NixlDataPath):
             raise DriverError(f"{self.name}: the peer's connection info is not a staged NIXL export: {exc}") from exc
         main = doc.get("main")
         main = main if isinstance(main, str) and 0 < len(main) <= 256 else ""
+        self._tidy()
         with self.agent_lock:
             remote = self._add_remote(meta)
         self._note_process(peer, doc)
@@ -167,9 +168,12 @@ class NixlStaged(StagedTransport, NixlDataPath):
         return {*super()._known_agents(), *self._remote.values(), *self._remote_main.values()}
 
     def disconnect(self, peer: str) -> None:
-        super().disconnect(peer)
+        # Before the base class's disconnect, which knows connected peers by ``_peers`` (the
+        # staged variant keeps its own in ``_remote``): a peer connected here connected to
+        # this side's receive agent too (see ``_forget_receiver``).
         with self.agent_lock:
-            self._forget_receiver(peer)
+            self._forget_receiver(peer, connected=peer in self._remote)
+        super().disconnect(peer)
         self._remote_main.pop(peer, None)
         remote = self._remote.pop(peer, None)
         if remote is not None and self._agent is not None:
@@ -178,6 +182,11 @@ class NixlStaged(StagedTransport, NixlDataPath):
                     self._agent.remove_remote_agent(remote)
                 except Exception:  # noqa: BLE001 - the peer may be gone already
                     pass
+        self._tidy()
+
+    def _tidy(self) -> None:
+        with self.agent_lock:  # the wire threads share the agent
+            super()._tidy()
 
     def close(self) -> None:
         if self._agent is None:
