@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 
 # --- the wire schema, as read from kvtransport/runtime/wire.py (deliberately not imported) -----------
 
-VERSION = 12
+VERSION = 13
 LIMIT = 4 << 20  # DEFAULT_MAX_MESSAGE_BYTES
 #: Frames larger than this make zmq drop the connection (MAXMSGSIZE: the limit plus framing room):
 #: the attacker's DEALER reconnects with a new route, so a session on the old one is orphaned.
@@ -62,6 +62,7 @@ SCHEMA: dict[str, dict[str, type]] = {
     "abort": {"tag": str, "reason": str},
     "drained": {"tag": str},
     "notice": {"payload": bytes, "lane": str},
+    "lane_down": {"lane": str, "reason": str},
     "ping": {"seq": int},
     "bye": {"reason": str},
 }

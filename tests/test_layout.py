@@ -34,10 +34,12 @@ LAYERS = {
 }
 API_LAYER = 5
 #: Upward imports that are allowed, with the reason. The bench's decode peer loads the fake
-#: drivers only when asked for them by name (``--driver fake``), for fault injection; the CLI
-#: and its doctor print the package's version.
+#: drivers only when asked for them by name (``--driver fake``), and the fault-injecting
+#: wrapper only when its options name a fault file, for fault injection; the CLI and its doctor
+#: print the package's version.
 ALLOWED_UPWARD = {
     ("kvtransport.tools.peer", "kvtransport.testing.fake"),
+    ("kvtransport.tools.peer", "kvtransport.testing.faults"),
     ("kvtransport.tools.cli", "kvtransport"),
     # `kvtransport bench --consumer vllm` times the vLLM connector, which sits above the tools
     ("kvtransport.tools.cli", "kvtransport.integrations.vllm.bench"),

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from kvtransport.negotiation.cost_model import NOMINAL
 from kvtransport.negotiation.hello import Hello
 from kvtransport.negotiation.negotiate import LEARNING_LANES, negotiate, sliced_pages
-from kvtransport.negotiation.registry import Policy
+from kvtransport.negotiation.registry import FAILOVER_SETTINGS, Policy
 from kvtransport.spi.driver import TransferPath
 from kvtransport.spi.errors import (
     ConfigError,
@@ -243,13 +243,14 @@ NAMES = sorted(FIRST_PARTY)
 @st.composite
 def policies(draw: st.DrawFn) -> Policy:
     kind = draw(st.sampled_from(["none", "force", "allow", "exclude"]))
+    failover = draw(st.sampled_from(FAILOVER_SETTINGS))
     if kind == "force":
-        return Policy(force=draw(st.sampled_from(NAMES)))
+        return Policy(force=draw(st.sampled_from(NAMES)), failover=failover)
     if kind == "allow":
-        return Policy(allow=tuple(draw(st.permutations(NAMES))[: draw(st.integers(1, len(NAMES)))]))
+        return Policy(allow=tuple(draw(st.permutations(NAMES))[: draw(st.integers(1, len(NAMES)))]), failover=failover)
     if kind == "exclude":
-        return Policy(exclude=tuple(draw(st.lists(st.sampled_from(NAMES), unique=True))))
-    return Policy()
+        return Policy(exclude=tuple(draw(st.lists(st.sampled_from(NAMES), unique=True))), failover=failover)
+    return Policy(failover=failover)
 
 
 @st.composite
@@ -382,7 +383,8 @@ def test_uncalibrated_peers_on_two_hosts_keep_the_best_ranked_drivers_as_lanes_t
     # On one host (loopback figures describe it) and under a user's policy: the chosen driver alone.
     assert decide(hello(host("a")), hello(host("a"))).lanes == (decide(hello(host("a")), hello(host("a"))).driver,)
     bound = decide(hello(host("a"), policy=Policy(allow=("nixl-ucx", "mooncake-gdr"))), hello(host("b")))
-    assert bound.lanes == (bound.driver,)
+    # (a user's list of drivers does not learn; across hosts it keeps a standby to fail over to)
+    assert bound.lanes == (bound.driver, *bound.standby) and bound.standby == ("mooncake-gdr",)
 
 
 @settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
@@ -403,3 +405,17 @@ def test_lanes_are_the_chosen_driver_first_then_ranked_and_only_across_hosts_lea
         assert d.lanes == tuple(ranked[:LEARNING_LANES])
     if len(d.lanes) == 1:
         assert d.lanes == (d.driver,)
+    # A standby: the last lane, never the chosen driver, only where a single lane would carry
+    # the connection, neither side forces a driver nor turned failover off, and the hosts differ
+    # unless a side asked for it everywhere; another engine's driver when one is usable.
+    settings = {a.policy.failover, b.policy.failover}
+    across = a.host.host_id != b.host.host_id
+    may = "off" not in settings and (across or "on" in settings) and not (a.policy.force or b.policy.force)
+    if d.standby:
+        (standby,) = d.standby
+        assert may and d.lanes[-1] == standby != d.driver and len(d.lanes) == 2, d
+        engine = d.driver.split("-")[0]
+        if standby.split("-")[0] == engine:
+            assert all(n.split("-")[0] == engine for n in ranked if n != d.driver), (ranked, standby)
+    elif may and len(d.lanes) == 1:
+        assert len(ranked) == 1, f"no standby among {ranked}"

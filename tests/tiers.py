@@ -183,6 +183,12 @@ FULL: dict[str, list[str]] = {
         "test_an_uncalibrated_pair_of_hosts_learns_which_lane_is_fastest_across_the_link",
         "test_learning_connections_that_come_and_go_leave_both_hosts_flat",
     ],
+    # failover: the fast tier keeps the fakes' cases, the real engines failing with errors, and
+    # the cut data rail across simulated hosts (tests/test_cluster_failover.py, seconds)
+    "test_failover": [
+        "test_real_engines_fail_over_between_processes_byte_exact[stall]",
+        "test_real_engines_fail_over_between_processes_byte_exact[error-then-back]",
+    ],
     "test_cli": [
         "test_negotiate_with_a_misspelled_driver_fails_with_a_suggestion",
         "test_negotiate_with_nothing_allowed_fails_listing_reasons",

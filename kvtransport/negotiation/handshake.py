@@ -121,6 +121,7 @@ def decision_to_dict(decision: Decision) -> dict[str, Any]:
         basis=decision.basis,
         basis_note=cut(decision.basis_note),
         lanes=list(decision.lanes),
+        standby=list(decision.standby),
         initiator=decision.initiator,
         acceptor=decision.acceptor,
         candidates=[
@@ -148,8 +149,14 @@ def _figure(x: float) -> float:
 def check_agreement(theirs: Any, mine: Decision, peer: str) -> None:
     """The acceptor's decision (``theirs``, from its welcome) must equal this side's."""
     doc = parse(theirs, DecisionDoc, "decision")
-    if (doc.driver, doc.path, doc.lanes) != (mine.driver, mine.path.value, list(mine.lanes)):
+    if (doc.driver, doc.path, doc.lanes, doc.standby) != (
+        mine.driver,
+        mine.path.value,
+        list(mine.lanes),
+        list(mine.standby),
+    ):
         raise DecisionMismatch(
             f"{peer} chose {doc.driver} ({doc.path}), this side computes {mine.driver} ({mine.path.value}), lanes "
-            f"{doc.lanes} against {list(mine.lanes)}; are both sides running the same kvtransport and driver versions?"
+            f"{doc.lanes} (standby {doc.standby}) against {list(mine.lanes)} (standby {list(mine.standby)}); are "
+            "both sides running the same kvtransport and driver versions?"
         )

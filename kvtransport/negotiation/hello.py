@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 #: 11: the hello and the welcome carry each side's per-connection receive infos (``lanes``).
 #: 12: a decision between two hosts with no measured model keeps several lanes to learn from
 #: (negotiate.learning_lanes): an 11 peer would compute other lanes and refuse the decision.
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 PROTOCOL_NAME: Final = "kvtransport"
 
 
@@ -157,7 +157,12 @@ class Hello:
             host=_host_document(self.host),
             drivers={name: self.drivers[name].document() for name in sorted(self.drivers)},
             layout=None if self.layout is None else _layout_document(self.layout),
-            policy=PolicyDoc(force=self.policy.force, allow=list(self.policy.allow), exclude=list(self.policy.exclude)),
+            policy=PolicyDoc(
+                force=self.policy.force,
+                allow=list(self.policy.allow),
+                exclude=list(self.policy.exclude),
+                failover=self.policy.failover,  # type: ignore[arg-type]  # checked by Policy.from_env
+            ),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -189,7 +194,12 @@ class Hello:
             host=_host(doc.host),
             drivers={name: DriverHello.from_document(name, d) for name, d in doc.drivers.items()},
             layout=None if doc.layout is None else layout_from_document(doc.layout),
-            policy=Policy(force=policy.force or None, allow=tuple(policy.allow), exclude=tuple(policy.exclude)),
+            policy=Policy(
+                force=policy.force or None,
+                allow=tuple(policy.allow),
+                exclude=tuple(policy.exclude),
+                failover=policy.failover,
+            ),
             protocol=proto.version,
         )
 

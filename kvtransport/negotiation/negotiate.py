@@ -106,6 +106,9 @@ class Decision:
     lanes: tuple[str, ...] = ()
     #: Per lane, both sides' models of it on its path (a transfer's prediction is the slower).
     lane_models: tuple[tuple[CostModel, ...], ...] = ()
+    #: The lanes kept only to fail over to (:func:`standby_lane`): no transfer is sent on one
+    #: while another lane works.
+    standby: tuple[str, ...] = ()
 
     @property
     def learning(self) -> bool:
@@ -128,6 +131,7 @@ class Decision:
             "basis": self.basis,
             "basis_note": self.basis_note,
             "lanes": list(self.lanes),
+            "standby": list(self.standby),
             "initiator": self.initiator,
             "acceptor": self.acceptor,
             "candidates": [c.to_dict() for c in self.candidates],
@@ -336,6 +340,11 @@ def negotiate(
         basis_note += f"; learning on this connection which of {', '.join(lanes)} is fastest across the link"
     else:
         lanes = (best,)
+    standby = standby_lane(ranked, lanes, initiator, acceptor, across)
+    if standby:
+        lanes += (standby,)
+        lane_models[standby] = tuple(models.get(standby, ()))
+        basis_note += f"; {standby} on standby to fail over to"
     return Decision(
         driver=best,
         path=chosen.path,
@@ -348,7 +357,24 @@ def negotiate(
         basis_note=basis_note,
         lanes=lanes,
         lane_models=tuple(lane_models.get(n, ()) for n in lanes),
+        standby=(standby,) if standby else (),
     )
+
+
+def standby_lane(ranked: list[str], lanes: tuple[str, ...], initiator: Hello, acceptor: Hello, across: bool) -> str:
+    """The driver a connection with a single lane keeps connected to fail over to ("": none):
+    the best-ranked other driver, of another engine where there is one (a failure of the
+    engine, or of the rail it was bound to, may well take its sibling down too). Only where
+    neither side forces a driver nor turned failover off, and between two hosts unless a
+    side asks for it everywhere (``KVTRANSPORT_FAILOVER``)."""
+    settings = (initiator.policy.failover, acceptor.policy.failover)
+    if len(lanes) != 1 or "off" in settings or not (across or "on" in settings):
+        return ""
+    if initiator.policy.force or acceptor.policy.force:
+        return ""
+    others = [n for n in ranked if n not in lanes and len(n) <= MAX_LANE_NAME]
+    engine = lanes[0].split("-")[0]
+    return next((n for n in others if n.split("-")[0] != engine), others[0] if others else "")
 
 
 def learning_lanes(ranked: list[str]) -> tuple[str, ...]:

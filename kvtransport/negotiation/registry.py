@@ -38,6 +38,10 @@ ENTRY_POINT_GROUP = "kvtransport.drivers"
 ENV_DRIVER = "KVTRANSPORT_DRIVER"
 ENV_DRIVERS = "KVTRANSPORT_DRIVERS"
 ENV_EXCLUDE = "KVTRANSPORT_EXCLUDE"
+ENV_FAILOVER = "KVTRANSPORT_FAILOVER"
+#: ``KVTRANSPORT_FAILOVER``: ``auto`` keeps a standby driver for connections between two
+#: hosts, ``on`` for every connection, ``off`` for none (either side's ``off`` wins).
+FAILOVER_SETTINGS = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -174,6 +178,8 @@ class Policy:
     force: str | None = None
     allow: tuple[str, ...] = ()  # empty: every driver
     exclude: tuple[str, ...] = ()
+    #: Whether a connection keeps a standby driver to fail over to (:data:`FAILOVER_SETTINGS`).
+    failover: str = "auto"
 
     def permits(self, name: str) -> tuple[bool, str]:
         """(allowed, reason if not) for ``name`` under this policy."""
@@ -217,7 +223,10 @@ class Policy:
             raise ConfigError(f"{ENV_DRIVER}={force} is also listed in {ENV_EXCLUDE}")
         if force and allow and force not in allow:
             raise ConfigError(f"{ENV_DRIVER}={force} is not among {ENV_DRIVERS}={','.join(allow)}")
-        return cls(force=force, allow=tuple(allow), exclude=tuple(exclude))
+        failover = env.get(ENV_FAILOVER, "").strip().lower() or "auto"
+        if failover not in FAILOVER_SETTINGS:
+            raise ConfigError(f"{ENV_FAILOVER}={failover!r}: use one of {', '.join(FAILOVER_SETTINGS)}")
+        return cls(force=force, allow=tuple(allow), exclude=tuple(exclude), failover=failover)
 
 
 def _split(text: str) -> list[str]:

@@ -237,11 +237,14 @@ class LayoutDoc(Part, kw_only=True):
 
 
 class PolicyDoc(Part, kw_only=True):
-    """The sender's `KVTRANSPORT_DRIVER` / `_DRIVERS` / `_EXCLUDE`."""
+    """The sender's `KVTRANSPORT_DRIVER` / `_DRIVERS` / `_EXCLUDE` / `_FAILOVER`."""
 
     force: Name | None = None
     allow: Annotated[list[Name], Meta(max_length=MAX_DRIVERS)] = []
     exclude: Annotated[list[Name], Meta(max_length=MAX_DRIVERS)] = []
+    failover: Annotated[
+        Literal["auto", "on", "off"], about("a standby driver: between hosts (`auto`), always, never")
+    ] = "auto"
 
 
 class HelloDoc(Struct, kw_only=True):
@@ -299,7 +302,7 @@ class CandidateDoc(Part, kw_only=True):
 
 
 class DecisionDoc(Part, kw_only=True):
-    """The acceptor's decision; the initiator's own must have the same `driver`, `path` and `lanes`."""
+    """The acceptor's decision; the initiator's own must have the same `driver`, `path`, `lanes` and `standby`."""
 
     driver: Name
     path: Name
@@ -310,6 +313,7 @@ class DecisionDoc(Part, kw_only=True):
     lanes: Annotated[
         list[Name], Meta(max_length=MAX_DRIVERS), about("the drivers a transfer may take, `driver` first")
     ] = []
+    standby: Annotated[list[Name], Meta(max_length=MAX_DRIVERS), about("the lanes kept only to fail over to")] = []
     initiator: Label = ""
     acceptor: Label = ""
     candidates: Annotated[list[CandidateDoc], Meta(max_length=MAX_DRIVERS)] = []

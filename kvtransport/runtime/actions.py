@@ -140,6 +140,17 @@ class Fence:
 
 
 @dataclass(frozen=True, slots=True)
+class FailOver:
+    """Sending ``transfer``'s batch on lane ``old`` failed with ``error`` (a data-path failure,
+    the control channel alive): send it again over ``new`` (``runtime.failover``)."""
+
+    transfer: Transfer
+    old: Lane
+    new: Lane
+    error: KVTransportError
+
+
+@dataclass(frozen=True, slots=True)
 class Next:
     """Feed ``then`` back once the actions before this one ran."""
 
@@ -160,5 +171,6 @@ Action = (
     | Calibrate
     | EndSession
     | Fence
+    | FailOver
     | Next
 )

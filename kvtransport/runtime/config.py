@@ -37,6 +37,13 @@ class Timeouts:
     #: this endpoint fail authentication around its arrival, before it fails with that reason
     #: (SGLang's prefill; docs/security.md). At or above ``bootstrap`` it never fails early.
     auth_grace: float = 10.0
+    #: How long a lane of a connection that can fail over may go without finishing a batch
+    #: while one of its whole transfers is in flight, at least, before that transfer counts as
+    #: failed there (a rail down, completions that stopped) and goes over another lane; a
+    #: transfer's own limit is the larger of this and ``failover.STALL_FACTOR`` times its time
+    #: at the rate the lane showed (a lane that showed none yet: the transfer timeout). A
+    #: connection with one usable lane waits for the transfer timeout as ever.
+    stall: float = 0.5
 
     ENV: ClassVar[dict[str, str]] = {
         "connect": "KVTRANSPORT_CONNECT_TIMEOUT",
@@ -48,6 +55,7 @@ class Timeouts:
         "retain_finished": "KVTRANSPORT_RETAIN_FINISHED",
         "drain": "KVTRANSPORT_DRAIN_TIMEOUT",
         "auth_grace": "KVTRANSPORT_AUTH_FAILURE_GRACE",
+        "stall": "KVTRANSPORT_STALL_TIMEOUT",
     }
 
     def __post_init__(self) -> None:

@@ -169,6 +169,19 @@ class SessionDrivers:
         if not queued:
             then(None)
 
+    def stop_lane(self, lane: Lane, transfer: Transfer) -> None:
+        """Stop ``transfer``'s batches on ``lane`` alone, which failed (``runtime.failover``):
+        it goes on over another lane. Best effort, logged: the receiver fences that lane."""
+
+        def stopped(error: KVTransportError | None) -> None:
+            if error is not None:
+                log.debug("batches of %r on the failed lane %s: %s", transfer.tag, lane.name, error)
+
+        try:
+            lane.runner.call(functools.partial(self._abort_on, lane, transfer, stopped, stop_transfer=False))
+        except KVTransportError as exc:  # the driver is closed: its close() drained it
+            log.debug("abort of %r on %s not queued: %s", transfer.tag, lane.name, exc)
+
     def after_inbound(self, t: Transfer, kind: str, then: Outcome) -> None:
         """``then(first error or None)`` once every two-sided lane's inbound work from this
         peer is idle (at once when there is none). Every lane, not the one the peer names: its
@@ -331,12 +344,14 @@ class SessionDrivers:
             else:
                 transfer.done_sent = link.send(done.encode())
 
-    def _abort_on(self, lane: Lane, transfer: Transfer, then: Outcome) -> None:
-        """Driver thread: stop every batch of ``transfer`` on ``lane`` (no later one is
-        submitted), then watch until the driver says none of them can write any more, and tell
-        the I/O thread (``then``). Gives up, without confirming, after the transfer timeout."""
+    def _abort_on(self, lane: Lane, transfer: Transfer, then: Outcome, *, stop_transfer: bool = True) -> None:
+        """Driver thread: stop every batch of ``transfer`` on ``lane`` (and, with
+        ``stop_transfer``, submit none of it later), then watch until the driver says none of
+        them can write any more, and tell the I/O thread (``then``). Gives up, without
+        confirming, after the transfer timeout."""
         driver, runner = lane.driver, lane.runner
-        transfer.driver_stopped = True
+        if stop_transfer:
+            transfer.driver_stopped = True
         aborted = lane.failed_handles.pop(transfer, [])
         for bid in [b for b, (_, t) in lane.handles.items() if t is transfer]:
             handle, _ = lane.handles.pop(bid)

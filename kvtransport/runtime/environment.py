@@ -13,7 +13,7 @@ import logging
 import os
 from collections.abc import Iterable, Mapping
 
-from kvtransport.negotiation.registry import ENV_DRIVER, ENV_DRIVERS, ENV_EXCLUDE
+from kvtransport.negotiation.registry import ENV_DRIVER, ENV_DRIVERS, ENV_EXCLUDE, ENV_FAILOVER
 from kvtransport.runtime.auth import ENV_INSECURE, ENV_SECRET, ENV_SECRET_FILE
 from kvtransport.runtime.config import ENV_VARS as CONFIG_ENV_VARS
 from kvtransport.runtime.discovery_config import ENV_DISCOVERY, ENV_DISCOVERY_TTL
@@ -28,6 +28,7 @@ CORE_ENV_VARS = frozenset(
         ENV_DRIVER,
         ENV_DRIVERS,
         ENV_EXCLUDE,
+        ENV_FAILOVER,
         "KVTRANSPORT_LOG_LEVEL",
         "KVTRANSPORT_STAGING_RING_BYTES",
         "KVTRANSPORT_STAGING_CHUNK_BYTES",

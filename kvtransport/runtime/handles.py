@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from kvtransport.runtime.timers import Timer
     from kvtransport.spi.inbound import Claim
     from kvtransport.spi.memory import KVLayout, RegionSet
+    from kvtransport.spi.plan import Runs
     from kvtransport.spi.tp_map import PairShape
 
 
@@ -170,6 +171,12 @@ class Transfer:
         self.measured_s = 0.0
         self.submitted_at = 0.0
         self.lane: Lane | None = None
+        #: Sender: the runs of a transfer sent in one part (what a failover sends again), how
+        #: often it moved to another lane, and when it last did (``runtime.failover``).
+        self.whole_runs: Runs | None = None
+        self.failovers = 0
+        self.failed_over_at = 0.0
+        self.failed_over_from = ""  # the lane it first failed on
 
     @property
     def connection(self) -> Connection:

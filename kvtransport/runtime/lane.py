@@ -62,6 +62,7 @@ class Lane:
         models: tuple[CostModel, ...] = (),
         *,
         chosen: bool = False,
+        standby: bool = False,
     ) -> None:
         self.name = name
         self.driver = driver
@@ -84,6 +85,8 @@ class Lane:
         #: Whether it is the handshake's chosen driver: never dropped (the connection's fate is
         #: its own), so a connection always has a lane to send on.
         self.chosen = chosen
+        #: Kept only to fail over to: no transfer takes it while another lane is usable.
+        self.standby = standby
         #: A learning lane that failed (its connect, or a transfer on it): no transfer is sent
         #: on it again for this connection (set on the I/O thread, read by caller threads).
         self.broken = False
@@ -91,6 +94,12 @@ class Lane:
         #: and the picker's count when it last took a whole transfer.
         self.explored = 0
         self.last_picked = 0
+        #: I/O thread: when a batch on it last finished for this connection (failover's stall
+        #: check: a lane that finishes nothing for long while its transfers wait has failed).
+        self.last_progress = 0.0
+        #: I/O thread: bytes per second of this connection's recent whole transfers on it, from
+        #: submission to completion (queueing included: an underestimate, so a generous limit).
+        self.observed_bps: collections.deque[float] = collections.deque(maxlen=RATIO_WINDOW)
 
     def __repr__(self) -> str:
         return f"<Lane {self.name}>"
@@ -99,9 +108,24 @@ class Lane:
         """I/O thread: a transfer on this lane failed (or its connect did). A lane kept only to
         learn from is not tried again on this connection; the chosen driver's lane stays (the
         connection's fate is its own)."""
-        if self.learning and not self.chosen and not self.broken:
+        if (self.learning or self.standby) and not self.chosen and not self.broken:
             self.broken = True
             log.warning("%s: not used again for %s on this connection: %s", self.name, peer, why)
+
+    def fail_over(self) -> bool:
+        """I/O thread: a transfer on this lane failed over to another (``runtime.failover``):
+        no transfer is sent on it again for this connection, the chosen driver's included (the
+        receiving side fences it). Whether it was usable until now."""
+        was = not self.broken
+        self.broken = True
+        return was
+
+    def observed_seconds(self, nbytes: int) -> float:
+        """Seconds ``nbytes`` took on this lane, at the median of its observed rates (0: none
+        observed yet on this connection)."""
+        if not self.observed_bps:
+            return 0.0
+        return nbytes / statistics.median(self.observed_bps)
 
     def raw_prediction(self, runs: int, nbytes: int) -> float:
         """Seconds the slower side's model gives (0 without a model)."""

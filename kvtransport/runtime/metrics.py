@@ -148,6 +148,9 @@ class Metrics:
         self._drivers: dict[tuple[str, str], Series] = {}
         self._peers: collections.OrderedDict[tuple[str, str, str], Series] = collections.OrderedDict()
         self._gauges = gauges
+        #: Transfers' moves from a failed lane to another (``runtime.failover``), by the two
+        #: drivers (bounded by the installed drivers' pairs).
+        self._failovers: dict[tuple[str, str], int] = {}
         #: The endpoint's record of connections that failed authentication (auth_failures.py).
         self._auth = auth
 
@@ -169,6 +172,11 @@ class Metrics:
             while len(self._peers) > self.max_peers:
                 self._peers.popitem(last=False)
 
+    def failed_over(self, old: str, new: str) -> None:
+        """A connection's lane ``old`` failed and its transfers went over ``new``."""
+        with self._lock:
+            self._failovers[(old, new)] = self._failovers.get((old, new), 0) + 1
+
     def snapshot(self) -> dict[str, Any]:
         """``{"version", "drivers": [...], "peers": [...], "gauges": {...}, "auth": {...}}``: each
         series with its labels (``driver``, ``role``, and ``peer`` for the per-peer ones), and
@@ -177,6 +185,14 @@ class Metrics:
         with self._lock:
             drivers = [{"driver": d, "role": r, **s.to_dict()} for (d, r), s in sorted(self._drivers.items())]
             peers = [{"peer": p, "driver": d, "role": r, **s.to_dict()} for (p, d, r), s in self._peers.items()]
+            failovers = [{"from": a, "to": b, "count": n} for (a, b), n in sorted(self._failovers.items())]
         gauges = dict(self._gauges()) if self._gauges is not None else {}
         auth = dict(self._auth()) if self._auth is not None else dict(NO_AUTH_FAILURES)
-        return {"version": SCHEMA_VERSION, "drivers": drivers, "peers": peers, "gauges": gauges, "auth": auth}
+        return {
+            "version": SCHEMA_VERSION,
+            "drivers": drivers,
+            "peers": peers,
+            "gauges": gauges,
+            "auth": auth,
+            "failovers": failovers,
+        }

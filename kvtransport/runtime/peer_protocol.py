@@ -39,6 +39,7 @@ from kvtransport.runtime.actions import (
     Calibrate,
     CheckInbound,
     EndSession,
+    FailOver,
     Fence,
     FlushNotices,
     Later,
@@ -55,6 +56,7 @@ from kvtransport.runtime.handles import RECV, SEND, State, Transfer
 from kvtransport.runtime.tags import Refused, TagBook
 from kvtransport.runtime.wire import Message
 from kvtransport.spi.errors import (
+    DriverError,
     InvalidPages,
     KVTransportError,
     PeerLost,
@@ -103,6 +105,7 @@ class PeerFacts(Protocol):
     def lanes(self) -> Mapping[str, LaneFacts]: ...
     @property
     def plan(self) -> PairPlan: ...
+    def failover_target(self, failed: Any) -> Any: ...
 
 
 LaneT = TypeVar("LaneT", bound=LaneFacts)
@@ -248,8 +251,11 @@ class PeerProtocol:
         return self._take()
 
     def batch_failed(self, t: Transfer, bid: int, error: KVTransportError) -> list[Action]:
-        t.batches.discard(bid)
-        self._batch_failed(t, error)
+        """Batch ``bid`` could not be submitted (its "submitted" came first: the runner posts
+        it ahead of the failure), or its poll failed."""
+        if bid in t.batches:  # else no longer counted: aborted meanwhile, or moved to another lane
+            t.batches.discard(bid)
+            self._batch_failed(t, error)
         return self._take()
 
     def abort(
@@ -563,10 +569,26 @@ class PeerProtocol:
             self._out.append(Arriving(-1))
 
     def _batch_failed(self, t: Transfer, error: KVTransportError) -> None:
+        if self._fail_over(t, error):
+            return
         if t.lane is not None and self.phase is Phase.READY and not self.closing:
             # (not when the whole connection is going: that says nothing of this lane)
             t.lane.failed(f"a transfer failed: {error}", self.peer_label)
         self._abort(t, f"{self._driver_of(t, 'driver')}: {error}", notify=True, error=error)
+
+    def _fail_over(self, t: Transfer, error: KVTransportError) -> bool:
+        """Whether sending transfer ``t``, whose batch failed with ``error``, goes again over
+        another lane (``runtime.failover``) instead of failing: a driver's failure (not the
+        connection's), on a live connection, of a transfer sent in one part."""
+        if t.role != SEND or t.lane is None or self.phase is not Phase.READY or self.closing:
+            return False
+        if not isinstance(error, DriverError) or not can_move(t):
+            return False
+        target = self._peer.failover_target(t.lane)
+        if target is None:
+            return False
+        self._out.append(FailOver(t, t.lane, target, error))
+        return True
 
     def _progress(self, t: Transfer) -> None:
         if t.last_sent and not t.batches and t.state is State.TRANSFERRING:
@@ -677,3 +699,20 @@ class PeerProtocol:
 def _forget_revoked(guard: InboundGuard, claim: Claim) -> list[Action]:
     guard.forget_revoked(claim)
     return []
+
+
+#: How many times one transfer may move to another lane (``runtime.failover``; each move takes
+#: a lane out of its connection).
+MAX_FAILOVERS = 3
+
+
+def can_move(t: Transfer) -> bool:
+    """Whether sending transfer ``t`` may go again over another lane: sent in one part, not
+    finished, not being aborted, not moved too often already."""
+    return (
+        t.whole_runs is not None
+        and not t.state.final
+        and not t.stopping
+        and not t.aborted_by_caller
+        and t.failovers < MAX_FAILOVERS
+    )

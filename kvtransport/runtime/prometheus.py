@@ -72,6 +72,11 @@ class Collector:
             "Unix time of the last connection that failed authentication (absent before any)",
             labels=["endpoint"],
         )
+        failovers = core.CounterMetricFamily(
+            f"{PREFIX}_failovers",
+            "Connections' lanes that failed, their transfers sent again over another (runtime.failover)",
+            labels=["endpoint", "from_driver", "to_driver"],
+        )
         driver_gauges: dict[str, Any] = {}
         for endpoint, snapshot in self._sources:
             snap = snapshot()
@@ -95,6 +100,8 @@ class Collector:
             auth_failures.add_metric([endpoint], auth.get("failures", 0))
             if auth.get("last_at") is not None:
                 auth_last.add_metric([endpoint], auth["last_at"])
+            for f in snap.get("failovers", []):
+                failovers.add_metric([endpoint, f["from"], f["to"]], f["count"])
             for driver, values in g.get("drivers", {}).items():
                 for what, value in values.items():
                     name = f"{PREFIX}_driver_{_NAME.sub('_', what.lower())}"
@@ -105,7 +112,7 @@ class Collector:
                         )
                     family.add_metric([endpoint, driver], value)
         yield from (transfers, nbytes, failures, latency, size, peer_bytes, peer_failures, connections, live)
-        yield from (auth_failures, auth_last)
+        yield from (auth_failures, auth_last, failovers)
         yield from driver_gauges.values()
 
 

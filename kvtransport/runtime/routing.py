@@ -330,6 +330,8 @@ class Router:
             session.on_drained(msg)
         elif kind == "notice":
             session.on_notice(msg)
+        elif kind == "lane_down":
+            session.failover.on_lane_down(msg)
         elif kind == "bye":
             self._endpoint.end_session(
                 session, PeerLost(f"peer {session.peer_label} closed its endpoint ({msg['reason']})"), notify=False

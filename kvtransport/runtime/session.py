@@ -36,6 +36,7 @@ from kvtransport.runtime.actions import (
     Calibrate,
     CheckInbound,
     EndSession,
+    FailOver,
     Fence,
     FlushNotices,
     Later,
@@ -50,8 +51,9 @@ from kvtransport.runtime.checks import check_aux, check_tag, state_items
 from kvtransport.runtime.chunk import Chunk
 from kvtransport.runtime.driver_side import SessionDrivers
 from kvtransport.runtime.express_link import ORDERED_KINDS
+from kvtransport.runtime.failover import Failover
 from kvtransport.runtime.handles import RECV, SEND, Connection, State, Transfer
-from kvtransport.runtime.lane import MIN_SAMPLES, Lane, LanePicker
+from kvtransport.runtime.lane import MIN_SAMPLES, REFERENCE_BYTES, REFERENCE_RUNS, Lane, LanePicker
 from kvtransport.runtime.layer_groups import Grouper, LayerwisePolicy, regions_by_layer
 from kvtransport.runtime.layer_groups import region_layers as region_layers_of
 from kvtransport.runtime.layerwise import LayerStream
@@ -217,6 +219,8 @@ class Session:
         self.order = OrderedStream(self)
         #: Its calls into its lanes' drivers (``runtime.driver_side``).
         self.drivers = SessionDrivers(self)
+        #: Its transfers moved off failed lanes, and the peer's failed lanes it fences.
+        self.failover = Failover(self)
 
     # -- what the machine holds, read by the endpoint and the handles -------------------------
 
@@ -294,9 +298,22 @@ class Session:
         return self.protocol.two_sided
 
     def usable_lanes(self) -> list[Lane]:
-        """Any thread: the lanes a transfer may take (all but learning lanes that failed; the
-        chosen driver's is always among them)."""
-        return [lane for lane in self.lanes.values() if not lane.broken]
+        """Any thread: the lanes a transfer may take: all but those that failed (learning or
+        standby lanes whose connect or a transfer failed, lanes failed over from) and, while
+        another is usable, standby lanes. Never empty: the chosen driver's lane is left when
+        nothing else is (a failover happens only towards a usable lane)."""
+        usable = [lane for lane in self.lanes.values() if not lane.broken]
+        active = [lane for lane in usable if not lane.standby]
+        return active or usable or list(self.lanes.values())[:1]
+
+    def failover_target(self, failed: Lane) -> Lane | None:
+        """I/O thread: the lane the transfers of ``failed`` go to when it fails, or ``None``:
+        the best-ranked usable one other than it (a lane that learns: the one predicted
+        fastest for a reference transfer), a standby lane last."""
+        others = [lane for lane in self.lanes.values() if lane is not failed and not lane.broken]
+        if not others:
+            return None
+        return min(others, key=lambda lane: (lane.standby, lane.predict(REFERENCE_RUNS, REFERENCE_BYTES)))
 
     def pick_lane(self, runs: int, nbytes: int, *, whole: bool = False) -> Lane:
         """Any thread: the lane with the lowest predicted time for ``runs`` descriptors of
@@ -395,7 +412,7 @@ class Session:
             transfer.last_planned = last
             transfer.parts += 1
             # With a layer-wise send still posting, its last group is the transfer's last part.
-            self._submit(transfer, runs, last and not transfer.open_streams)
+            self.submit_part(transfer, runs, last and not transfer.open_streams)
 
     def send_layerwise(
         self,
@@ -455,7 +472,7 @@ class Session:
             # Never on the marking thread while layers are still to come: it is the one that
             # computes (or launches) them, and an engine may copy inside submit (UCX's shared
             # memory does). A request in one group goes as a whole-request send does.
-            return self._submit(transfer, runs, last, inline=whole)
+            return self.submit_part(transfer, runs, last, inline=whole)
 
     def readiness(self) -> ReadinessWatcher:
         return self.endpoint.readiness()
@@ -472,10 +489,14 @@ class Session:
                 "its pages yet; poll until WAITING_FOR_INPUT"
             )
 
-    def _submit(self, transfer: Transfer, runs: Runs, last: bool, *, inline: bool = True) -> int:
+    def submit_part(
+        self, transfer: Transfer, runs: Runs, last: bool, *, inline: bool = True, express: bool = True
+    ) -> int:
         """Hand one part of ``transfer`` (a chunk, a layer group) to its lane's driver;
         ``last``: nothing of the transfer follows; ``inline``: a small part may be submitted
-        on this thread. Under the transfer's ``plan_lock``."""
+        on this thread; ``express``: a one-part transfer's "done" may go on the express
+        stream (not after a failover: it must follow the "lane_down"). Under the transfer's
+        ``plan_lock``."""
         ep = self.endpoint
         bid = ep.next_batch_id() if len(runs) else 0
         lane = transfer.lane
@@ -489,6 +510,8 @@ class Session:
             transfer.runs = len(runs)
             transfer.submitted_at = time.monotonic()
             transfer.lane = lane
+            # What a failover sends again (``runtime.failover``): a transfer sent in one part.
+            transfer.whole_runs = runs if last and transfer.parts == 1 else None
             if len(self.lanes) > 1:
                 log.debug(
                     "transfer %r to %s via %s: %d descriptors, %d bytes, predicted %.3g ms",
@@ -501,10 +524,12 @@ class Session:
                 )
 
         def noted() -> None:
+            if transfer.lane is not lane:
+                return  # it moved to another lane meanwhile (``runtime.failover``): not counted
             self.submitted(transfer, bid, runs.total_bytes, last)
 
         # A transfer of one batch: the thread that sees it finish may send "done" itself.
-        express = bool(bid) and last and transfer.parts == 1 and self.express_done_possible()
+        express = express and bool(bid) and last and transfer.parts == 1 and self.express_done_possible()
         drivers = self.drivers
 
         ep.check_running()
@@ -583,6 +608,8 @@ class Session:
             self.take_notice(msg["lane"], payload)
             if self.phase is Phase.CLOSED:
                 return  # a notice ended the session: nothing of it is trusted any more
+        if self.failover.hold(msg):
+            return  # a failed lane is being fenced: no transfer completes before it is
         self.run(self.protocol.on_done(msg))
 
     def on_abort(self, msg: Message) -> None:
@@ -601,8 +628,16 @@ class Session:
     def submitted(self, transfer: Transfer, bid: int, nbytes: int, last: bool) -> None:
         """A chunk was handed to the driver's thread (batch ``bid``; 0 for a chunk without runs)."""
         self.run(self.protocol.chunk_submitted(transfer, bid, nbytes, last))
+        if bid:
+            self.failover.watch()
 
     def batch_finished(self, transfer: Transfer, bid: int, error: KVTransportError | None) -> None:
+        lane = transfer.lane
+        if error is None and bid in transfer.batches and lane is not None:
+            lane.last_progress = now = time.monotonic()
+            whole = transfer.whole_runs
+            if whole is not None and not transfer.failovers and now > transfer.submitted_at:
+                lane.observed_bps.append(whole.total_bytes / (now - transfer.submitted_at))
         self.run(self.protocol.batch_finished(transfer, bid, error))
 
     def abort(
@@ -696,6 +731,8 @@ class Session:
                 case Fence(transfers, announced):
                     if announced:
                         self._fence(transfers)
+                case FailOver(transfer, old, new, error):
+                    self.failover.transfer_failed(transfer, old, new, error)
                 case Next(then):
                     self.run(then())
 

@@ -362,6 +362,7 @@ class SessionSetup:
                 info,
                 decision.models_of(name),
                 chosen=name == decision.driver,
+                standby=name in decision.standby,
             )
         return lanes
 
@@ -411,8 +412,9 @@ class SessionSetup:
                 then(None, error)
 
         def one(lane: Lane, _: Any, error: KVTransportError | None) -> None:
-            if error is not None and lane.learning and not lane.chosen:
-                # A lane kept only to learn from: the connection goes on without it.
+            if error is not None and (lane.learning or lane.standby) and not lane.chosen:
+                # A lane kept only to learn from, or to fail over to: the connection goes on
+                # without it.
                 lane.failed(f"its connect failed: {error}", session.peer_label)
                 error = None
             if error is not None:

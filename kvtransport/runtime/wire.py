@@ -207,6 +207,15 @@ class NoticeMsg(Message, tag="notice", kw_only=True):
     lane: Lane
 
 
+class LaneDownMsg(Message, tag="lane_down", kw_only=True):
+    """sender -> receiver: the driver ``lane`` names failed for this connection (`reason`); its
+    transfers go again over another lane, whose "done" counts only once the receiver fenced
+    this one (no write of it can land any more); it is not used again on this connection"""
+
+    lane: Lane
+    reason: Reason
+
+
 class PingMsg(Message, tag="ping", kw_only=True):
     """either side, every heartbeat interval: still there"""
 
@@ -235,6 +244,7 @@ TYPES: dict[str, type[Message]] = {
         AbortMsg,
         DrainedMsg,
         NoticeMsg,
+        LaneDownMsg,
         PingMsg,
         ByeMsg,
     )

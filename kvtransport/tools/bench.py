@@ -120,6 +120,10 @@ class Sample:
     #: and what its cost models predicted (0: no model).
     driver: str = ""
     predicted_s: float = 0.0
+    #: When its driver failed and it went over ``driver`` instead (``runtime.failover``):
+    #: the driver it failed on, and when (monotonic; 0: it did not move).
+    failed_over_from: str = ""
+    failed_over_at: float = 0.0
 
 
 @dataclass
@@ -372,6 +376,7 @@ def _run(
     clock = CutClock(across) if across is not None and across.cut_at is not None else None
     if clock is not None:
         baseline = False  # a raw engine has no timeouts of its own to survive a cut with
+    report: Report | None = None
     try:
         endpoint, peer, conn = _open_pair(pool, workload, driver, timeout, pairs, decode_cpus, across)
         assert conn.decision is not None and conn.peer_regions is not None
@@ -442,7 +447,8 @@ def _run(
     finally:
         if clock is not None:
             clock.close()
-            report.cut = clock.record.to_dict()
+            if report is not None:
+                report.cut = clock.record.to_dict()
         if raw is not None:
             raw.close()
         close_pairs(pairs)
@@ -475,6 +481,16 @@ def _through_cut(
             )
             conn = _reconnect(clock, endpoint, peer, timeout)
             continue
+        if sample.failed_over_from and clock.record.cut_time:
+            clock.record.healed.append(
+                {
+                    "request": sample.request,
+                    "from": sample.failed_over_from,
+                    "to": sample.driver,
+                    "moved_after_s": clock.since_cut(sample.failed_over_at),
+                    "after_s": clock.since_cut(),
+                }
+            )
         if clock.record.failed and clock.record.failed[-1]["request"] == sample.request:
             clock.record.recovered.append(
                 {
@@ -573,6 +589,7 @@ def timed_transfer(
     t.wait(timeout)
     sample.sender_s = time.monotonic() - start
     sample.driver, sample.predicted_s = t.driver, t.predicted_s
+    sample.failed_over_from, sample.failed_over_at = t.failed_over_from, t.failed_over_at
     answer = peer.call("wait", tags=[tag], timeout=timeout + 5)
     state = answer["states"][tag]
     if state[0] != "SUCCESS":

@@ -6,12 +6,17 @@ listening on their rail-0 addresses. The parent reads every rail's byte counters
 after and reports them against the KV bytes the bench moved: the proof that the bytes crossed
 the link, and over which rail.
 
-``--cut-at S`` cuts host 0 off rail 0 (both ways, silently, at the switch) S seconds after the
-first timed request started, for ``--cut-for`` seconds. The bench records when each request
-that was in flight failed and how (the detection time), sends it again on a new connection once
-the link is back, and reports how long after the cut it finally arrived. Failover to another
-driver or rail while the link is down is not built yet: without it, the recovery time is the
-cut's length plus a reconnect.
+With ``--rails 2`` the data of the NIXL drivers goes over rail 1 (``UCX_NET_DEVICES=rail1`` on
+both hosts) while the control channel and Mooncake's drivers (bound to the endpoint's address)
+stay on rail 0: the data rail is then the last one, and the one a cut takes down.
+
+``--cut-at S`` cuts host 0 off the data rail (both ways, silently, at the switch) S seconds
+after the first timed request started, for ``--cut-for`` seconds. A request whose driver failed
+over to another lane (``runtime.failover``: the connection kept one, and the control channel
+lives) arrives over it: the report gives, per such request, when it moved and when it arrived
+after the cut (the self-heal time). A request that failed instead is recorded with its
+detection time, sent again on a new connection once the link is back, and reported with how
+long after the cut it finally arrived.
 
 The child learns its placement from a plan file (``--sim-plan``, a hidden flag): its listen
 address, the decode side's launcher and address, and the commands that cut and restore the
@@ -48,6 +53,8 @@ class Across:
     cut_for: float = 5.0
     cut: list[list[str]] = field(default_factory=list)
     restore: list[list[str]] = field(default_factory=list)
+    #: The rail ``cut`` takes down (the data rail: the last one).
+    rail: int = 0
 
     @classmethod
     def load(cls, path: str) -> Across:
@@ -65,6 +72,11 @@ class CutRecord:
     restore_time: float = 0.0
     failed: list[dict[str, Any]] = field(default_factory=list)
     recovered: list[dict[str, Any]] = field(default_factory=list)
+    #: Requests whose driver failed over to another lane: from, to, when they moved and when
+    #: they arrived (seconds after the cut).
+    healed: list[dict[str, Any]] = field(default_factory=list)
+    #: The rail the cut took down.
+    rail: int = 0
     #: Commands of the cut or the restore that failed (the cut then did not happen, or the
     #: link may still be down: the report says so).
     errors: list[str] = field(default_factory=list)
@@ -82,7 +94,7 @@ class CutClock:
     def __init__(self, across: Across) -> None:
         assert across.cut_at is not None
         self.across = across
-        self.record = CutRecord(across.cut_at, across.cut_for)
+        self.record = CutRecord(across.cut_at, across.cut_for, rail=across.rail)
         self._timer: threading.Timer | None = None
         self._closing = threading.Event()
         self.restored = threading.Event()
@@ -151,6 +163,7 @@ def run(argv: Sequence[str], hosts: int, rails: int, rate: str | None, cut_at: f
         raise ConfigError("the bench runs one prefill and one decode: --hosts 2")
     if cut_at is not None and (cut_at < 0 or cut_for <= 0):
         raise ConfigError("--cut-at must be >= 0 and --cut-for > 0 seconds")
+    data_rail = rails - 1
     with SimCluster(hosts, rails, rate) as cluster, tempfile.TemporaryDirectory(prefix="kvtsim-bench-") as tmp:
         plan = Across(
             listen=f"tcp://{cluster.address(0)}:0",
@@ -158,8 +171,9 @@ def run(argv: Sequence[str], hosts: int, rails: int, rate: str | None, cut_at: f
             decode_listen=f"tcp://{cluster.address(1)}:0",
             cut_at=cut_at,
             cut_for=cut_for,
-            cut=[cluster.port_command(0, 0, "down")],
-            restore=[cluster.port_command(0, 0, "up")],
+            cut=[cluster.port_command(0, data_rail, "down")],
+            restore=[cluster.port_command(0, data_rail, "up")],
+            rail=data_rail,
         )
         plan_path, report_path = os.path.join(tmp, "plan.json"), os.path.join(tmp, "report.json")
         with open(plan_path, "w", encoding="utf-8") as f:
@@ -168,6 +182,8 @@ def run(argv: Sequence[str], hosts: int, rails: int, rate: str | None, cut_at: f
         # Two hosts: the control channel is authenticated (a secret for this run, unless set).
         if not env.get("KVTRANSPORT_SECRET") and not env.get("KVTRANSPORT_SECRET_FILE"):
             env["KVTRANSPORT_SECRET"] = os.urandom(16).hex()
+        if data_rail:
+            env["UCX_NET_DEVICES"] = f"rail{data_rail}"  # the NIXL drivers' data on the data rail
         cmd = [*cluster.launcher(0), sys.executable, "-m", "kvtransport", *forwarded(argv)]
         cmd += ["--sim-plan", plan_path, "--sim-report", report_path]
         before = cluster.counters()
@@ -218,7 +234,15 @@ def render(doc: dict[str, Any]) -> str:
         if not cut["happened"]:
             lines.append(f"  cut         none: the bench ended before {cut['at_s']} s")
         else:
-            lines.append(f"  cut         rail0 of the prefill host, both ways, {cut['at_s']} s in for {cut['for_s']} s")
+            lines.append(
+                f"  cut         rail{cut.get('rail', 0)} of the prefill host, both ways, {cut['at_s']} s in for "
+                f"{cut['for_s']} s"
+            )
+            for h in cut.get("healed", []):
+                lines.append(
+                    f"              request {h['request']} moved from {h['from']} to {h['to']} "
+                    f"{h['moved_after_s']:.2f} s after the cut, arrived intact {h['after_s']:.2f} s after it"
+                )
             for f in cut["failed"]:
                 after = f"{f['after_s']:.2f} s after the cut"
                 lines.append(f"              request {f['request']} failed {after}: {f['error']}")
@@ -227,7 +251,17 @@ def render(doc: dict[str, Any]) -> str:
                     f"              request {f['request']} arrived intact {f['after_s']:.2f} s after the cut, "
                     f"{f['after_restore_s']:.2f} s after the link returned (sent again on a new connection)"
                 )
-            if not cut["failed"]:
+            healed = cut.get("healed", [])
+            if not cut["failed"] and not healed:
                 lines.append("              no request was in flight or failed")
-            lines.append("              self-heal: none (no failover to another driver or rail yet: issue 46)")
+            if healed:
+                lines.append(
+                    f"              self-heal: {max(h['after_s'] for h in healed):.2f} s (the last request in flight "
+                    "arrived over the other path); the failed lane stays out of that connection"
+                )
+            elif cut["failed"]:
+                lines.append(
+                    "              self-heal: none (no other lane: forced driver, KVTRANSPORT_FAILOVER=off, or a "
+                    "multi-part send); requests went again on a new connection once the link was back"
+                )
     return "\n".join(lines)

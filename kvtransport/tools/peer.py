@@ -46,6 +46,18 @@ def driver_classes(name: str) -> dict[str, type[KVTransport]] | None:
     return {n: load_driver(n) for n in name.split("+")}  # "A+B": exactly these
 
 
+def _with_faults(
+    drivers: dict[str, type[KVTransport]] | None, options: dict[str, Any]
+) -> dict[str, type[KVTransport]] | None:
+    """The drivers, those whose fault file ``options`` name (``faults.<driver>``) wrapped to
+    fail on command (``kvtransport.testing.faults``; named drivers only)."""
+    if drivers is None or not any(k.startswith("faults.") for k in options):
+        return drivers
+    from kvtransport.testing.faults import with_faults
+
+    return with_faults(drivers, options)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--driver", default="fake")
@@ -90,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     endpoint = Endpoint(
         pool.regions,
         pool.layout,
-        drivers=driver_classes(args.driver),
+        drivers=_with_faults(driver_classes(args.driver), json.loads(args.options)),
         name=args.name,
         listen=args.listen,
         driver_options=json.loads(args.options),
@@ -209,9 +221,14 @@ def _run(cmd: dict[str, Any], session: _Session) -> dict[str, Any]:
             "finished": {tag: transfers[tag].finished for tag in cmd["tags"]},
         }
     if op == "taken":
-        # Which driver each transfer took and how long it took on this side (lanes).
+        # Which driver each transfer took, how long it took on this side (lanes), and when it
+        # moved to that driver from a failed one (failover; 0: it did not).
         taken = {
-            tag: [getattr(transfers[tag], "driver", ""), getattr(transfers[tag], "measured_s", 0.0)]
+            tag: [
+                getattr(transfers[tag], "driver", ""),
+                getattr(transfers[tag], "measured_s", 0.0),
+                getattr(transfers[tag], "failed_over_at", 0.0),
+            ]
             for tag in cmd["tags"]
         }
         return {"taken": taken}
@@ -244,6 +261,8 @@ def _run(cmd: dict[str, Any], session: _Session) -> dict[str, Any]:
         except OSError:
             pass
         return {"ok": True}
+    if op == "metrics":
+        return {"metrics": ep.metrics.snapshot()}
     if op == "stats":
         return {"stats": ep.stats(), "process": process_resources()}
     if op == "ring_usage":

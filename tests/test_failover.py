@@ -1,0 +1,275 @@
+"""Failover that keeps the request (issue 46, item 3): a transfer whose driver fails on its data
+path, while the control channel lives, goes again over another lane of its connection and
+succeeds byte-exact; the failed lane is not used again on that connection and the receiver
+fenced it before the transfer's Success; the decision, the logs and the metrics say so.
+
+Here on one host through the fault-injecting wrapper (``kvtransport.testing.faults``): with the
+fakes in one process (the core's logic, every case), and on the real engines between two
+processes (mooncake-gdr failing over to nixl-ucx and back). Across simulated hosts with a rail
+cut: tests/test_cluster.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtransport.negotiation.negotiate import standby_lane
+from kvtransport.runtime.endpoint import Endpoint, State, Timeouts
+from kvtransport.spi.errors import KVTransportError
+from kvtransport.testing.fake import FakeDriver, FakeTwoSided
+from kvtransport.testing.faults import faulty
+from kvtransport.tools.kv_pool import KVPool
+from kvtransport.tools.peer_process import PeerProcess
+
+from .conftest import require_engines
+
+FAST = {"heartbeat_interval": 0.2, "heartbeat_timeout": 2.0, "drain": 2.0, "stall": 0.3}
+
+
+class Pair:
+    def __init__(self, tmp: Path, *, receiver_options: dict[str, str] | None = None) -> None:
+        self.fault = tmp / "fault"
+        drivers = {"fake": faulty(FakeDriver), "fake-two-sided": FakeTwoSided}
+        self.pools = [KVPool(32, 2, 4096, 0) for _ in range(2)]
+        self.pools[0].fill(5)
+        self.prefill = Endpoint(
+            self.pools[0].regions,
+            self.pools[0].layout,
+            drivers=drivers,
+            driver_options={"faults.fake": str(self.fault), "fake.fence": "1"},
+            name="prefill",
+            timeouts=Timeouts(**FAST),
+        )
+        self.decode = Endpoint(
+            self.pools[1].regions,
+            self.pools[1].layout,
+            drivers=drivers,
+            driver_options=receiver_options if receiver_options is not None else {"fake.fence": "1"},
+            name="decode",
+            timeouts=Timeouts(**FAST),
+        )
+        self.recv = self.decode.connect(self.prefill.address, 10)
+        self.send = self.prefill.accept(10)
+
+    def round(self, tag: str, src: list[int], dst: list[int]) -> str:
+        """One verified transfer; the driver that moved it."""
+        r = self.recv.expect(tag, dst)
+        t = self.send.sender(tag)
+        deadline = time.monotonic() + 10
+        while t.state is State.BOOTSTRAPPING and time.monotonic() < deadline:
+            time.sleep(0.005)
+        t.send(src, last=True)
+        assert t.wait(10) is State.SUCCESS and r.wait(10) is State.SUCCESS, tag
+        assert self.pools[1].page_digests(dst) == self.pools[0].page_digests(src), tag
+        assert r.driver == t.driver, (r.driver, t.driver)
+        return t.driver
+
+    def close(self) -> None:
+        self.decode.close()
+        self.prefill.close()
+        for p in self.pools:
+            p.close()
+
+
+@pytest.fixture
+def pair(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pair]:
+    monkeypatch.setenv("KVTRANSPORT_FAILOVER", "on")  # one host: a standby lane only when asked
+    p = Pair(tmp_path)
+    yield p
+    p.close()
+
+
+def test_a_failed_lane_hands_its_transfer_to_the_standby_and_is_not_used_again(
+    pair: Pair, caplog: pytest.LogCaptureFixture
+) -> None:
+    decision = pair.send.decision
+    assert decision is not None
+    assert decision.lanes == (decision.driver, *decision.standby) and len(decision.standby) == 1, decision
+    assert pair.round("before", [1, 2, 3], [4, 5, 6]) == "fake"  # the standby carries nothing while fake works
+    pair.fault.write_text("cut")
+    with caplog.at_level(logging.INFO, logger="kvtransport"):
+        assert pair.round("during", [7, 8, 9, 10], [11, 12, 13, 14]) == "fake-two-sided"
+    text = caplog.text
+    assert "fake failed for" in text and "fenced" in text, text
+    # The failed lane stays out, also once the fault is gone; the connection goes on.
+    pair.fault.unlink()
+    assert pair.round("after", [15, 16], [17, 18]) == "fake-two-sided"
+    failovers = pair.prefill.metrics.snapshot()["failovers"]
+    assert failovers == [{"from": "fake", "to": "fake-two-sided", "count": 1}], failovers
+    fenced = pair.decode.drivers["fake"]
+    assert isinstance(fenced, FakeDriver) and fenced.fence_calls, "the receiver never fenced the failed lane"
+
+
+def test_a_receiver_that_cannot_fence_the_failed_lane_ends_the_connection(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The one-sided fake cannot promise that nothing of a live peer lands any more: the moved
+    transfer does not succeed; the connection ends within the drain timeout (its pages are
+    then held as for any peer lost)."""
+    monkeypatch.setenv("KVTRANSPORT_FAILOVER", "on")
+    pair = Pair(tmp_path, receiver_options={})
+    try:
+        pair.fault.write_text("cut")
+        r = pair.recv.expect("t", [1, 2])
+        t = pair.send.sender("t")
+        while t.state is State.BOOTSTRAPPING:
+            time.sleep(0.005)
+        t0 = time.monotonic()
+        t.send([3, 4], last=True)
+        with pytest.raises(KVTransportError, match="could not fence"):
+            r.wait(10)
+        assert time.monotonic() - t0 < FAST["drain"] + 2
+    finally:
+        pair.close()
+
+
+def test_many_transfers_in_flight_all_move_once(pair: Pair) -> None:
+    """Transfers in flight on the failing lane move together; each succeeds once."""
+    pair.fault.write_text("cut")
+    receivers = [pair.recv.expect(f"m{i}", [i]) for i in range(16)]
+    senders = [pair.send.sender(f"m{i}") for i in range(16)]
+    for i, t in enumerate(senders):
+        while t.state is State.BOOTSTRAPPING:
+            time.sleep(0.002)
+        t.send([16 + i], last=True)
+    assert [r.wait(10) for r in receivers] == [State.SUCCESS] * 16
+    assert pair.pools[1].page_digests(list(range(16))) == pair.pools[0].page_digests(list(range(16, 32)))
+    assert pair.prefill.metrics.snapshot()["failovers"][0]["count"] == 1  # one lane failed, once
+
+
+def test_a_lane_whose_completions_stop_fails_over_after_the_stall_timeout(pair: Pair) -> None:
+    """No error, only silence (a black-holed rail): the transfer's lane finishes nothing for
+    longer than the stall limit, so the transfer goes over the standby."""
+    assert pair.round("before", [1], [2]) == "fake"
+    pair.fault.write_text("stall")
+    t0 = time.monotonic()
+    assert pair.round("stalled", [3, 4], [5, 6]) == "fake-two-sided"
+    assert time.monotonic() - t0 >= FAST["stall"]
+    assert pair.prefill.metrics.snapshot()["failovers"] == [{"from": "fake", "to": "fake-two-sided", "count": 1}]
+
+
+def test_a_stall_without_a_lane_to_go_to_waits_as_before(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a standby the stall check does nothing: the transfer waits (for the transfer
+    timeout, as ever), and completes when its completions come back."""
+    monkeypatch.setenv("KVTRANSPORT_FAILOVER", "off")
+    pair = Pair(tmp_path)
+    try:
+        pair.fault.write_text("stall")
+        r = pair.recv.expect("t", [2])
+        t = pair.send.sender("t")
+        while t.state is State.BOOTSTRAPPING:
+            time.sleep(0.005)
+        t.send([1], last=True)
+        time.sleep(5 * FAST["stall"])
+        assert t.state is State.TRANSFERRING and r.state is not State.FAILED, (t.state, r.state)
+        pair.fault.unlink()
+        assert t.wait(10) is State.SUCCESS and r.wait(10) is State.SUCCESS
+    finally:
+        pair.close()
+
+
+def test_without_a_standby_lane_the_transfer_fails_as_before(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVTRANSPORT_FAILOVER", "off")
+    pair = Pair(tmp_path)
+    try:
+        assert pair.send.decision is not None and pair.send.decision.standby == ()
+        pair.fault.write_text("cut")
+        r = pair.recv.expect("t", [2])
+        t = pair.send.sender("t")
+        while t.state is State.BOOTSTRAPPING:
+            time.sleep(0.005)
+        t.send([1], last=True)
+        with pytest.raises(KVTransportError, match="injected fault"):
+            t.wait(10)
+        with pytest.raises(KVTransportError):
+            r.wait(10)
+    finally:
+        pair.close()
+
+
+def test_a_forced_driver_has_no_standby() -> None:
+    """KVTRANSPORT_DRIVER forces one driver: nothing else may carry the connection's bytes."""
+    from kvtransport.negotiation.registry import Policy
+
+    from .hellos import hello, host
+
+    a = hello(host("a"), policy=Policy(failover="on"))
+    b = hello(host("b"), policy=Policy(force="nixl-ucx", failover="on"))
+    assert standby_lane(["nixl-ucx", "mooncake-gdr"], ("nixl-ucx",), a, b, across=True) == ""
+    assert standby_lane(["nixl-ucx", "nixl-staged", "mooncake-gdr"], ("nixl-ucx",), a, a, across=True) == (
+        "mooncake-gdr"  # another engine first
+    )
+    off = hello(host("a"), policy=Policy(failover="off"))
+    assert standby_lane(["nixl-ucx", "mooncake-gdr"], ("nixl-ucx",), a, off, across=True) == ""
+    auto = hello(host("a"))
+    assert standby_lane(["nixl-ucx", "mooncake-gdr"], ("nixl-ucx",), auto, auto, across=False) == ""
+    assert standby_lane(["nixl-ucx", "mooncake-gdr"], ("nixl-ucx",), auto, auto, across=True) == "mooncake-gdr"
+
+
+# -- the real engines, between two processes ----------------------------------------------------
+
+ENGINES = "mooncake-gdr+nixl-ucx"
+
+
+@pytest.mark.parametrize("fault", ["error", "stall", "error-then-back"])
+def test_real_engines_fail_over_between_processes_byte_exact(tmp_path: Path, fault: str) -> None:
+    """mooncake-gdr and nixl-ucx between two processes (UCX over TCP, so that nixl-ucx's
+    receive side can be fenced while the writer lives: docs/network.md): the driver carrying
+    the connection fails (its batches raise, or their completions stop) in the middle of a
+    batch of transfers; every one of them succeeds, byte-exact, over the other engine, and
+    later ones too, also once the failed one works again."""
+    require_engines()
+    faults = {name: tmp_path / f"{name}.fault" for name in ENGINES.split("+")}
+    env = {**os.environ, "KVTRANSPORT_FAILOVER": "on", "UCX_TLS": "tcp,self"}
+    options = json.dumps({f"faults.{n}": str(p) for n, p in faults.items()})
+    args = ("--driver", ENGINES, "--pages", "72", "--layers", "4", "--item", "65536", "--aux-slots", "0")
+    args += ("--private", "--options", options, "--timeouts", json.dumps(FAST))
+    prefill = PeerProcess(*args, "--seed", "3", "--name", "prefill", env=env)
+    decode = PeerProcess(*args, "--name", "decode", env=env)
+    try:
+        accepted: list[dict[str, object]] = []
+        t = threading.Thread(target=lambda: accepted.append(prefill.call("accept", timeout=20)))
+        t.start()
+        decision = decode.call("connect", address=prefill.address, timeout=20)["decision"]
+        t.join(20)
+        assert accepted and "error" not in accepted[0], accepted
+        chosen, standby = decision["driver"], decision["standby"]
+        assert standby and decision["lanes"] == [chosen, *standby], decision
+
+        def batch(name: str, pages: range) -> dict[str, list[str]]:
+            tags = {f"{name}{i}": [p] for i, p in enumerate(pages)}
+            decode.call("expect", transfers={t: [p + 36 - pages.start] for t, (p,) in tags.items()})
+            prefill.call("send", transfers={t: [pp] for t, pp in tags.items()})
+            states = decode.call("wait", tags=list(tags), timeout=30)["states"]
+            return states
+
+        states = batch("warm", range(0, 4))
+        assert all(s[0] == "SUCCESS" for s in states.values()), states
+        faults[chosen].write_text("stall" if fault == "stall" else "cut")  # from now on
+        states = batch("cut", range(4, 36))
+        assert all(s[0] == "SUCCESS" for s in states.values()), states
+        assert (
+            decode.call("digests", pages=list(range(36, 68)))["digests"]
+            == prefill.call("digests", pages=list(range(4, 36)))["digests"]
+        )
+        taken = prefill.call("taken", tags=[f"cut{i}" for i in range(32)])["taken"]
+        assert {d for d, *_ in taken.values()} == set(standby), taken
+        if fault == "error-then-back":
+            faults[chosen].unlink()  # back: the failed lane stays out of this connection all the same
+            states = batch("later", range(36, 40))
+            assert all(s[0] == "SUCCESS" for s in states.values()), states
+            taken = prefill.call("taken", tags=[f"later{i}" for i in range(4)])["taken"]
+            assert {d for d, *_ in taken.values()} == set(standby), taken
+        metrics = prefill.call("metrics")["metrics"]["failovers"]
+        assert metrics == [{"from": chosen, "to": standby[0], "count": 1}], metrics
+    finally:
+        prefill.close()
+        decode.close()
