@@ -145,6 +145,28 @@ def test_many_transfers_in_flight_all_move_once(pair: Pair) -> None:
     assert pair.prefill.metrics.snapshot()["failovers"][0]["count"] == 1  # one lane failed, once
 
 
+@pytest.mark.parametrize("armed", ["before-the-first-chunk", "between-the-chunks"])
+def test_a_chunked_send_moves_every_chunk_sent_so_far_and_its_later_ones_follow(pair: Pair, armed: str) -> None:
+    """A transfer sent in parts (SGLang's chunked prefill): the parts sent before the failure
+    go again, in order, over the standby, and the parts sent after it go there too."""
+    r = pair.recv.expect("c", [10, 11, 12, 13, 14, 15])
+    t = pair.send.sender("c")
+    while t.state is State.BOOTSTRAPPING:
+        time.sleep(0.005)
+    if armed == "before-the-first-chunk":
+        pair.fault.write_text("cut")
+    t.send([1, 2], last=False)
+    time.sleep(0.1)
+    pair.fault.write_text("cut")
+    t.send([3, 4], last=False)
+    time.sleep(0.1)
+    t.send([5, 6], last=True)
+    assert t.wait(10) is State.SUCCESS and r.wait(10) is State.SUCCESS
+    assert t.driver == r.driver == "fake-two-sided"
+    assert pair.pools[1].page_digests([10, 11, 12, 13, 14, 15]) == pair.pools[0].page_digests([1, 2, 3, 4, 5, 6])
+    assert t.sent_parts == [], "a final transfer keeps nothing to send again"
+
+
 def test_a_lane_whose_completions_stop_fails_over_after_the_stall_timeout(pair: Pair) -> None:
     """No error, only silence (a black-holed rail): the transfer's lane finishes nothing for
     longer than the stall limit, so the transfer goes over the standby."""

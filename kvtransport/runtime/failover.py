@@ -1,17 +1,18 @@
 """Failover: a transfer whose driver failed goes again over another lane of its connection.
 
-When a batch of a whole transfer (sent in one part) fails on the sending side for a reason of
-its data path (an engine error: a rail down, a NIC reset, an engine that gave up) while the
-control channel lives, the protocol hands it here (:class:`~kvtransport.runtime.actions.FailOver`)
-instead of failing it. The sender then:
+When a batch of a sending transfer fails for a reason of its data path (an engine error: a
+rail down, a NIC reset, an engine that gave up) while the control channel lives, the protocol
+hands it here (:class:`~kvtransport.runtime.actions.FailOver`) instead of failing it. The
+sender then:
 
 1. takes the failed lane out of the connection for good (``Lane.fail_over``; the next
    connection negotiates afresh) and tells the receiver, once per lane, with a "lane_down";
 2. stops what is left of the transfer's batches on that lane (best effort: the receiver's
-   fence is the guarantee) and submits the transfer again, every page of it, over the lane
-   :meth:`Session.failover_target` names, and does the same for the connection's other whole
-   transfers still on the failed lane; their "done" goes on the control channel, after the
-   "lane_down", never on the express stream.
+   fence is the guarantee) and submits every part of it sent so far again (a whole transfer,
+   a chunked send's chunks, a layer-wise send's groups), in order, over the lane
+   :meth:`Session.failover_target` names, where its later parts follow; and does the same for
+   the connection's other transfers still on the failed lane. Their "done" goes on the control
+   channel, after the "lane_down", never on the express stream.
 
 The receiver, on "lane_down", fences the failed lane's driver for this peer (``fence``: no byte
 the peer wrote through it can land any more) and holds back every "done" of this connection
@@ -20,8 +21,9 @@ took back (the same bytes would, but decode appends into a request's last page a
 reuses its source pages). A fence that does not come within the drain timeout ends the session
 (its own fence then holds the failed transfers' pages as for any lost peer).
 
-Multi-part transfers (chunked and layer-wise sends) are not failed over: they fail as before.
-I/O thread only, but for the submission, which runs on the lane's runner like any other.
+A stall is a failure too (:meth:`Failover._check`): a transfer whose lane finished nothing for
+longer than its limit since its latest part was handed over. I/O thread only, but for the
+submissions, which run on the lane's runner like any other.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ log = logging.getLogger(__name__)
 #: FENCE_RETRY_MAX_S, for at most the drain timeout.
 FENCE_RETRY_FIRST_S = 0.02
 FENCE_RETRY_MAX_S = 1.0
-#: A whole transfer's stall limit is at least this many times the time it should take: at
+#: A transfer's stall limit is at least this many times the time it should take: at
 #: the rate its lane showed on this connection, else by the lane's measured cost model; and at
 #: least the stall timeout (``Timeouts.stall``). A lane with neither (no transfer done on it
 #: yet, only a nominal estimate, which may be far off) is judged by the transfer timeout.
@@ -92,7 +94,14 @@ class FailoverOwner(Protocol):
     def wire_name(self, driver: str) -> str: ...
     def send(self, kind: str, **fields: Any) -> bool: ...
     def submit_part(
-        self, transfer: Transfer, runs: Runs, last: bool, *, inline: bool = True, express: bool = True
+        self,
+        transfer: Transfer,
+        runs: Runs,
+        last: bool,
+        *,
+        inline: bool = True,
+        express: bool = True,
+        again: bool = False,
     ) -> int: ...
     def abort(
         self,
@@ -119,14 +128,14 @@ class Failover:
         self._held: dict[str, Message] = {}
         #: Both sides: lanes failed over from, in order (for ``stats`` and the logs).
         self.failed_lanes: list[str] = []
-        #: Sender: the stall check's timer, while whole transfers are in flight.
+        #: Sender: the stall check's timer, while transfers are in flight.
         self._watch: Timer | None = None
 
     # -- sender --------------------------------------------------------------------------------
 
     def transfer_failed(self, transfer: Transfer, old: Lane, new: Lane, error: KVTransportError) -> None:
         """``transfer``'s batch on ``old`` failed with ``error``: move it to ``new``, with every
-        other whole transfer still on ``old``."""
+        other transfer still on ``old``."""
         s = self._session
         moving = [transfer]
         if old.fail_over():
@@ -152,8 +161,6 @@ class Failover:
 
     def _move(self, t: Transfer, old: Lane, new: Lane, error: KVTransportError) -> None:
         s = self._session
-        runs = t.whole_runs
-        assert runs is not None
         t.failovers += 1
         t.failed_over_at = time.monotonic()
         t.failed_over_from = t.failed_over_from or old.name
@@ -173,17 +180,20 @@ class Failover:
             error,
         )
         try:
+            # Under the lock the caller's threads plan parts under: every part planned so far
+            # is in ``sent_parts`` and goes again, in order; later ones follow the new lane.
             with t.plan_lock:
                 t.lane = new
                 t.driver = new.name
                 t.raw_predicted_s = 0.0  # a moved transfer's time says nothing of either lane
-                s.submit_part(t, runs, last=True, inline=False, express=False)
+                for runs, last in list(t.sent_parts):
+                    s.submit_part(t, runs, last, inline=False, express=False, again=True)
         except KVTransportError as exc:
             s.abort(t, f"failing over to {new.name}: {exc}", notify=True, error=exc)
 
     def watch(self) -> None:
         """A batch of a sending transfer reached its driver: check, while any is in flight,
-        that the lanes carrying whole transfers finish batches (:meth:`_check`)."""
+        that the lanes carrying transfers finish batches (:meth:`_check`)."""
         s = self._session
         if self._watch is None and len(s.lanes) > 1 and not s.closed:
             self._watch = s.timers.call_later(self._period(), self._check)
@@ -192,7 +202,7 @@ class Failover:
         return max(0.02, self._session.endpoint.timeouts.stall / 4)
 
     def _check(self) -> None:
-        """A whole transfer in flight whose lane finished no batch for longer than the
+        """A transfer in flight whose lane finished no batch for longer than the
         transfer's stall limit has failed there: its batch fails as a driver error would
         (``PeerProtocol.batch_failed``), and so it fails over. Only where another lane is
         usable: without one it waits for the transfer timeout, as ever."""
@@ -207,7 +217,9 @@ class Failover:
             if t.role != SEND or lane is None or not t.batches or not can_move(t):
                 continue
             waiting = True
-            since = max(t.failed_over_at or t.submitted_at, lane.last_progress)
+            # From the later of its latest part's submission and its lane's latest completion:
+            # a layer-wise send waiting for its next layers is not a stalled lane.
+            since = max(t.last_part_at, t.failed_over_at, lane.last_progress)
             limit = self._limit(t, lane)
             if now - since <= limit or s.failover_target(lane) is None:
                 continue
@@ -220,13 +232,14 @@ class Failover:
             self._watch = s.timers.call_later(self._period(), self._check)
 
     def _limit(self, t: Transfer, lane: Lane) -> float:
+        """How long ``t``'s lane may finish nothing while ``t`` waits (every part of it sent so
+        far counted: generous for one whose parts were already written)."""
         timeouts = self._session.endpoint.timeouts
-        runs = t.whole_runs
-        if runs is None:
-            return timeouts.transfer
-        expected = lane.observed_seconds(runs.total_bytes)
+        parts = list(t.sent_parts)
+        nbytes, count = sum(r.total_bytes for r, _ in parts), sum(len(r) for r, _ in parts)
+        expected = lane.observed_seconds(nbytes)
         if not expected and lane.models and not lane.learning:
-            expected = lane.predict(len(runs), runs.total_bytes)  # a calibrated model
+            expected = lane.predict(count, nbytes)  # a calibrated model
         if not expected:
             return timeouts.transfer
         return max(timeouts.stall, STALL_FACTOR * expected)

@@ -171,12 +171,21 @@ class Transfer:
         self.measured_s = 0.0
         self.submitted_at = 0.0
         self.lane: Lane | None = None
-        #: Sender: the runs of a transfer sent in one part (what a failover sends again), how
-        #: often it moved to another lane, and when it last did (``runtime.failover``).
-        self.whole_runs: Runs | None = None
+        #: Sender: the runs of every part handed to a driver so far, each with whether it was
+        #: the last (what a failover sends again; emptied once the transfer is final), when the
+        #: latest was, how often it moved to another lane, and when it last did
+        #: (``runtime.failover``).
+        self.sent_parts: list[tuple[Runs, bool]] = []
+        self.last_part_at = 0.0
         self.failovers = 0
         self.failed_over_at = 0.0
         self.failed_over_from = ""  # the lane it first failed on
+
+    @property
+    def whole_runs(self) -> Runs | None:
+        """Sender: the runs of a transfer sent in one part (``None`` for one in several)."""
+        parts = self.sent_parts
+        return parts[0][0] if len(parts) == 1 and parts[0][1] else None
 
     @property
     def connection(self) -> Connection:

@@ -469,6 +469,7 @@ class PeerProtocol:
         if t._set(state, error):
             self._changed(t)
             if state.final:
+                t.sent_parts = []  # nothing of it is sent again (held only for a failover)
                 self._out.append(Publish(t))
 
     def _file(self, t: Transfer) -> bool:
@@ -707,10 +708,10 @@ MAX_FAILOVERS = 3
 
 
 def can_move(t: Transfer) -> bool:
-    """Whether sending transfer ``t`` may go again over another lane: sent in one part, not
+    """Whether sending transfer ``t`` may go again over another lane: something of it sent, not
     finished, not being aborted, not moved too often already."""
     return (
-        t.whole_runs is not None
+        bool(t.sent_parts)
         and not t.state.final
         and not t.stopping
         and not t.aborted_by_caller

@@ -490,12 +490,20 @@ class Session:
             )
 
     def submit_part(
-        self, transfer: Transfer, runs: Runs, last: bool, *, inline: bool = True, express: bool = True
+        self,
+        transfer: Transfer,
+        runs: Runs,
+        last: bool,
+        *,
+        inline: bool = True,
+        express: bool = True,
+        again: bool = False,
     ) -> int:
         """Hand one part of ``transfer`` (a chunk, a layer group) to its lane's driver;
         ``last``: nothing of the transfer follows; ``inline``: a small part may be submitted
         on this thread; ``express``: a one-part transfer's "done" may go on the express
-        stream (not after a failover: it must follow the "lane_down"). Under the transfer's
+        stream (not after a failover: it must follow the "lane_down"); ``again``: a part sent
+        before, sent again over another lane (``runtime.failover``). Under the transfer's
         ``plan_lock``."""
         ep = self.endpoint
         bid = ep.next_batch_id() if len(runs) else 0
@@ -510,8 +518,6 @@ class Session:
             transfer.runs = len(runs)
             transfer.submitted_at = time.monotonic()
             transfer.lane = lane
-            # What a failover sends again (``runtime.failover``): a transfer sent in one part.
-            transfer.whole_runs = runs if last and transfer.parts == 1 else None
             if len(self.lanes) > 1:
                 log.debug(
                     "transfer %r to %s via %s: %d descriptors, %d bytes, predicted %.3g ms",
@@ -522,6 +528,10 @@ class Session:
                     runs.total_bytes,
                     transfer.predicted_s * 1e3,
                 )
+
+        if not again:
+            transfer.sent_parts.append((runs, last))  # what a failover would send again
+        transfer.last_part_at = time.monotonic()
 
         def noted() -> None:
             if transfer.lane is not lane:
