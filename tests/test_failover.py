@@ -18,11 +18,14 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
 from kvtransport.negotiation.negotiate import standby_lane
+from kvtransport.negotiation.registry import Policy
 from kvtransport.runtime.endpoint import Endpoint, State, Timeouts
+from kvtransport.spi.driver import Capabilities
 from kvtransport.spi.errors import KVTransportError
 from kvtransport.testing.fake import FakeDriver, FakeTwoSided
 from kvtransport.testing.faults import faulty
@@ -34,27 +37,54 @@ from .conftest import require_engines
 FAST = {"heartbeat_interval": 0.2, "heartbeat_timeout": 2.0, "drain": 2.0, "stall": 0.3}
 
 
+class FakeOther(FakeDriver):
+    """A second one-sided fake (the standby of a one-sided chosen driver is one-sided too)."""
+
+    name: ClassVar[str] = "fake-other"
+    api_version: ClassVar[int] = FakeDriver.api_version
+    capabilities: ClassVar[Capabilities] = FakeDriver.capabilities
+
+
+#: (the chosen driver, wrapped to fail on command; its standby), by the chosen driver's kind.
+SCENARIOS = {
+    "one-sided": (FakeDriver, FakeOther),
+    # a two-sided chosen driver: the session is in ordered mode, "lane_down" goes on its stream
+    "two-sided": (FakeTwoSided, FakeDriver),
+}
+
+
 class Pair:
-    def __init__(self, tmp: Path, *, receiver_options: dict[str, str] | None = None) -> None:
-        self.fault = tmp / "fault"
-        drivers = {"fake": faulty(FakeDriver), "fake-two-sided": FakeTwoSided}
+    def __init__(
+        self, tmp: Path, scenario: str = "one-sided", *, receiver_options: dict[str, str] | None = None
+    ) -> None:
+        self.fault, self.standby_fault = tmp / "fault", tmp / "standby-fault"
+        chosen, standby = SCENARIOS[scenario]
+        self.chosen, self.standby = chosen.name, standby.name
+        drivers = {chosen.name: faulty(chosen), standby.name: faulty(standby)}
+        common = {"fake.fence": "1", "fake.inbound_delay": "0.01"}
         self.pools = [KVPool(32, 2, 4096, 0) for _ in range(2)]
         self.pools[0].fill(5)
         self.prefill = Endpoint(
             self.pools[0].regions,
             self.pools[0].layout,
             drivers=drivers,
-            driver_options={"faults.fake": str(self.fault), "fake.fence": "1"},
+            driver_options={
+                f"faults.{chosen.name}": str(self.fault),
+                f"faults.{standby.name}": str(self.standby_fault),
+                **common,
+            },
             name="prefill",
             timeouts=Timeouts(**FAST),
+            policy=Policy(allow=(chosen.name, standby.name), failover="on"),
         )
         self.decode = Endpoint(
             self.pools[1].regions,
             self.pools[1].layout,
             drivers=drivers,
-            driver_options=receiver_options if receiver_options is not None else {"fake.fence": "1"},
+            driver_options=receiver_options if receiver_options is not None else common,
             name="decode",
             timeouts=Timeouts(**FAST),
+            policy=Policy(allow=(chosen.name, standby.name), failover=os.environ.get("KVTRANSPORT_FAILOVER", "on")),
         )
         self.recv = self.decode.connect(self.prefill.address, 10)
         self.send = self.prefill.accept(10)
@@ -79,10 +109,9 @@ class Pair:
             p.close()
 
 
-@pytest.fixture
-def pair(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pair]:
-    monkeypatch.setenv("KVTRANSPORT_FAILOVER", "on")  # one host: a standby lane only when asked
-    p = Pair(tmp_path)
+@pytest.fixture(params=sorted(SCENARIOS))
+def pair(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Pair]:
+    p = Pair(tmp_path, request.param)
     yield p
     p.close()
 
@@ -93,28 +122,25 @@ def test_a_failed_lane_hands_its_transfer_to_the_standby_and_is_not_used_again(
     decision = pair.send.decision
     assert decision is not None
     assert decision.lanes == (decision.driver, *decision.standby) and len(decision.standby) == 1, decision
-    assert pair.round("before", [1, 2, 3], [4, 5, 6]) == "fake"  # the standby carries nothing while fake works
+    assert pair.round("before", [1, 2, 3], [4, 5, 6]) == pair.chosen  # the standby carries nothing meanwhile
     pair.fault.write_text("cut")
     with caplog.at_level(logging.INFO, logger="kvtransport"):
-        assert pair.round("during", [7, 8, 9, 10], [11, 12, 13, 14]) == "fake-two-sided"
+        assert pair.round("during", [7, 8, 9, 10], [11, 12, 13, 14]) == pair.standby
     text = caplog.text
-    assert "fake failed for" in text and "fenced" in text, text
+    assert f"{pair.chosen} failed for" in text and "fenced" in text, text
     # The failed lane stays out, also once the fault is gone; the connection goes on.
     pair.fault.unlink()
-    assert pair.round("after", [15, 16], [17, 18]) == "fake-two-sided"
+    assert pair.round("after", [15, 16], [17, 18]) == pair.standby
     failovers = pair.prefill.metrics.snapshot()["failovers"]
-    assert failovers == [{"from": "fake", "to": "fake-two-sided", "count": 1}], failovers
-    fenced = pair.decode.drivers["fake"]
+    assert failovers == [{"from": pair.chosen, "to": pair.standby, "count": 1}], failovers
+    fenced = pair.decode.drivers[pair.chosen]
     assert isinstance(fenced, FakeDriver) and fenced.fence_calls, "the receiver never fenced the failed lane"
 
 
-def test_a_receiver_that_cannot_fence_the_failed_lane_ends_the_connection(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_receiver_that_cannot_fence_the_failed_lane_ends_the_connection(tmp_path: Path) -> None:
     """The one-sided fake cannot promise that nothing of a live peer lands any more: the moved
     transfer does not succeed; the connection ends within the drain timeout (its pages are
     then held as for any peer lost)."""
-    monkeypatch.setenv("KVTRANSPORT_FAILOVER", "on")
     pair = Pair(tmp_path, receiver_options={})
     try:
         pair.fault.write_text("cut")
@@ -145,6 +171,27 @@ def test_many_transfers_in_flight_all_move_once(pair: Pair) -> None:
     assert pair.prefill.metrics.snapshot()["failovers"][0]["count"] == 1  # one lane failed, once
 
 
+def test_when_the_last_lane_fails_too_the_transfer_fails_and_the_lane_stays(pair: Pair) -> None:
+    """After a failover the standby is the connection's last usable lane: a failure on it
+    fails its transfer (nothing left to move to) but does not take it out, so the connection
+    goes on over it once it works again (it never falls back on the fenced lane)."""
+    pair.fault.write_text("cut")
+    assert pair.round("moved", [1], [2]) == pair.standby
+    pair.standby_fault.write_text("cut")
+    r = pair.recv.expect("lost", [3])
+    t = pair.send.sender("lost")
+    while t.state is State.BOOTSTRAPPING:
+        time.sleep(0.005)
+    t.send([4], last=True)
+    with pytest.raises(KVTransportError, match="injected fault"):
+        t.wait(10)
+    with pytest.raises(KVTransportError):
+        r.wait(10)
+    pair.standby_fault.unlink()
+    pair.fault.unlink()
+    assert pair.round("after", [5], [6]) == pair.standby
+
+
 @pytest.mark.parametrize("armed", ["before-the-first-chunk", "between-the-chunks"])
 def test_a_chunked_send_moves_every_chunk_sent_so_far_and_its_later_ones_follow(pair: Pair, armed: str) -> None:
     """A transfer sent in parts (SGLang's chunked prefill): the parts sent before the failure
@@ -162,7 +209,7 @@ def test_a_chunked_send_moves_every_chunk_sent_so_far_and_its_later_ones_follow(
     time.sleep(0.1)
     t.send([5, 6], last=True)
     assert t.wait(10) is State.SUCCESS and r.wait(10) is State.SUCCESS
-    assert t.driver == r.driver == "fake-two-sided"
+    assert t.driver == r.driver == pair.standby
     assert pair.pools[1].page_digests([10, 11, 12, 13, 14, 15]) == pair.pools[0].page_digests([1, 2, 3, 4, 5, 6])
     assert t.sent_parts == [], "a final transfer keeps nothing to send again"
 
@@ -170,12 +217,13 @@ def test_a_chunked_send_moves_every_chunk_sent_so_far_and_its_later_ones_follow(
 def test_a_lane_whose_completions_stop_fails_over_after_the_stall_timeout(pair: Pair) -> None:
     """No error, only silence (a black-holed rail): the transfer's lane finishes nothing for
     longer than the stall limit, so the transfer goes over the standby."""
-    assert pair.round("before", [1], [2]) == "fake"
+    assert pair.round("before", [1], [2]) == pair.chosen
     pair.fault.write_text("stall")
     t0 = time.monotonic()
-    assert pair.round("stalled", [3, 4], [5, 6]) == "fake-two-sided"
+    assert pair.round("stalled", [3, 4], [5, 6]) == pair.standby
     assert time.monotonic() - t0 >= FAST["stall"]
-    assert pair.prefill.metrics.snapshot()["failovers"] == [{"from": "fake", "to": "fake-two-sided", "count": 1}]
+    failovers = [{"from": pair.chosen, "to": pair.standby, "count": 1}]
+    assert pair.prefill.metrics.snapshot()["failovers"] == failovers
 
 
 def test_a_stall_without_a_lane_to_go_to_waits_as_before(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -364,15 +364,28 @@ def negotiate(
 def standby_lane(ranked: list[str], lanes: tuple[str, ...], initiator: Hello, acceptor: Hello, across: bool) -> str:
     """The driver a connection with a single lane keeps connected to fail over to ("": none):
     the best-ranked other driver, of another engine where there is one (a failure of the
-    engine, or of the rail it was bound to, may well take its sibling down too). Only where
-    neither side forces a driver nor turned failover off, and between two hosts unless a
+    engine, or of the rail it was bound to, may well take its sibling down too), and one-sided
+    when the chosen driver is (a two-sided lane makes the whole connection send its messages
+    in order with its notices: a cost to every transfer for a lane that carries none). Only
+    where neither side forces a driver nor turned failover off, and between two hosts unless a
     side asks for it everywhere (``KVTRANSPORT_FAILOVER``)."""
     settings = (initiator.policy.failover, acceptor.policy.failover)
     if len(lanes) != 1 or "off" in settings or not (across or "on" in settings):
         return ""
     if initiator.policy.force or acceptor.policy.force:
         return ""
-    others = [n for n in ranked if n not in lanes and len(n) <= MAX_LANE_NAME]
+
+    def two_sided(name: str) -> bool:
+        return any(
+            (caps := hello.drivers[name].capabilities) is not None and caps.two_sided
+            for hello in (initiator, acceptor)
+            if name in hello.drivers
+        )
+
+    chosen_two_sided = two_sided(lanes[0])
+    others = [
+        n for n in ranked if n not in lanes and len(n) <= MAX_LANE_NAME and (chosen_two_sided or not two_sided(n))
+    ]
     engine = lanes[0].split("-")[0]
     return next((n for n in others if n.split("-")[0] != engine), others[0] if others else "")
 

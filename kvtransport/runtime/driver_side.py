@@ -250,9 +250,11 @@ class SessionDrivers:
         wake-up of the I/O thread competes with posting it, and before its result, in the
         same wake-up when the engine finished it inside ``submit``."""
         owner = self._owner
-        if transfer.state.final or transfer.driver_stopped:
+        if transfer.state.final or transfer.driver_stopped or transfer.lane is not lane:
             owner.post(noted)
-            return  # failed or aborted before its batch got here: nothing may be written now
+            # failed or aborted before its batch got here (nothing may be written now), or moved
+            # to another lane meanwhile (``runtime.failover``: this part goes again there)
+            return
         if express and owner.two_sided:  # express on a two-sided session: in ordered mode
             # The notices of a batch that finishes inside ``submit`` go out with its "done".
             owner.order.hold()
@@ -335,7 +337,7 @@ class SessionDrivers:
         if link is None:
             return
         with transfer.express_lock:
-            if transfer.stopping or transfer.state.final or owner.closing:
+            if transfer.stopping or transfer.moved or transfer.state.final or owner.closing:
                 if ordered:
                     order.release()  # its notices go all the same, before the news of its end
                 return

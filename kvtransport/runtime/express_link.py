@@ -36,10 +36,11 @@ LENGTH = struct.Struct(">I")
 MAX_FRAME_BYTES = 4096
 #: What a session in ordered mode sends on its stream: every message whose order counts against
 #: a two-sided driver's notices (a chunk's notice must reach the peer before the "done" or
-#: "drained" that follows it). "bye" goes on the control channel as well (its order does not
-#: matter, and it should arrive even if the stream is gone). What a bound stream takes: these
+#: "drained" that follows it, a "lane_down" before the "done" of a transfer it moved). "bye"
+#: goes on the control channel as well (its order does not matter, and it should arrive even if
+#: the stream is gone). What a bound stream takes: these
 #: (a one-sided session sends "done" only); pings and the handshake never.
-ORDERED_KINDS = frozenset({"expect", "done", "abort", "drained", "notice", "bye"})
+ORDERED_KINDS = frozenset({"expect", "done", "abort", "drained", "notice", "lane_down", "bye"})
 #: Seal header and MAC on top of a message (auth.Seal).
 _SEAL_BYTES = 64
 #: Bytes one read of a stream takes; at most ``express.READS_PER_PASS`` reads a loop pass (a

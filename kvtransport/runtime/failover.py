@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 #: FENCE_RETRY_MAX_S, for at most the drain timeout.
 FENCE_RETRY_FIRST_S = 0.02
 FENCE_RETRY_MAX_S = 1.0
+#: A move waits this long for a caller thread handing over a part of the transfer.
+RESUBMIT_RETRY_S = 0.001
 #: A transfer's stall limit is at least this many times the time it should take: at
 #: the rate its lane showed on this connection, else by the lane's measured cost model; and at
 #: least the stall timeout (``Timeouts.stall``). A lane with neither (no transfer done on it
@@ -122,14 +124,18 @@ class Failover:
 
     def __init__(self, session: FailoverOwner) -> None:
         self._session = session
-        #: Receiver: lanes the peer said failed, being fenced; "done" messages held meanwhile
-        #: (by tag: one per receiving transfer, so bounded by the connection's transfers).
-        self.fencing: set[str] = set()
-        self._held: dict[str, Message] = {}
-        #: Both sides: lanes failed over from, in order (for ``stats`` and the logs).
+        #: Sender: lanes it declared down to the peer ("lane_down"), in order.
         self.failed_lanes: list[str] = []
         #: Sender: the stall check's timer, while transfers are in flight.
         self._watch: Timer | None = None
+        #: Receiver: lanes the peer said failed, being fenced (each with the timer that ends
+        #: the connection if its fence does not come in time), and those fenced for good.
+        self.fencing: dict[str, Timer] = {}
+        self.fenced: set[str] = set()
+        #: Receiver: "done" and "drained" messages held while a fence is under way, by tag, with
+        #: the transfer each was for (one per receiving transfer: bounded by its tables).
+        self._held_done: dict[str, tuple[Transfer, Message]] = {}
+        self._held_drained: dict[str, Message] = {}
 
     # -- sender --------------------------------------------------------------------------------
 
@@ -138,7 +144,8 @@ class Failover:
         other transfer still on ``old``."""
         s = self._session
         moving = [transfer]
-        if old.fail_over():
+        old.fail_over()
+        if old.name not in self.failed_lanes:
             self.failed_lanes.append(old.name)
             log.warning(
                 "%s: %s failed for %s (%s); its transfers go again over %s, and it is not used again on this "
@@ -150,6 +157,8 @@ class Failover:
                 new.name,
             )
             s.endpoint.metrics.failed_over(old.name, new.name)
+            # Before any "done" of a moved transfer: in ordered mode both go on the stream, else
+            # both on the control channel (a moved transfer's "done" never goes express).
             s.send("lane_down", lane=s.wire_name(old.name), reason=str(error)[:500])
             moving += [
                 t
@@ -161,11 +170,15 @@ class Failover:
 
     def _move(self, t: Transfer, old: Lane, new: Lane, error: KVTransportError) -> None:
         s = self._session
+        with t.express_lock:
+            if t.done_sent or t.state.final:
+                return  # its one batch finished and its "done" went out: it succeeds as it is
+            t.moved = True  # no "done" of the old lane's batch goes out on the express stream now
         t.failovers += 1
         t.failed_over_at = time.monotonic()
         t.failed_over_from = t.failed_over_from or old.name
         # The old lane's batches no longer count (their news is ignored from now on), nor
-        # their bytes; the transfer is not done until the new lane's batch is.
+        # their bytes; the transfer is not done until the new lane's batches are.
         t.batches = set()
         t.bytes = 0
         t.last_sent = False
@@ -179,17 +192,33 @@ class Failover:
             new.name,
             error,
         )
+        self._resubmit(t, new)
+
+    def _resubmit(self, t: Transfer, new: Lane) -> None:
+        """Every part of ``t`` sent so far, again, in order, over ``new``; its later parts follow
+        there. Under the lock the caller's threads plan parts under (so a part is either among
+        those sent again or planned for the new lane), taken without waiting: a caller holding
+        it (a part being handed over on its thread) is waited for through the timers, never by
+        blocking the I/O thread."""
+        s = self._session
+        if s.closed or t.state.final:
+            return
+        if not t.plan_lock.acquire(blocking=False):
+            s.timers.call_later(RESUBMIT_RETRY_S, lambda: self._resubmit(t, new))
+            return
+        failed: KVTransportError | None = None
         try:
-            # Under the lock the caller's threads plan parts under: every part planned so far
-            # is in ``sent_parts`` and goes again, in order; later ones follow the new lane.
-            with t.plan_lock:
-                t.lane = new
-                t.driver = new.name
-                t.raw_predicted_s = 0.0  # a moved transfer's time says nothing of either lane
-                for runs, last in list(t.sent_parts):
-                    s.submit_part(t, runs, last, inline=False, express=False, again=True)
+            t.lane = new
+            t.driver = new.name
+            t.raw_predicted_s = 0.0  # a moved transfer's time says nothing of either lane
+            for runs, last in list(t.sent_parts):
+                s.submit_part(t, runs, last, inline=False, express=False, again=True)
         except KVTransportError as exc:
-            s.abort(t, f"failing over to {new.name}: {exc}", notify=True, error=exc)
+            failed = exc
+        finally:
+            t.plan_lock.release()
+        if failed is not None:
+            s.abort(t, f"failing over to {new.name}: {failed}", notify=True, error=failed)
 
     def watch(self) -> None:
         """A batch of a sending transfer reached its driver: check, while any is in flight,
@@ -202,41 +231,54 @@ class Failover:
         return max(0.02, self._session.endpoint.timeouts.stall / 4)
 
     def _check(self) -> None:
-        """A transfer in flight whose lane finished no batch for longer than the
-        transfer's stall limit has failed there: its batch fails as a driver error would
-        (``PeerProtocol.batch_failed``), and so it fails over. Only where another lane is
-        usable: without one it waits for the transfer timeout, as ever."""
+        """A transfer in flight whose lane finished no batch, since the transfer's latest part
+        was handed over, for longer than its limit has failed there: its batch fails as a
+        driver error would (``PeerProtocol.batch_failed``), and so it fails over. Only where
+        another lane is usable: without one it waits for the transfer timeout, as ever."""
         self._watch = None
         s = self._session
         if s.closed or s.protocol.closing:
             return
         now = time.monotonic()
-        waiting = False
-        for t in list(s.protocol.transfers.values()):
+        waiting = [
+            t
+            for t in s.protocol.transfers.values()
+            if t.role == SEND and t.lane is not None and t.batches and can_move(t)
+        ]
+        # What each lane has in flight for this connection: a burst served together finishes
+        # its first batch only after most of the burst's bytes moved.
+        in_flight: dict[str, tuple[int, int]] = {}
+        for t in waiting:
+            assert t.lane is not None
+            nbytes, count = in_flight.get(t.lane.name, (0, 0))
+            parts = list(t.sent_parts)
+            in_flight[t.lane.name] = (
+                nbytes + sum(r.total_bytes for r, _ in parts),
+                count + sum(len(r) for r, _ in parts),
+            )
+        for t in waiting:
             lane = t.lane
-            if t.role != SEND or lane is None or not t.batches or not can_move(t):
-                continue
-            waiting = True
+            if lane is None or not t.batches or t.state.final or lane.broken:
+                continue  # moved or ended by an earlier one of this pass
             # From the later of its latest part's submission and its lane's latest completion:
             # a layer-wise send waiting for its next layers is not a stalled lane.
             since = max(t.last_part_at, t.failed_over_at, lane.last_progress)
-            limit = self._limit(t, lane)
+            limit = self._limit(lane, *in_flight[lane.name])
             if now - since <= limit or s.failover_target(lane) is None:
                 continue
             error = DriverError(
                 f"{lane.name}: no batch finished for {now - since:.2f} s while {t.tag!r} waited (stall limit "
-                f"{limit:.2f} s: KVTRANSPORT_STALL_TIMEOUT, or {STALL_FACTOR:g}x its time at the lane's rate)"
+                f"{limit:.2f} s: KVTRANSPORT_STALL_TIMEOUT, or {STALL_FACTOR:g}x the time of what it had in flight "
+                "at the lane's rate)"
             )
             s.run(s.protocol.batch_failed(t, next(iter(t.batches)), error))
         if waiting and not s.closed:
             self._watch = s.timers.call_later(self._period(), self._check)
 
-    def _limit(self, t: Transfer, lane: Lane) -> float:
-        """How long ``t``'s lane may finish nothing while ``t`` waits (every part of it sent so
-        far counted: generous for one whose parts were already written)."""
+    def _limit(self, lane: Lane, nbytes: int, count: int) -> float:
+        """How long ``lane`` may finish nothing while it has ``nbytes`` in ``count``
+        descriptors of this connection's transfers in flight."""
         timeouts = self._session.endpoint.timeouts
-        parts = list(t.sent_parts)
-        nbytes, count = sum(r.total_bytes for r, _ in parts), sum(len(r) for r, _ in parts)
         expected = lane.observed_seconds(nbytes)
         if not expected and lane.models and not lane.learning:
             expected = lane.predict(count, nbytes)  # a calibrated model
@@ -252,10 +294,9 @@ class Failover:
         lane = s.lane_named(msg["lane"])
         if lane is None:
             raise ProtocolError(f"lane_down names {msg['lane'][:64]!r}, not a driver of this connection")
-        if not lane.fail_over():
+        if lane.name in self.fencing or lane.name in self.fenced:
             return  # said twice
-        self.failed_lanes.append(lane.name)
-        self.fencing.add(lane.name)
+        lane.fail_over()  # nothing of this side goes over it either
         log.warning(
             "%s: %s says %s failed (%s); fencing it for that peer before its transfers complete",
             s.endpoint.name,
@@ -263,47 +304,99 @@ class Failover:
             lane.name,
             msg["reason"][:200],
         )
-        self._fence(lane, FENCE_RETRY_FIRST_S, time.monotonic() + s.endpoint.timeouts.drain)
+        drain = s.endpoint.timeouts.drain
+        # The bound holds even if the lane's driver never answers (its thread stuck in the
+        # engine that failed, say).
+        self.fencing[lane.name] = s.timers.call_later(drain, functools.partial(self._gave_up, lane, drain))
+        self._fence(lane, FENCE_RETRY_FIRST_S)
 
-    def hold(self, msg: Message) -> bool:
+    def hold_done(self, msg: Message) -> bool:
         """Whether the "done" ``msg`` waits for a fence (taken here then)."""
         if not self.fencing:
             return False
         t = self._session.protocol.transfers.get(msg["tag"])
         if t is None or t.role == SEND or t.state.final:
             return False  # the protocol answers it as ever (ignored, or a protocol error)
-        self._held[msg["tag"]] = msg
+        self._held_done[msg["tag"]] = (t, msg)
         return True
 
-    def _fence(self, lane: Lane, wait: float, deadline: float) -> None:
+    def hold_drained(self, msg: Message) -> bool:
+        """Whether the "drained" ``msg`` waits for a fence (taken here then): the peer's word
+        that a failed transfer's writes stopped says nothing of the lane being fenced."""
+        if not self.fencing:
+            return False
+        protocol = self._session.protocol
+        tag = msg["tag"]
+        if tag not in protocol.awaiting_drain and tag not in protocol.transfers:
+            return False
+        self._held_drained[tag] = msg
+        return True
+
+    def muted(self, lane_name: str) -> bool:
+        """Whether notices for the lane ``lane_name`` names are dropped: it failed for this
+        peer (its chunks must not be copied into pages any more)."""
+        lane = self._session.lane_named(lane_name)
+        return lane is not None and (lane.name in self.fencing or lane.name in self.fenced)
+
+    def _fence(self, lane: Lane, wait: float) -> None:
         s = self._session
+        if s.closed or lane.name not in self.fencing:
+            return
 
         def answered(fenced: Any, error: KVTransportError | None) -> None:
-            if s.closed:
+            if s.closed or lane.name not in self.fencing:
                 return
             if fenced is True and error is None:
                 self._fenced(lane)
-            elif time.monotonic() + wait > deadline:
-                why = f" ({error})" if error is not None else ""
-                s.fail(DriverError(f"{lane.name} failed and could not fence {s.peer_label}{why}: the connection ends"))
             else:
-                s.timers.call_later(wait, lambda: self._fence(lane, min(2 * wait, FENCE_RETRY_MAX_S), deadline))
+                s.timers.call_later(wait, lambda: self._fence(lane, min(2 * wait, FENCE_RETRY_MAX_S)))
 
         try:
             lane.runner.call(functools.partial(lane.driver.fence, s.id), answered)
         except KVTransportError as exc:
-            answered(False, exc)
+            s.fail(DriverError(f"{lane.name} failed and cannot fence {s.peer_label} ({exc}): the connection ends"))
+
+    def _gave_up(self, lane: Lane, drain: float) -> None:
+        s = self._session
+        if lane.name in self.fencing and not s.closed:
+            s.fail(
+                DriverError(
+                    f"{lane.name} failed and could not fence {s.peer_label} within {drain:g} s "
+                    "(KVTRANSPORT_DRAIN_TIMEOUT): the connection ends"
+                )
+            )
 
     def _fenced(self, lane: Lane) -> None:
         s = self._session
-        self.fencing.discard(lane.name)
+        s.timers.cancel(self.fencing.pop(lane.name, None))
+        self.fenced.add(lane.name)
         log.info(
             "%s: %s fenced for %s; its transfers go on over the other lanes", s.endpoint.name, lane.name, s.peer_label
         )
         if self.fencing:
             return
-        held, self._held = list(self._held.values()), {}
-        for msg in held:
-            if s.closed:
-                return
-            s.run(s.protocol.on_done(msg))
+        done, self._held_done = list(self._held_done.values()), {}
+        drained, self._held_drained = list(self._held_drained.values()), {}
+        try:
+            for t, msg in done:
+                if s.closed:
+                    return
+                if s.protocol.transfers.get(msg["tag"]) is t:  # not a later transfer under that tag
+                    s.run(s.protocol.on_done(msg))
+            for msg in drained:
+                if s.closed:
+                    return
+                s.run(s.protocol.on_drained(msg))
+        except KVTransportError as exc:
+            s.fail(exc)  # as the message would have when it came
+
+    def close(self) -> None:
+        """The session ended: its timers go."""
+        s = self._session
+        s.timers.cancel(self._watch)
+        self._watch = None
+        for timer in self.fencing.values():
+            s.timers.cancel(timer)
+        self.fencing.clear()
+        self._held_done.clear()
+        self._held_drained.clear()

@@ -180,6 +180,9 @@ class Transfer:
         self.failovers = 0
         self.failed_over_at = 0.0
         self.failed_over_from = ""  # the lane it first failed on
+        #: Sender, under ``express_lock``: it moved to another lane; no "done" of a batch of the
+        #: old lane goes out on the express stream any more.
+        self.moved = False
 
     @property
     def whole_runs(self) -> Runs | None:

@@ -106,6 +106,7 @@ class PeerFacts(Protocol):
     @property
     def plan(self) -> PairPlan: ...
     def failover_target(self, failed: Any) -> Any: ...
+    def lane_failed(self, lane: Any, why: str) -> None: ...
 
 
 LaneT = TypeVar("LaneT", bound=LaneFacts)
@@ -574,7 +575,7 @@ class PeerProtocol:
             return
         if t.lane is not None and self.phase is Phase.READY and not self.closing:
             # (not when the whole connection is going: that says nothing of this lane)
-            t.lane.failed(f"a transfer failed: {error}", self.peer_label)
+            self._peer.lane_failed(t.lane, f"a transfer failed: {error}")
         self._abort(t, f"{self._driver_of(t, 'driver')}: {error}", notify=True, error=error)
 
     def _fail_over(self, t: Transfer, error: KVTransportError) -> bool:
@@ -712,6 +713,7 @@ def can_move(t: Transfer) -> bool:
     finished, not being aborted, not moved too often already."""
     return (
         bool(t.sent_parts)
+        and not t.done_sent
         and not t.state.final
         and not t.stopping
         and not t.aborted_by_caller

@@ -306,6 +306,13 @@ class Session:
         active = [lane for lane in usable if not lane.standby]
         return active or usable or list(self.lanes.values())[:1]
 
+    def lane_failed(self, lane: Lane, why: str) -> None:
+        """I/O thread: a transfer on ``lane`` failed (not failed over): a lane kept to learn
+        from or on standby is not used again (``Lane.failed``), unless it is the last usable
+        one (then the connection's fate is its own, as the chosen driver's is)."""
+        if any(other is not lane and not other.broken for other in self.lanes.values()):
+            lane.failed(why, self.peer_label)
+
     def failover_target(self, failed: Lane) -> Lane | None:
         """I/O thread: the lane the transfers of ``failed`` go to when it fails, or ``None``:
         the best-ranked usable one other than it (a lane that learns: the one predicted
@@ -618,7 +625,7 @@ class Session:
             self.take_notice(msg["lane"], payload)
             if self.phase is Phase.CLOSED:
                 return  # a notice ended the session: nothing of it is trusted any more
-        if self.failover.hold(msg):
+        if self.failover.hold_done(msg):
             return  # a failed lane is being fenced: no transfer completes before it is
         self.run(self.protocol.on_done(msg))
 
@@ -626,6 +633,8 @@ class Session:
         self.run(self.protocol.on_abort(msg))
 
     def on_drained(self, msg: Message) -> None:
+        if self.failover.hold_drained(msg):
+            return  # pages come back only once a failed lane is fenced too
         self.run(self.protocol.on_drained(msg))
 
     def on_notice(self, msg: Message) -> None:
@@ -633,6 +642,8 @@ class Session:
 
     def take_notice(self, lane_name: str, payload: bytes) -> None:
         """A driver notice from the peer (a "notice" message, or one that rode in a "done")."""
+        if self.failover.muted(lane_name):
+            return  # a lane that failed for this peer copies nothing more into our pages
         self.drivers.take_notice(lane_name, payload)
 
     def submitted(self, transfer: Transfer, bid: int, nbytes: int, last: bool) -> None:
@@ -674,6 +685,7 @@ class Session:
         if self.phase is Phase.CLOSED:
             return
         self.run(self.protocol.close(error, notify=notify))
+        self.failover.close()
         timers = self.timers
         timers.cancel(self.heartbeat)
         timers.cancel(self.handshake_timer)
@@ -780,7 +792,9 @@ class Session:
         drained once every lane answered that nothing of the peer can land any more. A lane
         that cannot promise it yet is asked again, with back-off, while those pages are held
         (a peer process on this host is fenced once it has ended, say)."""
-        lanes = [lane for lane in self.lanes.values() if lane.connect_queued]
+        # (a lane fenced already when the peer said it failed is not asked again: a driver keeps
+        # its fenced receive sides for a while only, and would then answer False)
+        lanes = [lane for lane in self.lanes.values() if lane.connect_queued and lane.name not in self.failover.fenced]
         if not lanes:
             for t in transfers:
                 t.drained.set()  # no driver ever knew the peer: nothing of it could arrive

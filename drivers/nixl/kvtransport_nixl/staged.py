@@ -170,9 +170,9 @@ class NixlStaged(StagedTransport, NixlDataPath):
     def disconnect(self, peer: str) -> None:
         # Before the base class's disconnect, which knows connected peers by ``_peers`` (the
         # staged variant keeps its own in ``_remote``): a peer connected here connected to
-        # this side's receive agent too (see ``_forget_receiver``).
-        with self.agent_lock:
-            self._forget_receiver(peer, connected=peer in self._remote)
+        # this side's receive agent too (see ``_forget_receiver``). Not under ``agent_lock``:
+        # closing an agent may take a second, and the wire threads wait on that lock.
+        self._forget_receiver(peer, connected=peer in self._remote)
         super().disconnect(peer)
         self._remote_main.pop(peer, None)
         remote = self._remote.pop(peer, None)
