@@ -25,6 +25,7 @@ import pytest
 from kvtransport.negotiation.negotiate import standby_lane
 from kvtransport.negotiation.registry import Policy
 from kvtransport.runtime.endpoint import Endpoint, State, Timeouts
+from kvtransport.runtime.handles import Transfer
 from kvtransport.spi.driver import Capabilities
 from kvtransport.spi.errors import KVTransportError
 from kvtransport.testing.fake import FakeDriver, FakeTwoSided
@@ -89,14 +90,29 @@ class Pair:
         self.recv = self.decode.connect(self.prefill.address, 10)
         self.send = self.prefill.accept(10)
 
-    def round(self, tag: str, src: list[int], dst: list[int]) -> str:
-        """One verified transfer; the driver that moved it."""
+    def start(self, tag: str, src: list[int] | None, dst: list[int]) -> tuple[Transfer, Transfer]:
+        """Decode announces ``dst`` under ``tag``; prefill's sender sees it and, given ``src``,
+        sends it in one part. (sender, receiver)."""
         r = self.recv.expect(tag, dst)
         t = self.send.sender(tag)
         deadline = time.monotonic() + 10
         while t.state is State.BOOTSTRAPPING and time.monotonic() < deadline:
-            time.sleep(0.005)
-        t.send(src, last=True)
+            time.sleep(0.002)
+        if src is not None:
+            t.send(src, last=True)
+        return t, r
+
+    def fails(self, tag: str, src: list[int], dst: list[int]) -> None:
+        """One transfer that fails on both sides, the sender's with the injected fault."""
+        t, r = self.start(tag, src, dst)
+        with pytest.raises(KVTransportError, match="injected fault"):
+            t.wait(10)
+        with pytest.raises(KVTransportError):
+            r.wait(10)
+
+    def round(self, tag: str, src: list[int], dst: list[int]) -> str:
+        """One verified transfer; the driver that moved it."""
+        t, r = self.start(tag, src, dst)
         assert t.wait(10) is State.SUCCESS and r.wait(10) is State.SUCCESS, tag
         assert self.pools[1].page_digests(dst) == self.pools[0].page_digests(src), tag
         assert r.driver == t.driver, (r.driver, t.driver)
@@ -144,12 +160,8 @@ def test_a_receiver_that_cannot_fence_the_failed_lane_ends_the_connection(tmp_pa
     pair = Pair(tmp_path, receiver_options={})
     try:
         pair.fault.write_text("cut")
-        r = pair.recv.expect("t", [1, 2])
-        t = pair.send.sender("t")
-        while t.state is State.BOOTSTRAPPING:
-            time.sleep(0.005)
         t0 = time.monotonic()
-        t.send([3, 4], last=True)
+        _, r = pair.start("t", [3, 4], [1, 2])
         with pytest.raises(KVTransportError, match="could not fence"):
             r.wait(10)
         assert time.monotonic() - t0 < FAST["drain"] + 2
@@ -178,15 +190,7 @@ def test_when_the_last_lane_fails_too_the_transfer_fails_and_the_lane_stays(pair
     pair.fault.write_text("cut")
     assert pair.round("moved", [1], [2]) == pair.standby
     pair.standby_fault.write_text("cut")
-    r = pair.recv.expect("lost", [3])
-    t = pair.send.sender("lost")
-    while t.state is State.BOOTSTRAPPING:
-        time.sleep(0.005)
-    t.send([4], last=True)
-    with pytest.raises(KVTransportError, match="injected fault"):
-        t.wait(10)
-    with pytest.raises(KVTransportError):
-        r.wait(10)
+    pair.fails("lost", [4], [3])
     pair.standby_fault.unlink()
     pair.fault.unlink()
     assert pair.round("after", [5], [6]) == pair.standby
@@ -196,10 +200,7 @@ def test_when_the_last_lane_fails_too_the_transfer_fails_and_the_lane_stays(pair
 def test_a_chunked_send_moves_every_chunk_sent_so_far_and_its_later_ones_follow(pair: Pair, armed: str) -> None:
     """A transfer sent in parts (SGLang's chunked prefill): the parts sent before the failure
     go again, in order, over the standby, and the parts sent after it go there too."""
-    r = pair.recv.expect("c", [10, 11, 12, 13, 14, 15])
-    t = pair.send.sender("c")
-    while t.state is State.BOOTSTRAPPING:
-        time.sleep(0.005)
+    t, r = pair.start("c", None, [10, 11, 12, 13, 14, 15])
     if armed == "before-the-first-chunk":
         pair.fault.write_text("cut")
     t.send([1, 2], last=False)
@@ -233,11 +234,7 @@ def test_a_stall_without_a_lane_to_go_to_waits_as_before(tmp_path: Path, monkeyp
     pair = Pair(tmp_path)
     try:
         pair.fault.write_text("stall")
-        r = pair.recv.expect("t", [2])
-        t = pair.send.sender("t")
-        while t.state is State.BOOTSTRAPPING:
-            time.sleep(0.005)
-        t.send([1], last=True)
+        t, r = pair.start("t", [1], [2])
         time.sleep(5 * FAST["stall"])
         assert t.state is State.TRANSFERRING and r.state is not State.FAILED, (t.state, r.state)
         pair.fault.unlink()
@@ -252,15 +249,7 @@ def test_without_a_standby_lane_the_transfer_fails_as_before(tmp_path: Path, mon
     try:
         assert pair.send.decision is not None and pair.send.decision.standby == ()
         pair.fault.write_text("cut")
-        r = pair.recv.expect("t", [2])
-        t = pair.send.sender("t")
-        while t.state is State.BOOTSTRAPPING:
-            time.sleep(0.005)
-        t.send([1], last=True)
-        with pytest.raises(KVTransportError, match="injected fault"):
-            t.wait(10)
-        with pytest.raises(KVTransportError):
-            r.wait(10)
+        pair.fails("t", [1], [2])
     finally:
         pair.close()
 
