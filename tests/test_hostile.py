@@ -1728,3 +1728,32 @@ def test_done_naming_a_driver_that_is_not_a_lane_of_the_connection_fails_its_tra
     state = rig.victim.ok("state", tags=[tag])["states"][tag]
     assert state[0] == "FAILED", f"the victim reports {state} for a done naming a driver it does not share"
     rig.check("done from another lane")
+
+
+def test_lane_down_from_a_peer_holds_only_its_own_transfers_until_its_lane_is_fenced(
+    rig_factory: Callable[..., Rig],
+) -> None:
+    """An authenticated peer says a lane failed ("lane_down", for the chosen driver) and then
+    that its transfer is done: the victim fences that lane for that peer before any of its
+    transfers completes (the one-sided fake cannot: the peer's connection ends within the drain
+    timeout, its transfer failed), names of lanes the connection does not have are violations,
+    and every other peer is served throughout."""
+    rig = rig_factory("fake", private=False, victim_timeouts={"drain": 1.0})
+    s = rig.session("atk", receivers=1)
+    tag = s.recv_tags[0]
+    right = sum(int(region["item_len"]) for region in s.welcome["regions"]["kv"])
+    rig.send(s.attacker, [message("lane_down", lane="no-such-driver", reason="x")])
+    rig.send(s.attacker, [message("lane_down", lane="", reason="the attacker says so")] * 3)
+    rig.send(s.attacker, [message("done", tag=tag, bytes=right, lane="", notices=[])])
+    rig.sync(s.attacker, "lane_down")
+    state = rig.victim.ok("state", tags=[tag])["states"][tag]
+    assert state[0] != "SUCCESS", f"a done counted before the failed lane was fenced: {state}"
+    rig.check("lane_down while fencing")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        state = rig.victim.ok("state", tags=[tag])["states"][tag]
+        if state[0] == "FAILED":
+            break
+        time.sleep(0.1)
+    assert state[0] == "FAILED" and "could not fence" in state[2], state
+    rig.check("a connection ended for a lane it could not fence")

@@ -62,6 +62,7 @@ from kvtransport.spi.errors import (
     PeerLost,
     ProtocolError,
     TransferAborted,
+    TransferError,
     TransferTimeout,
 )
 from kvtransport.spi.inbound import Claim, InboundGuard
@@ -584,7 +585,9 @@ class PeerProtocol:
         connection's), on a live connection, of a transfer sent in one part."""
         if t.role != SEND or t.lane is None or self.phase is not Phase.READY or self.closing:
             return False
-        if not isinstance(error, DriverError) or not can_move(t):
+        # A driver's own failure (mapped engine errors: EngineError, DriverError, or a plain
+        # TransferError as the SPI allows), not the peer's (PeerLost, an abort, a timeout).
+        if not (isinstance(error, DriverError) or type(error) is TransferError) or not can_move(t):
             return False
         target = self._peer.failover_target(t.lane)
         if target is None:

@@ -204,9 +204,12 @@ class KVTransport(ABC):
     - ``submit`` MUST only touch bytes inside regions given to ``open`` (locally) and the peer
       regions given to ``connect``; the core has bounds-checked every run already.
     - ``poll`` returns ``True`` once every byte of the batch is at the destination (for a
-      one-sided driver: the write completed remotely), ``False`` while in flight, and raises a
-      :class:`~kvtransport.spi.errors.TransferError` (engine errors mapped, chained with ``from``)
-      when the batch failed. A batch MUST NOT be reported done if any part of it failed.
+      one-sided driver: the write completed remotely), ``False`` while in flight, and raises an
+      :class:`~kvtransport.spi.errors.EngineError` (or a plain
+      :class:`~kvtransport.spi.errors.TransferError`; engine errors mapped, chained with ``from``)
+      when the batch failed: a failure of the data path, which the core fails over to another
+      lane of the connection where it has one. A batch MUST NOT be reported done if any part of
+      it failed.
     - Native engine errors MUST be mapped to kvtransport errors inside the driver.
     - Handles are owned: once ``poll`` has returned ``True`` or raised, or ``abort`` was called,
       the driver MUST hold nothing for that handle (``pending()`` no longer counts it) and the
