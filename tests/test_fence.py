@@ -100,13 +100,17 @@ def test_a_stopped_prefills_late_writes_never_land_in_pages_given_back(case: tup
         pages = list(range(PAGES))
         t = conn.expect("big", pages)  # type: ignore[attr-defined]
         peer.call("send", transfers={"big": [pages]})
-        time.sleep(0.03)
+        time.sleep(0.01)  # posted (the call returned once it was), and not finished yet
         os.kill(peer.proc.pid, signal.SIGSTOP)
         stopped = True
-        if t.state is State.SUCCESS:
-            pytest.skip("the write finished before the prefill stopped; nothing to observe")
-        with pytest.raises(KVTransportError):
+        try:
             t.wait(10)
+        except KVTransportError:
+            pass  # lost (heartbeat) or failed: what this test is about
+        else:
+            # Its "done" left before the stop and was read after it (a write of tens of ms on
+            # one host): finished, nothing to observe.
+            pytest.skip("the write finished before the prefill stopped; nothing to observe")
         if fenceable:
             assert t.drained.wait(5), "the decode side never fenced the stopped prefill"
         else:
