@@ -322,7 +322,16 @@ def test_instances_with_different_block_layouts_refuse_the_pair_with_both() -> N
         params = p.wait("prefilled", "p-mixed")["params"]
         d.send(op="decode", id="mixed", tokens=tokens, params=params)
         assert d.wait("finished", "mixed")["reason"] == "error"
-        assert any("LayoutMismatch" in line or "token_layout" in line for line in d.log), "".join(d.log[-10:])
+
+        def said() -> bool:
+            return any("LayoutMismatch" in line or "token_layout" in line for line in list(d.log))
+
+        # (its log comes on stderr, read by another thread than its events: the line may follow
+        # the "finished" event by a moment)
+        deadline = time.monotonic() + 10
+        while not said() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert said(), "".join(d.log[-10:])
         assert_idle(d)
 
 
