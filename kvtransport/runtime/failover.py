@@ -182,6 +182,9 @@ class Failover:
         t.batches = set()
         t.bytes = 0
         t.last_sent = False
+        # Until the move has its plan lock, the old lane's parts count for nothing (else their
+        # news would count their bytes, and their failure move the transfer a second time).
+        t.moving_to = new
         s.drivers.stop_lane(old, t)
         log.info(
             "%s: transfer %r to %s moves from %s to %s (%s)",
@@ -201,14 +204,15 @@ class Failover:
         it (a part being handed over on its thread) is waited for through the timers, never by
         blocking the I/O thread."""
         s = self._session
-        if s.closed or t.state.final:
-            return
+        if s.closed or t.state.final or t.moving_to is not new:
+            return  # ended, or moved on again meanwhile
         if not t.plan_lock.acquire(blocking=False):
             s.timers.call_later(RESUBMIT_RETRY_S, lambda: self._resubmit(t, new))
             return
         failed: KVTransportError | None = None
         try:
             t.lane = new
+            t.moving_to = None
             t.driver = new.name
             t.raw_predicted_s = 0.0  # a moved transfer's time says nothing of either lane
             for runs, last in list(t.sent_parts):

@@ -183,6 +183,9 @@ class Transfer:
         #: Sender, under ``express_lock``: it moved to another lane; no "done" of a batch of the
         #: old lane goes out on the express stream any more.
         self.moved = False
+        #: Sender, I/O thread: the lane a move is taking it to while that move waits for its plan
+        #: lock (``runtime.failover``): news of its old lane's parts no longer counts meanwhile.
+        self.moving_to: Lane | None = None
 
     @property
     def whole_runs(self) -> Runs | None:

@@ -541,8 +541,8 @@ class Session:
         transfer.last_part_at = time.monotonic()
 
         def noted() -> None:
-            if transfer.lane is not lane:
-                return  # it moved to another lane meanwhile (``runtime.failover``): not counted
+            if transfer.lane is not lane or (transfer.moving_to is not None and transfer.moving_to is not lane):
+                return  # it moved (or is moving) to another lane meanwhile (``runtime.failover``)
             self.submitted(transfer, bid, runs.total_bytes, last)
 
         # A transfer of one batch: the thread that sees it finish may send "done" itself.
