@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 
 # --- the wire schema, as read from kvtransport/runtime/wire.py (deliberately not imported) -----------
 
-VERSION = 13
+VERSION = 14
 LIMIT = 4 << 20  # DEFAULT_MAX_MESSAGE_BYTES
 #: Frames larger than this make zmq drop the connection (MAXMSGSIZE: the limit plus framing room):
 #: the attacker's DEALER reconnects with a new route, so a session on the old one is orphaned.
@@ -62,17 +62,19 @@ SCHEMA: dict[str, dict[str, type]] = {
     "abort": {"tag": str, "reason": str},
     "drained": {"tag": str},
     "notice": {"payload": bytes, "lane": str},
-    "lane_down": {"lane": str, "reason": str},
+    "lane_down": {"lane": str, "gen": int, "reason": str},
+    "lane_reopen": {"lane": str, "gen": int, "info": bytes},
+    "lane_reopened": {"lane": str, "gen": int, "info": bytes, "reason": str},
     "ping": {"seq": int},
     "bye": {"reason": str},
 }
-#: Bounds on the fields above (wire.py: connection ids 64 characters, tags 256, reasons 4096;
+#: Bounds on the fields above (wire.py: connection ids 64 characters and no "~", tags 256, reasons 4096;
 #: nonces and MACs 64 bytes; an announcement's state at most 1024 entries, a done's notices
 #: at most 8 byte strings).
 INT_LOW = {("expect", "aux"): -1}
 INT_HIGH = {("welcome", "express"): 65535}
 TEXT_MAX = {"conn": 64, "tag": 256, "reason": 4096, "lane": 64}
-BYTES_MAX = {"nonce": 64, "nonce_i": 64, "nonce_a": 64, "mac": 64}
+BYTES_MAX = {"nonce": 64, "nonce_i": 64, "nonce_a": 64, "mac": 64, "info": 64 << 10}
 LIST_MAX = {("expect", "state"): 1024, ("done", "notices"): 8}
 #: Most notices one "done" may carry.
 DONE_NOTICES_MAX = 8
@@ -154,6 +156,8 @@ def well_formed(frame: bytes) -> dict[str, Any] | None:
         if isinstance(value, int) and not INT_LOW.get((kind, name), 0) <= value <= INT_HIGH.get((kind, name), MAX_INT):
             return None
         if isinstance(value, str) and len(value) > TEXT_MAX.get(name, 4096):
+            return None
+        if name == "conn" and "~" in value:  # (never in a connection id)
             return None
         if isinstance(value, bytes) and len(value) > BYTES_MAX.get(name, LIMIT):
             return None

@@ -114,13 +114,26 @@ def test_a_cut_data_rail_moves_the_requests_in_flight_to_the_other_path(cluster:
         assert all(taken[tag][2] > cut_at for tag in moved), (taken, cut_at)
         detected = min(taken[tag][2] for tag in moved) - cut_at
         print(f"self-heal: moved {detected:.2f} s after the cut, the last request arrived {healed:.2f} s after it")
-        # The cut rail comes back; the connection goes on without it, and a new one uses it again.
+        # The cut rail comes back: after its quarantine nixl-ucx is offered back on this
+        # connection (new receive agents on both ends, the failed ones stay fenced), a transfer
+        # probes it over rail 1, and it carries the connection's transfers again; a new
+        # connection uses it too.
         cluster.restore(1, 1)
         restored = True
-        decode.call("expect", transfers={"later": [PAGES]})
-        prefill.call("send", transfers={"later": [[0]]})
-        assert decode.call("wait", tags=["later"], timeout=30)["states"]["later"][0] == "SUCCESS"
-        assert prefill.call("taken", tags=["later"])["taken"]["later"][0] == "mooncake-gdr"
+        restored_at, rounds, via = time.monotonic(), 0, ""
+        while via != "nixl-ucx":
+            assert time.monotonic() - restored_at < 30, "nixl-ucx never came back on the connection"
+            rounds += 1
+            tag = f"later{rounds}"
+            decode.call("expect", transfers={tag: [PAGES]})
+            prefill.call("send", transfers={tag: [[0]]})
+            assert decode.call("wait", tags=[tag], timeout=30)["states"][tag][0] == "SUCCESS"
+            via = prefill.call("taken", tags=[tag])["taken"][tag][0]
+            time.sleep(0.1)
+        print(f"nixl-ucx back on the connection {time.monotonic() - restored_at:.2f} s after the rail returned")
+        assert decode.call("digests", pages=[PAGES])["digests"] == prefill.call("digests", pages=[0])["digests"]
+        back = prefill.call("metrics")["metrics"]["lanes_back"]
+        assert back == [{"driver": "nixl-ucx", "count": 1}], back
         accepted: list[dict[str, Any]] = []
         t = threading.Thread(target=lambda: accepted.append(prefill.call("accept", timeout=30)))
         t.start()

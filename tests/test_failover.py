@@ -16,14 +16,15 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 
 from kvtransport.negotiation.negotiate import standby_lane
 from kvtransport.negotiation.registry import Policy
+from kvtransport.runtime import failover
 from kvtransport.runtime.endpoint import Endpoint, State, Timeouts
 from kvtransport.runtime.handles import Transfer
 from kvtransport.spi.driver import Capabilities
@@ -56,8 +57,14 @@ SCENARIOS = {
 
 class Pair:
     def __init__(
-        self, tmp: Path, scenario: str = "one-sided", *, receiver_options: dict[str, str] | None = None
+        self,
+        tmp: Path,
+        scenario: str = "one-sided",
+        *,
+        receiver_options: dict[str, str] | None = None,
+        quarantine: float = 1.0,
     ) -> None:
+        timeouts = Timeouts(**FAST, quarantine=quarantine)
         self.fault, self.standby_fault = tmp / "fault", tmp / "standby-fault"
         chosen, standby = SCENARIOS[scenario]
         self.chosen, self.standby = chosen.name, standby.name
@@ -75,7 +82,7 @@ class Pair:
                 **common,
             },
             name="prefill",
-            timeouts=Timeouts(**FAST),
+            timeouts=timeouts,
             policy=Policy(allow=(chosen.name, standby.name), failover="on"),
         )
         self.decode = Endpoint(
@@ -84,7 +91,7 @@ class Pair:
             drivers=drivers,
             driver_options=receiver_options if receiver_options is not None else common,
             name="decode",
-            timeouts=Timeouts(**FAST),
+            timeouts=timeouts,
             policy=Policy(allow=(chosen.name, standby.name), failover=os.environ.get("KVTRANSPORT_FAILOVER", "on")),
         )
         self.recv = self.decode.connect(self.prefill.address, 10)
@@ -151,6 +158,116 @@ def test_a_failed_lane_hands_its_transfer_to_the_standby_and_is_not_used_again(
     assert failovers == [{"from": pair.chosen, "to": pair.standby, "count": 1}], failovers
     fenced = pair.decode.drivers[pair.chosen]
     assert isinstance(fenced, FakeDriver) and fenced.fence_calls, "the receiver never fenced the failed lane"
+
+
+def _lane(connection: object, name: str) -> Any:
+    return connection._session.lanes[name]  # type: ignore[attr-defined]
+
+
+def _until(what: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_failed_lane_comes_back_from_quarantine_once_its_probe_passes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After its back-off the failed lane is offered back with new receive sides on both
+    ends (the failed generation's stay fenced); the first transfer on it is its probe: while
+    the fault lasts, the probe fails over too (the request is kept) and the back-off doubles;
+    once the fault is gone the probe passes and the lane carries every transfer again."""
+    pair = Pair(tmp_path, "one-sided", quarantine=0.3)
+    try:
+        chosen = _lane(pair.send, pair.chosen)
+        assert pair.round("before", [1, 2], [3, 4]) == pair.chosen
+        pair.fault.write_text("cut")
+        with caplog.at_level(logging.INFO, logger="kvtransport"):
+            assert pair.round("cut", [5, 6], [7, 8]) == pair.standby
+            assert chosen.broken and chosen.failures == 1
+            _until(lambda: not chosen.broken)  # back, on probation, the fault still there
+            assert chosen.probation and chosen.gen == 1 and chosen.key != pair.send.id
+            # its probe fails over as well: the request is kept, the lane quarantined again
+            assert pair.round("probe1", [9, 10], [11, 12]) == pair.standby
+            assert chosen.broken and chosen.failures == 2
+            pair.fault.unlink()
+            _until(lambda: not chosen.broken)
+            assert chosen.gen == 2
+            assert pair.round("probe2", [13, 14], [15, 16]) == pair.chosen  # the probe passes
+            assert not chosen.probation
+            assert [pair.round(f"after{i}", [17 + i], [20 + i]) for i in range(3)] == [pair.chosen] * 3
+        text = caplog.text
+        assert "is back for" in text and "passed its probe" in text and "quarantined" in text, text
+        metrics = pair.prefill.metrics.snapshot()
+        assert metrics["failovers"] == [{"from": pair.chosen, "to": pair.standby, "count": 2}], metrics
+        assert metrics["lanes_back"] == [{"driver": pair.chosen, "count": 1}], metrics
+        # the receiver fenced each failed generation under its own key
+        fenced = pair.decode.drivers[pair.chosen]
+        assert isinstance(fenced, FakeDriver)
+        keys = set(fenced.fence_calls)
+        assert pair.recv.id in keys and any("~" in k for k in keys), keys
+    finally:
+        pair.close()
+
+
+def test_a_lane_that_flaps_comes_back_each_time_and_leaves_nothing_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Eight failures and returns of one lane on one connection: every request succeeds,
+    byte-exact; each return is a new generation; nothing of the earlier ones stays known to
+    either side's driver (each knows the peer by the live keys of its lanes alone) and the
+    failover tables are empty between failures."""
+    # each failure comes after a proven return: its back-off is the first one (here, at once)
+    monkeypatch.setattr(failover, "FORGIVE_S", 0.0)
+    monkeypatch.setattr(failover, "REOPEN_MIN_INTERVAL_S", 0.0)
+    pair = Pair(tmp_path, "one-sided", quarantine=0.02)
+    try:
+        sender, receiver = _lane(pair.send, pair.chosen), _lane(pair.recv, pair.chosen)
+        for cycle in range(8):
+            pair.fault.write_text("cut")
+            assert pair.round(f"cut{cycle}", [1 + cycle], [9 + cycle]) == pair.standby
+            pair.fault.unlink()
+            _until(lambda: not sender.broken)
+            assert pair.round(f"back{cycle}", [2 + cycle], [10 + cycle]) == pair.chosen
+            assert sender.gen == receiver.gen == cycle + 1 and not sender.probation
+        for side, lane in ((pair.prefill, sender), (pair.decode, receiver)):
+            driver = side.drivers[pair.chosen]
+            assert isinstance(driver, FakeDriver)
+            assert set(driver.peers) == {lane.key}, (side.name, set(driver.peers), lane.key)
+            conn = pair.send if side is pair.prefill else pair.recv
+            tables = conn._session.failover  # type: ignore[attr-defined]
+            assert not tables.reopening and not tables.fencing and not tables._reopen_timers
+        back = pair.prefill.metrics.snapshot()["lanes_back"]
+        assert back == [{"driver": pair.chosen, "count": 8}], back
+    finally:
+        pair.close()
+
+
+def test_a_two_sided_lane_stays_out_of_its_connection(tmp_path: Path) -> None:
+    """A two-sided lane is not taken back (its notices name no generation)."""
+    pair = Pair(tmp_path, "two-sided", quarantine=0.05)
+    try:
+        pair.fault.write_text("cut")
+        assert pair.round("cut", [5, 6], [7, 8]) == pair.standby
+        pair.fault.unlink()
+        time.sleep(0.3)
+        assert _lane(pair.send, pair.chosen).broken
+        assert pair.round("later", [9, 10], [11, 12]) == pair.standby
+    finally:
+        pair.close()
+
+
+def test_quarantine_zero_keeps_a_failed_lane_out(tmp_path: Path) -> None:
+    pair = Pair(tmp_path, "one-sided", quarantine=0)
+    try:
+        pair.fault.write_text("cut")
+        assert pair.round("cut", [5, 6], [7, 8]) == pair.standby
+        pair.fault.unlink()
+        time.sleep(0.3)
+        assert _lane(pair.send, pair.chosen).broken
+    finally:
+        pair.close()
 
 
 def test_a_receiver_that_cannot_fence_the_failed_lane_ends_the_connection(tmp_path: Path) -> None:
@@ -284,7 +401,7 @@ def test_real_engines_fail_over_between_processes_byte_exact(tmp_path: Path, fau
     receive side can be fenced while the writer lives: docs/network.md): the driver carrying
     the connection fails (its batches raise, or their completions stop) in the middle of a
     batch of transfers; every one of them succeeds, byte-exact, over the other engine, and
-    later ones too, also once the failed one works again."""
+    later ones too; once the failed one works again, it comes back from quarantine."""
     require_engines()
     faults = {name: tmp_path / f"{name}.fault" for name in ENGINES.split("+")}
     env = {**os.environ, "KVTRANSPORT_FAILOVER": "on", "UCX_TLS": "tcp,self"}
@@ -322,11 +439,25 @@ def test_real_engines_fail_over_between_processes_byte_exact(tmp_path: Path, fau
         taken = prefill.call("taken", tags=[f"cut{i}" for i in range(32)])["taken"]
         assert {d for d, *_ in taken.values()} == set(standby), taken
         if fault == "error-then-back":
-            faults[chosen].unlink()  # back: the failed lane stays out of this connection all the same
-            states = batch("later", range(36, 40))
-            assert all(s[0] == "SUCCESS" for s in states.values()), states
-            taken = prefill.call("taken", tags=[f"later{i}" for i in range(4)])["taken"]
-            assert {d for d, *_ in taken.values()} == set(standby), taken
+            # back: after its quarantine the lane is offered back (new receive sides on both
+            # ends), probed by a transfer, and carries the connection's transfers again
+            faults[chosen].unlink()
+            deadline, rounds = time.monotonic() + 20, 0
+            while True:
+                rounds += 1
+                states = batch(f"later{rounds}-", range(36, 38))
+                assert all(s[0] == "SUCCESS" for s in states.values()), states
+                taken = prefill.call("taken", tags=[f"later{rounds}-{i}" for i in range(2)])["taken"]
+                if {d for d, *_ in taken.values()} == {chosen}:
+                    break
+                assert time.monotonic() < deadline, f"{chosen} never came back: {taken}"
+                time.sleep(0.2)
+            assert (
+                decode.call("digests", pages=list(range(36, 38)))["digests"]
+                == prefill.call("digests", pages=list(range(36, 38)))["digests"]
+            )
+            back = prefill.call("metrics")["metrics"]["lanes_back"]
+            assert back == [{"driver": chosen, "count": 1}], back
         metrics = prefill.call("metrics")["metrics"]["failovers"]
         assert metrics == [{"from": chosen, "to": standby[0], "count": 1}], metrics
     finally:

@@ -1742,8 +1742,8 @@ def test_lane_down_from_a_peer_holds_only_its_own_transfers_until_its_lane_is_fe
     s = rig.session("atk", receivers=1)
     tag = s.recv_tags[0]
     right = sum(int(region["item_len"]) for region in s.welcome["regions"]["kv"])
-    rig.send(s.attacker, [message("lane_down", lane="no-such-driver", reason="x")])
-    rig.send(s.attacker, [message("lane_down", lane="", reason="the attacker says so")] * 3)
+    rig.send(s.attacker, [message("lane_down", lane="no-such-driver", gen=0, reason="x")])
+    rig.send(s.attacker, [message("lane_down", lane="", gen=0, reason="the attacker says so")] * 3)
     rig.send(s.attacker, [message("done", tag=tag, bytes=right, lane="", notices=[])])
     rig.sync(s.attacker, "lane_down")
     state = rig.victim.ok("state", tags=[tag])["states"][tag]
@@ -1757,3 +1757,32 @@ def test_lane_down_from_a_peer_holds_only_its_own_transfers_until_its_lane_is_fe
         time.sleep(0.1)
     assert state[0] == "FAILED" and "could not fence" in state[2], state
     rig.check("a connection ended for a lane it could not fence")
+
+
+def test_offers_to_take_a_lane_back_from_a_peer_are_checked_and_answered(rig_factory: Callable[..., Rig]) -> None:
+    """A peer's "lane_reopen" for a lane that never failed here is answered with a refusal and
+    its reason (the lane goes on as it was); an offer whose generation is not above every one
+    offered, an answer to an offer this side never made, a "lane_down" of a generation not
+    reached, and a lane the connection lacks are violations; the connection stays up below
+    the strike limit and other peers are served."""
+    rig = rig_factory("fake", private=False)
+    s = rig.session("reopener", receivers=1)
+    rig.send(s.attacker, [message("lane_reopen", lane="", gen=1, info=b"")])
+    rig.sync(s.attacker, "lane_reopen of a healthy lane")
+    answers = [unpack(f) for f in s.attacker.inbox if (well_formed(f) or {}).get("t") == "lane_reopened"]
+    assert len(answers) == 1 and answers[0]["gen"] == 1 and answers[0]["reason"], answers
+    assert "not failed and fenced" in answers[0]["reason"] and answers[0]["info"] == b"", answers
+    bad = [
+        message("lane_reopen", lane="", gen=1, info=b""),  # not above the one offered
+        message("lane_reopen", lane="no-such-driver", gen=9, info=b""),
+        message("lane_reopened", lane="", gen=7, info=b"", reason=""),  # no offer of the victim's
+        message("lane_down", lane="", gen=3, reason="a generation never reached"),
+    ]
+    rig.send(s.attacker, bad)
+    assert SOCKET_TAKEN in rig.sync(s.attacker, "bad offers"), "four violations closed the session"
+    answers = [unpack(f) for f in s.attacker.inbox if (well_formed(f) or {}).get("t") == "lane_reopened"]
+    assert len(answers) == 1, f"the victim answered a violation: {answers}"
+    rig.check("offers to take a lane back")
+    # each of the four counted: twelve more violations make the sixteen that end the session
+    rig.send(s.attacker, [message("ping", seq=2**62 + i) for i in range(12)])
+    assert SOCKET_TAKEN not in rig.sync(s.attacker, "16 violations"), "the bad offers were not violations"

@@ -49,7 +49,10 @@ log = logging.getLogger(__name__)
 #: 11: the hello and the welcome carry each side's per-connection receive infos (``lanes``).
 #: 12: a decision between two hosts with no measured model keeps several lanes to learn from
 #: (negotiate.learning_lanes): an 11 peer would compute other lanes and refuse the decision.
-PROTOCOL_VERSION = 13
+#: 13: "lane_down" (runtime.failover), the decision's ``standby``, the policy's ``failover``.
+#: 14: a failed lane comes back from quarantine ("lane_reopen", "lane_reopened"; "lane_down"
+#: names the lane's generation), connection ids never hold "~".
+PROTOCOL_VERSION = 14
 PROTOCOL_NAME: Final = "kvtransport"
 
 

@@ -44,6 +44,10 @@ class Timeouts:
     #: at the rate the lane showed (a lane that showed none yet: the transfer timeout). A
     #: connection with one usable lane waits for the transfer timeout as ever.
     stall: float = 0.5
+    #: How long a lane that failed over stays out of its connection before it is tried again
+    #: (``runtime.failover``): doubled at each failure in a row, up to
+    #: ``failover.QUARANTINE_MAX_S``; 0: a failed lane stays out for the connection's life.
+    quarantine: float = 1.0
 
     ENV: ClassVar[dict[str, str]] = {
         "connect": "KVTRANSPORT_CONNECT_TIMEOUT",
@@ -56,11 +60,14 @@ class Timeouts:
         "drain": "KVTRANSPORT_DRAIN_TIMEOUT",
         "auth_grace": "KVTRANSPORT_AUTH_FAILURE_GRACE",
         "stall": "KVTRANSPORT_STALL_TIMEOUT",
+        "quarantine": "KVTRANSPORT_QUARANTINE",
     }
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name == "quarantine" and value == 0:
+                continue  # a failed lane is never taken back
             if not isinstance(value, int | float) or not value > 0:
                 raise ConfigError(f"timeout {f.name}={value!r} must be a positive number of seconds")
         if self.heartbeat_timeout <= self.heartbeat_interval:

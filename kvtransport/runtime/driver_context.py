@@ -20,6 +20,7 @@ import numpy as np
 from kvtransport.negotiation.hello import DriverHello
 from kvtransport.negotiation.registry import Policy
 from kvtransport.runtime.control import ControlChannel
+from kvtransport.runtime.lane import connection_of
 from kvtransport.runtime.runner import DriverRunner
 from kvtransport.runtime.session import Phase, Session
 from kvtransport.runtime.wire import encode
@@ -203,7 +204,8 @@ class DriverTraffic:
         :class:`InvalidPages` otherwise. Lists of ints are checked as they are (a small
         chunk's), anything else as uint64 arrays."""
         dst, length = inbound_pieces(dst), inbound_pieces(length)
-        session = self._endpoint.sessions.get(peer)
+        # (a lane back from quarantine knows the peer by a key of its own: ``lane.generation_key``)
+        session = self._endpoint.sessions.get(connection_of(peer))
         if session is None or session.phase is not Phase.READY:
             raise InvalidPages(f"inbound data from {peer!r}, which is not connected")
         guard = session.guard

@@ -118,7 +118,7 @@ class SessionDrivers:
         for lane in owner.lanes.values():
             if not lane.two_sided or type(lane.driver).expecting is KVTransport.expecting:
                 continue  # nothing to hear (the SPI's default does nothing): no need to wait
-            ran, _, error = lane.runner.try_here(functools.partial(lane.driver.expecting, owner.id, nbytes))
+            ran, _, error = lane.runner.try_here(functools.partial(lane.driver.expecting, lane.key, nbytes))
             if ran:
                 warn_if_failed(lane, error)
             else:
@@ -146,7 +146,7 @@ class SessionDrivers:
         for lane in busy:
             try:
                 lane.runner.call(
-                    functools.partial(lane.driver.expecting, owner.id, nbytes), functools.partial(one_heard, lane)
+                    functools.partial(lane.driver.expecting, lane.key, nbytes), functools.partial(one_heard, lane)
                 )
             except KVTransportError:
                 countdown.one(None)  # the driver is closed; nothing to get ready
@@ -191,8 +191,8 @@ class SessionDrivers:
             then(None)
             return
         countdown = Countdown(len(sided), then)
-        peer = self._owner.id
         for x in sided:
+            peer = x.key
             # Idle already (the usual case for a small transfer: the driver copied its chunks
             # in on this thread as their notices came): answered in this pass, with no trip
             # through the driver's thread and back through the I/O thread's queue. Not once a
@@ -217,7 +217,7 @@ class SessionDrivers:
         lane = owner.lane_named(lane_name)
         if lane is None or not lane.two_sided:
             raise ProtocolError(f"notice for {lane_name[:64] or '?'!r}, not a two-sided driver of this connection")
-        driver, peer = lane.driver, owner.id
+        driver, peer = lane.driver, lane.key
         # A small notice right here when the driver allows it and is idle: a small chunk's
         # copy-in then costs no thread wake-up, and the "done" behind it finds the driver idle
         # too. A large one (many pieces to check) goes to the runner, off the I/O thread.
@@ -277,7 +277,7 @@ class SessionDrivers:
         limit = owner.max_message_bytes
         done_message = Done(transfer.tag, runs.total_bytes, owner.wire_name(transfer.driver), limit) if ahead else None
         try:
-            handle = driver.submit(owner.id, runs)
+            handle = driver.submit(lane.key, runs)
         except BaseException:
             owner.order.release()  # a notice held from inside it goes before the failure's news
             owner.post(noted)  # before the failure, which the runner posts next
@@ -381,7 +381,7 @@ class SessionDrivers:
         """Driver thread: ``then`` once ``lane``'s driver has no inbound work from this peer.
         ``kind`` keeps a transfer's two checks apart ("inbound": before its Success, found early
         through the driver's ``inbound_progress`` signal; "drained": after its failure)."""
-        driver, peer = lane.driver, self._owner.id
+        driver, peer = lane.driver, lane.key
         lane.runner.watch((kind, peer, id(t)), lambda: driver.inbound_idle(peer), lambda _, error: then(error))
 
 

@@ -429,6 +429,9 @@ class Endpoint:
         """Whether a driver notice to ``peer`` waits for the I/O thread to send it."""
         return self._traffic.notices_queued_for(peer)
 
+    def check_lane_identity(self, session: Session, driver: str, info: bytes) -> None:
+        self._setup.check_identity(driver, session.peer_endpoint_info(driver), info, of=session)
+
     def file_session(self, session: Session) -> None:
         """Keep ``session`` under its id and its route."""
         self.sessions[session.id] = session

@@ -5,8 +5,8 @@ rail down, a NIC reset, an engine that gave up) while the control channel lives,
 hands it here (:class:`~kvtransport.runtime.actions.FailOver`) instead of failing it. The
 sender then:
 
-1. takes the failed lane out of the connection for good (``Lane.fail_over``; the next
-   connection negotiates afresh) and tells the receiver, once per lane, with a "lane_down";
+1. takes the failed lane out of the connection (``Lane.fail_over``) and tells the receiver,
+   once per failure, with a "lane_down" naming the lane's generation;
 2. stops what is left of the transfer's batches on that lane (best effort: the receiver's
    fence is the guarantee) and submits every part of it sent so far again (a whole transfer,
    a chunked send's chunks, a layer-wise send's groups), in order, over the lane
@@ -21,6 +21,17 @@ took back (the same bytes would, but decode appends into a request's last page a
 reuses its source pages). A fence that does not come within the drain timeout ends the session
 (its own fence then holds the failed transfers' pages as for any lost peer).
 
+The failed lane is quarantined, not lost: after a back-off (``Timeouts.quarantine``, doubled at
+each failure in a row) the side that declared it down fences its own receive side of the failed
+generation, makes a new one and offers the lane back ("lane_reopen"); the peer makes a new
+receive side too, connects to the offered one and answers with its own ("lane_reopened"). Each
+generation's receive sides are new ones, under driver keys of their own
+(:func:`~kvtransport.runtime.lane.generation_key`): a late write of a failed generation lands
+nowhere. The lane is then on probation (``Lane.probation``): one transfer at a time probes it,
+and once a batch of it finished every transfer may take it again; a probe that fails fails over
+like any transfer, and the back-off doubles. Two-sided lanes stay out (their notices name no
+generation).
+
 A stall is a failure too (:meth:`Failover._check`): a transfer whose lane finished nothing for
 longer than its limit since its latest part was handed over. I/O thread only, but for the
 submissions, which run on the lane's runner like any other.
@@ -29,12 +40,15 @@ submissions, which run on the lane's runner like any other.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvtransport.runtime.handles import SEND, Transfer
+from kvtransport.runtime.lane import generation_key
 from kvtransport.runtime.peer_protocol import PeerProtocol, can_move
 from kvtransport.spi.errors import DriverError, KVTransportError, ProtocolError
 
@@ -46,6 +60,7 @@ if TYPE_CHECKING:
     from kvtransport.runtime.metrics import Metrics
     from kvtransport.runtime.timers import Timer, TimerHeap
     from kvtransport.runtime.wire import Message
+    from kvtransport.spi.memory import RegionSet
     from kvtransport.spi.plan import Runs
 
 log = logging.getLogger(__name__)
@@ -56,6 +71,14 @@ FENCE_RETRY_FIRST_S = 0.02
 FENCE_RETRY_MAX_S = 1.0
 #: A move waits this long for a caller thread handing over a part of the transfer.
 RESUBMIT_RETRY_S = 0.001
+#: The quarantine's back-off (``Timeouts.quarantine`` for a lane's first failure in a row,
+#: doubled at each further one) stops growing here; a lane back and proven for FORGIVE_S
+#: starts its next quarantine from the first back-off again.
+QUARANTINE_MAX_S = 60.0
+FORGIVE_S = 300.0
+#: A peer's offer to take a lane back sooner than this after it failed here is refused (a
+#: peer cycling a lane down and back would make this side build receive sides without pause).
+REOPEN_MIN_INTERVAL_S = 0.25
 #: A transfer's stall limit is at least this many times the time it should take: at
 #: the rate its lane showed on this connection, else by the lane's measured cost model; and at
 #: least the stall timeout (``Timeouts.stall``). A lane with neither (no transfer done on it
@@ -94,6 +117,12 @@ class FailoverOwner(Protocol):
     def lane_named(self, name: str) -> Lane | None: ...
     def failover_target(self, failed: Lane) -> Lane | None: ...
     def wire_name(self, driver: str) -> str: ...
+    @property
+    def initiator(self) -> bool: ...
+    @property
+    def peer_regions(self) -> RegionSet | None: ...
+    def peer_endpoint_info(self, driver: str) -> bytes: ...
+    def check_lane_identity(self, driver: str, info: bytes) -> None: ...
     def send(self, kind: str, **fields: Any) -> bool: ...
     def submit_part(
         self,
@@ -119,8 +148,19 @@ class FailoverOwner(Protocol):
     def run(self, actions: list[Action]) -> None: ...
 
 
+@dataclass
+class _Offer:
+    """This side's offer to take a lane back: its generation and the driver key of the receive
+    side made for it (``info``: what the peer got; ``None`` until sent)."""
+
+    gen: int
+    key: str
+    info: bytes | None = None
+
+
 class Failover:
-    """One session's failovers: the sender's moves and the receiver's fences of failed lanes."""
+    """One session's failovers: the sender's moves and the receiver's fences of failed lanes,
+    and both sides' quarantine of a failed lane until it comes back."""
 
     def __init__(self, session: FailoverOwner) -> None:
         self._session = session
@@ -136,6 +176,11 @@ class Failover:
         #: the transfer each was for (one per receiving transfer: bounded by its tables).
         self._held_done: dict[str, tuple[Transfer, Message]] = {}
         self._held_drained: dict[str, Message] = {}
+        #: Either side: failed lanes' timers to come back (one per lane), this side's offers
+        #: under way (one per lane), and the numbers of the driver keys it made.
+        self._reopen_timers: dict[str, Timer] = {}
+        self.reopening: dict[str, _Offer] = {}
+        self._keys = itertools.count(1)
 
     # -- sender --------------------------------------------------------------------------------
 
@@ -147,9 +192,11 @@ class Failover:
         old.fail_over()
         if old.name not in self.failed_lanes:
             self.failed_lanes.append(old.name)
+            if time.monotonic() - old.back_at > FORGIVE_S:
+                old.failures = 0
+            old.failures += 1
             log.warning(
-                "%s: %s failed for %s (%s); its transfers go again over %s, and it is not used again on this "
-                "connection",
+                "%s: %s failed for %s (%s); its transfers go again over %s, and it is quarantined",
                 s.endpoint.name,
                 old.name,
                 s.peer_label,
@@ -159,7 +206,8 @@ class Failover:
             s.endpoint.metrics.failed_over(old.name, new.name)
             # Before any "done" of a moved transfer: in ordered mode both go on the stream, else
             # both on the control channel (a moved transfer's "done" never goes express).
-            s.send("lane_down", lane=s.wire_name(old.name), reason=str(error)[:500])
+            s.send("lane_down", lane=s.wire_name(old.name), gen=old.gen, reason=str(error)[:500])
+            self._quarantine(old)
             moving += [
                 t
                 for t in s.protocol.transfers.values()
@@ -298,8 +346,13 @@ class Failover:
         lane = s.lane_named(msg["lane"])
         if lane is None:
             raise ProtocolError(f"lane_down names {msg['lane'][:64]!r}, not a driver of this connection")
-        if lane.name in self.fencing or lane.name in self.fenced:
-            return  # said twice
+        gen = msg["gen"]
+        if gen > lane.gen:
+            raise ProtocolError(f"lane_down names generation {gen} of {lane.name}, which is at {lane.gen}")
+        if gen < lane.gen or lane.name in self.fencing or lane.name in self.fenced:
+            return  # said twice, or of a generation fenced already
+        if lane.name in self.reopening:
+            return  # this side's offer to take it back is under way: its own receive side goes first
         lane.fail_over()  # nothing of this side goes over it either
         log.warning(
             "%s: %s says %s failed (%s); fencing it for that peer before its transfers complete",
@@ -356,7 +409,7 @@ class Failover:
                 s.timers.call_later(wait, lambda: self._fence(lane, min(2 * wait, FENCE_RETRY_MAX_S)))
 
         try:
-            lane.runner.call(functools.partial(lane.driver.fence, s.id), answered)
+            lane.runner.call(functools.partial(lane.driver.fence, lane.key), answered)
         except KVTransportError as exc:
             s.fail(DriverError(f"{lane.name} failed and cannot fence {s.peer_label} ({exc}): the connection ends"))
 
@@ -394,11 +447,234 @@ class Failover:
         except KVTransportError as exc:
             s.fail(exc)  # as the message would have when it came
 
+    # -- quarantine: either side -----------------------------------------------------------
+
+    def _quarantine(self, lane: Lane) -> None:
+        """``lane`` failed over here: offer the peer to take it back after its back-off."""
+        s = self._session
+        first = s.endpoint.timeouts.quarantine
+        if not first or lane.two_sided or s.closed:
+            # (a two-sided lane's notices name no generation: a late one of the failed lane
+            # could reach the new one's ring; it stays out for the connection's life)
+            return
+        wait = min(first * 2 ** max(lane.failures - 1, 0), QUARANTINE_MAX_S)
+        s.timers.cancel(self._reopen_timers.pop(lane.name, None))
+        self._reopen_timers[lane.name] = s.timers.call_later(wait, functools.partial(self._reopen, lane))
+        log.info(
+            "%s: %s quarantined for %s: tried again in %.3g s (failure %d in a row)",
+            s.endpoint.name,
+            lane.name,
+            s.peer_label,
+            wait,
+            lane.failures,
+        )
+
+    def _reopen(self, lane: Lane) -> None:
+        """The back-off passed: fence this side's receive side of the failed generation (the
+        peer's writes through it can land no more), make a new one, and offer the lane to the
+        peer ("lane_reopen"); it answers with its own new receive side ("lane_reopened")."""
+        s = self._session
+        self._reopen_timers.pop(lane.name, None)
+        if s.closed or not lane.broken or lane.name in self.reopening:
+            return
+        if lane.name in self.fencing:
+            self._quarantine(lane)  # the peer's word that it failed its way too: fenced first
+            return
+        lane.gen_offered = gen = max(lane.gen_offered, lane.gen) + 1
+        offer = self.reopening[lane.name] = _Offer(gen, generation_key(s.id, next(self._keys)))
+        driver, current, fence_first = lane.driver, lane.key, lane.name not in self.fenced
+
+        def steps() -> bytes | None:
+            if fence_first and driver.fence(current) is not True:
+                return None
+            driver.disconnect(current)
+            info: bytes = driver.receive_info(offer.key)
+            return info
+
+        def made(info: Any, error: KVTransportError | None) -> None:
+            if self.reopening.get(lane.name) is not offer or s.closed:
+                self._dispose(lane, offer.key)  # the peer's own offer won meanwhile, or the end came
+                return
+            if error is not None or not isinstance(info, bytes):
+                del self.reopening[lane.name]
+                self._dispose(lane, offer.key)
+                self._not_back(lane, f"its receive side for this peer could not be fenced or made again ({error})")
+                return
+            # From here the peer may write through the new receive side: it is the lane's, and
+            # the next fence (a refusal, the session's end) is of it.
+            lane.key = offer.key
+            self.fenced.discard(lane.name)
+            offer.info = info
+            s.send("lane_reopen", lane=s.wire_name(lane.name), gen=gen, info=info)
+
+        try:
+            lane.runner.call(steps, made)
+        except KVTransportError:
+            del self.reopening[lane.name]  # the driver is closing with its endpoint
+
+    def on_lane_reopen(self, msg: Message) -> None:
+        """The peer offers to take a lane back: make a new receive side for it, connect to the
+        peer's, and answer ("lane_reopened"), or say why not."""
+        s = self._session
+        lane = s.lane_named(msg["lane"])
+        if lane is None:
+            raise ProtocolError(f"lane_reopen names {msg['lane'][:64]!r}, not a driver of this connection")
+        gen, wire = msg["gen"], s.wire_name(lane.name)
+        mine = self.reopening.get(lane.name)
+        if mine is not None and s.initiator:
+            lane.gen_offered = max(lane.gen_offered, gen)
+            return  # both offered at once: the initiator's offer stands, the peer takes it
+        floor = lane.gen if mine is not None else lane.gen_offered
+        if gen <= floor:
+            raise ProtocolError(f"lane_reopen of {lane.name} in generation {gen}, not above {floor}")
+        if mine is not None:
+            del self.reopening[lane.name]  # ours yields (its receive side goes: the peer never wrote there)
+            if mine.info is not None:
+                self._dispose(lane, mine.key)
+        lane.gen_offered = max(lane.gen_offered, gen)
+
+        def refuse(why: str) -> None:
+            log.info("%s: not taking %s back for %s: %s", s.endpoint.name, lane.name, s.peer_label, why)
+            s.send("lane_reopened", lane=wire, gen=gen, info=b"", reason=why[:500])
+
+        if lane.two_sided:
+            refuse("a two-sided lane is not taken back (its notices name no generation)")
+            return
+        if not s.endpoint.timeouts.quarantine:
+            refuse("this side keeps failed lanes out (KVTRANSPORT_QUARANTINE=0)")
+            return
+        if not lane.broken or lane.name not in self.fenced or lane.name in self.fencing:
+            refuse("it is not failed and fenced here")
+            return
+        if time.monotonic() - lane.down_at < REOPEN_MIN_INTERVAL_S:
+            refuse(f"it failed here less than {REOPEN_MIN_INTERVAL_S:g} s ago")
+            return
+        try:
+            s.check_lane_identity(lane.name, msg["info"])
+        except KVTransportError as exc:
+            raise ProtocolError(f"lane_reopen of {lane.name}: {exc}") from exc
+        peer_info = msg["info"] or s.peer_endpoint_info(lane.name)
+        regions = s.peer_regions
+        assert regions is not None  # set at the handshake, before any lane was used
+        key, driver, current = generation_key(s.id, next(self._keys)), lane.driver, lane.key
+        answered = [False]
+
+        def steps() -> bytes:
+            driver.disconnect(current)  # (its receive side stays fenced)
+            info: bytes = driver.receive_info(key)
+            driver.connect(key, peer_info, regions)
+            return info
+
+        def done(info: Any, error: KVTransportError | None) -> None:
+            if answered[0] or s.closed:
+                self._dispose(lane, key)  # answered already (too late), or the end came
+                return
+            answered[0] = True
+            s.timers.cancel(timer)
+            if error is not None:
+                self._dispose(lane, key)
+                refuse(f"its driver could not connect again: {error}")
+                return
+            self._back(lane, key, gen, peer_info)
+            s.send("lane_reopened", lane=wire, gen=gen, info=info or b"", reason="")
+
+        def too_late() -> None:
+            if not answered[0]:
+                answered[0] = True
+                refuse(f"its driver took longer than {s.endpoint.timeouts.connect:g} s to connect again")
+
+        timer = s.timers.call_later(s.endpoint.timeouts.connect, too_late)
+        try:
+            lane.runner.call(steps, done)
+        except KVTransportError as exc:  # the driver is closing with its endpoint
+            done(None, exc)
+
+    def on_lane_reopened(self, msg: Message) -> None:
+        """The peer's answer to this side's offer: connect to its new receive side and take
+        the lane back on probation, or quarantine it again."""
+        s = self._session
+        lane = s.lane_named(msg["lane"])
+        offer = self.reopening.get(lane.name) if lane is not None else None
+        if lane is None or offer is None or offer.info is None or offer.gen != msg["gen"]:
+            raise ProtocolError(f"lane_reopened of {msg['lane'][:64]!r} answers no offer of this side")
+        del self.reopening[lane.name]
+        if msg["reason"]:
+            self._not_back(lane, f"{s.peer_label} did not take it back: {msg['reason'][:200]}")
+            return
+        try:
+            s.check_lane_identity(lane.name, msg["info"])
+        except KVTransportError as exc:
+            self._not_back(lane, f"{s.peer_label} presented a receive side that is not its own")
+            raise ProtocolError(f"lane_reopened of {lane.name}: {exc}") from exc
+        lane.gen = offer.gen  # the peer uses this generation from now on (its "lane_down" names it)
+        peer_info = msg["info"] or s.peer_endpoint_info(lane.name)
+        regions, driver, wire = s.peer_regions, lane.driver, s.wire_name(lane.name)
+        assert regions is not None  # set at the handshake, before any lane was used
+
+        def done(_: Any, error: KVTransportError | None) -> None:
+            if s.closed:
+                return  # the session's end disconnects and fences lane.key, this offer's
+            if lane.name in self.fencing or lane.name in self.fenced:
+                return  # the peer took it down again meanwhile ("lane_down"): quarantined there
+            if error is not None:
+                s.send("lane_down", lane=wire, gen=offer.gen, reason=f"could not connect again: {error}"[:500])
+                self._not_back(lane, f"its driver could not connect again: {error}")
+                return
+            self._back(lane, offer.key, offer.gen, peer_info)
+
+        try:
+            lane.runner.call(functools.partial(driver.connect, offer.key, peer_info, regions), done)
+        except KVTransportError:
+            pass  # the driver is closing with its endpoint
+
+    def _back(self, lane: Lane, key: str, gen: int, peer_info: bytes) -> None:
+        s = self._session
+        lane.back(key, gen, peer_info)
+        self.fenced.discard(lane.name)
+        if lane.name in self.failed_lanes:
+            self.failed_lanes.remove(lane.name)
+        log.info(
+            "%s: %s is back for %s (generation %d), on probation: the next transfer on it probes it",
+            s.endpoint.name,
+            lane.name,
+            s.peer_label,
+            gen,
+        )
+
+    def proven(self, lane: Lane) -> None:
+        """A batch of the transfer probing ``lane`` finished: it carries transfers again."""
+        s = self._session
+        lane.proven()
+        s.endpoint.metrics.lane_back(lane.name)
+        log.info("%s: %s passed its probe for %s and carries transfers again", s.endpoint.name, lane.name, s.peer_label)
+
+    def _not_back(self, lane: Lane, why: str) -> None:
+        s = self._session
+        lane.failures += 1
+        log.info("%s: %s stays quarantined for %s: %s", s.endpoint.name, lane.name, s.peer_label, why)
+        self._quarantine(lane)
+
+    def _dispose(self, lane: Lane, key: str) -> None:
+        """Forget the driver key ``key`` (a receive side the peer never learnt of, or never
+        wrote through: it goes back to the driver's spares)."""
+        try:
+            lane.runner.call(functools.partial(lane.driver.disconnect, key))
+        except KVTransportError:
+            pass  # the driver is closing with its endpoint: its close() releases it
+
     def close(self) -> None:
         """The session ended: its timers go."""
         s = self._session
         s.timers.cancel(self._watch)
         self._watch = None
+        for timer in self._reopen_timers.values():
+            s.timers.cancel(timer)
+        self._reopen_timers.clear()
+        for name, offer in self.reopening.items():
+            lane = s.lanes.get(name)
+            if lane is not None and lane.key != offer.key:
+                self._dispose(lane, offer.key)  # never offered (lane.key's is fenced by the end)
+        self.reopening.clear()
         for timer in self.fencing.values():
             s.timers.cancel(timer)
         self.fencing.clear()

@@ -27,6 +27,7 @@ import collections
 import logging
 import statistics
 import threading
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -52,6 +53,21 @@ REVISIT_EVERY = 32
 REFERENCE_RUNS, REFERENCE_BYTES = 64, 64 << 20
 
 
+#: Between a connection's id and the number of a lane's later generation in the key its
+#: driver knows the peer by (connection ids never hold it: ``wire.ConnId``).
+KEY_SEPARATOR = "~"
+
+
+def generation_key(conn_id: str, n: int) -> str:
+    """The driver key of a connection's lane in its ``n``-th new generation (``n`` >= 1)."""
+    return f"{conn_id}{KEY_SEPARATOR}{n}"
+
+
+def connection_of(key: str) -> str:
+    """The connection id a driver key (``generation_key``, or the id itself) belongs to."""
+    return key.partition(KEY_SEPARATOR)[0]
+
+
 class Lane:
     def __init__(
         self,
@@ -63,8 +79,28 @@ class Lane:
         *,
         chosen: bool = False,
         standby: bool = False,
+        key: str = "",
     ) -> None:
         self.name = name
+        #: What this side's driver knows the peer by for this lane (``peer`` of its calls): the
+        #: connection's id, then a new one each time the lane comes back from quarantine
+        #: (``runtime.failover``: the receive side of the failed generation stays fenced).
+        self.key = key
+        #: The generation of ``key`` (0: the handshake's), and the highest either side offered.
+        self.gen = 0
+        self.gen_offered = 0
+        #: Failures of this lane in a row (the quarantine's back-off doubles with each), and when
+        #: it came back last (I/O thread).
+        self.failures = 0
+        self.back_at = 0.0
+        #: When it last failed over (I/O thread; a peer's offer to take it back comes after).
+        self.down_at = 0.0
+        #: Back from quarantine, not yet proven: it takes one transfer at a time (the probe)
+        #: until a batch of it finished; ``canary`` is that transfer (or a claim on the lane by
+        #: a caller thread picking it, under ``canary_lock``).
+        self.probation = False
+        self.canary: object | None = None
+        self.canary_lock = threading.Lock()
         self.driver = driver
         self.runner = runner
         self.peer_info = peer_info
@@ -114,11 +150,47 @@ class Lane:
 
     def fail_over(self) -> bool:
         """I/O thread: a transfer on this lane failed over to another (``runtime.failover``):
-        no transfer is sent on it again for this connection, the chosen driver's included (the
-        receiving side fences it). Whether it was usable until now."""
+        no transfer is sent on it again, the chosen driver's included (the receiving side fences
+        it), until it comes back from quarantine. Whether it was usable until now."""
         was = not self.broken
+        if was:
+            self.down_at = time.monotonic()
         self.broken = True
+        with self.canary_lock:
+            self.probation = False
+            self.canary = None
         return was
+
+    def back(self, key: str, gen: int, peer_info: bytes) -> None:
+        """I/O thread: back from quarantine as generation ``gen``, its driver knowing the peer
+        by ``key``: on probation (:meth:`claim_probe`) until a transfer of it passed."""
+        self.key, self.gen, self.peer_info = key, gen, peer_info
+        self.back_at = time.monotonic()
+        with self.canary_lock:
+            self.probation = True
+            self.canary = None
+        self.broken = False
+
+    def proven(self) -> None:
+        """I/O thread: a batch of its probe finished: every transfer may take it again."""
+        with self.canary_lock:
+            self.probation = False
+            self.canary = None
+
+    def claim_probe(self, claim: object) -> bool:
+        """Any thread: whether a transfer may go on this lane now: always once proven; while
+        on probation, only when no other transfer probes it (then ``claim`` does)."""
+        if not self.probation:
+            return True
+        with self.canary_lock:
+            if self.canary is not None or not self.probation:
+                return not self.probation
+            self.canary = claim
+            return True
+
+    def probing(self) -> bool:
+        """Any thread: on probation with its probe in flight (no other transfer takes it)."""
+        return self.probation and self.canary is not None
 
     def observed_seconds(self, nbytes: int) -> float:
         """Seconds ``nbytes`` took on this lane, at the median of its observed rates (0: none

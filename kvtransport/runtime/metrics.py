@@ -151,6 +151,8 @@ class Metrics:
         #: Transfers' moves from a failed lane to another (``runtime.failover``), by the two
         #: drivers (bounded by the installed drivers' pairs).
         self._failovers: dict[tuple[str, str], int] = {}
+        #: Failed lanes that came back from quarantine and passed their probe, by driver.
+        self._lanes_back: dict[str, int] = {}
         #: The endpoint's record of connections that failed authentication (auth_failures.py).
         self._auth = auth
 
@@ -177,6 +179,11 @@ class Metrics:
         with self._lock:
             self._failovers[(old, new)] = self._failovers.get((old, new), 0) + 1
 
+    def lane_back(self, driver: str) -> None:
+        """A connection's lane of ``driver`` came back from quarantine and passed its probe."""
+        with self._lock:
+            self._lanes_back[driver] = self._lanes_back.get(driver, 0) + 1
+
     def snapshot(self) -> dict[str, Any]:
         """``{"version", "drivers": [...], "peers": [...], "gauges": {...}, "auth": {...}}``: each
         series with its labels (``driver``, ``role``, and ``peer`` for the per-peer ones), and
@@ -186,6 +193,7 @@ class Metrics:
             drivers = [{"driver": d, "role": r, **s.to_dict()} for (d, r), s in sorted(self._drivers.items())]
             peers = [{"peer": p, "driver": d, "role": r, **s.to_dict()} for (p, d, r), s in self._peers.items()]
             failovers = [{"from": a, "to": b, "count": n} for (a, b), n in sorted(self._failovers.items())]
+            lanes_back = [{"driver": d, "count": n} for d, n in sorted(self._lanes_back.items())]
         gauges = dict(self._gauges()) if self._gauges is not None else {}
         auth = dict(self._auth()) if self._auth is not None else dict(NO_AUTH_FAILURES)
         return {
@@ -195,4 +203,5 @@ class Metrics:
             "gauges": gauges,
             "auth": auth,
             "failovers": failovers,
+            "lanes_back": lanes_back,
         }

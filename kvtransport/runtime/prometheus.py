@@ -77,6 +77,11 @@ class Collector:
             "Connections' lanes that failed, their transfers sent again over another (runtime.failover)",
             labels=["endpoint", "from_driver", "to_driver"],
         )
+        lanes_back = core.CounterMetricFamily(
+            f"{PREFIX}_lanes_back",
+            "Failed lanes that came back from quarantine and passed their probe (runtime.failover)",
+            labels=["endpoint", "driver"],
+        )
         driver_gauges: dict[str, Any] = {}
         for endpoint, snapshot in self._sources:
             snap = snapshot()
@@ -102,6 +107,8 @@ class Collector:
                 auth_last.add_metric([endpoint], auth["last_at"])
             for f in snap.get("failovers", []):
                 failovers.add_metric([endpoint, f["from"], f["to"]], f["count"])
+            for b in snap.get("lanes_back", []):
+                lanes_back.add_metric([endpoint, b["driver"]], b["count"])
             for driver, values in g.get("drivers", {}).items():
                 for what, value in values.items():
                     name = f"{PREFIX}_driver_{_NAME.sub('_', what.lower())}"
@@ -112,7 +119,7 @@ class Collector:
                         )
                     family.add_metric([endpoint, driver], value)
         yield from (transfers, nbytes, failures, latency, size, peer_bytes, peer_failures, connections, live)
-        yield from (auth_failures, auth_last, failovers)
+        yield from (auth_failures, auth_last, failovers, lanes_back)
         yield from driver_gauges.values()
 
 

@@ -332,6 +332,10 @@ class Router:
             session.on_notice(msg)
         elif kind == "lane_down":
             session.failover.on_lane_down(msg)
+        elif kind == "lane_reopen":
+            session.failover.on_lane_reopen(msg)
+        elif kind == "lane_reopened":
+            session.failover.on_lane_reopened(msg)
         elif kind == "bye":
             self._endpoint.end_session(
                 session, PeerLost(f"peer {session.peer_label} closed its endpoint ({msg['reason']})"), notify=False

@@ -102,6 +102,9 @@ __all__ = ["Phase", "Session", "SessionHost"]
 
 log = logging.getLogger(__name__)
 
+#: A caller thread's claim on a lane on probation while it picks it (then its transfer's).
+_PICKING = object()
+
 #: A driver that cannot fence a departed peer yet is asked again after this long, doubling up
 #: to the second figure, and given up on (pages stay held) after the third.
 FENCE_RETRY_FIRST_S = 0.5
@@ -152,6 +155,10 @@ class SessionHost(Protocol):
 
     def readiness(self) -> ReadinessWatcher:
         """The endpoint's watcher of senders' readiness signals (started on first use)."""
+
+    def check_lane_identity(self, session: Session, driver: str, info: bytes) -> None:
+        """Raise unless ``info``, which the peer of ``session`` presents for ``driver``'s lane
+        coming back from quarantine, is the peer's own (``SessionSetup.check_identity``)."""
 
     @property
     def drivers(self) -> Mapping[str, KVTransport]:
@@ -288,6 +295,16 @@ class Session:
         """The lane a peer's message names ("": the chosen driver's), or ``None``."""
         return lane_named(self.lanes, name)
 
+    def peer_endpoint_info(self, driver: str) -> bytes:
+        """The peer's endpoint-wide connection info for ``driver`` (from its hello)."""
+        entry = self.peer_hello.drivers.get(driver) if self.peer_hello is not None else None
+        return entry.conn if entry is not None else b""
+
+    def check_lane_identity(self, driver: str, info: bytes) -> None:
+        """Raise unless ``info``, presented by the peer for ``driver``'s lane coming back from
+        quarantine, is the peer's own (not this endpoint's, not another connection's)."""
+        self.endpoint.check_lane_identity(self, driver, info)
+
     def wire_name(self, driver: str) -> str:
         """How this side's messages name the lane of ``driver``."""
         return wire_name(self.lanes, driver)
@@ -303,8 +320,10 @@ class Session:
         another is usable, standby lanes. Never empty: the chosen driver's lane is left when
         nothing else is (a failover happens only towards a usable lane)."""
         usable = [lane for lane in self.lanes.values() if not lane.broken]
-        active = [lane for lane in usable if not lane.standby]
-        return active or usable or list(self.lanes.values())[:1]
+        # A lane back from quarantine takes one transfer at a time until one passed (its probe).
+        free = [lane for lane in usable if not lane.probing()] or usable
+        active = [lane for lane in free if not lane.standby]
+        return active or free or list(self.lanes.values())[:1]
 
     def lane_failed(self, lane: Lane, why: str) -> None:
         """I/O thread: a transfer on ``lane`` failed (not failed over): a lane kept to learn
@@ -327,6 +346,14 @@ class Session:
         ``nbytes`` (the chosen driver when only it is a lane, or on a tie). A ``whole``
         transfer (sent in one part: its time is measured) of a connection that learns its
         lanes' costs may go to a lane it has not measured enough yet (:class:`LanePicker`)."""
+        while True:
+            lane = self._pick(runs, nbytes, whole)
+            # One probe at a time on a lane back from quarantine: another caller's may have
+            # claimed it since (then pick again: it is left out now).
+            if lane.claim_probe(_PICKING) or not any(other is not lane for other in self.usable_lanes()):
+                return lane
+
+    def _pick(self, runs: int, nbytes: int, whole: bool) -> Lane:
         lanes = self.usable_lanes()
         if len(lanes) == 1:
             return lanes[0]
@@ -518,6 +545,8 @@ class Session:
         if lane is None:
             # The first part picks the transfer's driver; later parts follow it.
             lane = self.pick_lane(len(runs), runs.total_bytes, whole=last)
+            if lane.canary is _PICKING:
+                lane.canary = transfer  # its probe (``Lane.probation``)
             raw = lane.raw_prediction(len(runs), runs.total_bytes)
             transfer.driver = lane.name
             transfer.predicted_s = raw * lane.correction
@@ -655,6 +684,8 @@ class Session:
     def batch_finished(self, transfer: Transfer, bid: int, error: KVTransportError | None) -> None:
         lane = transfer.lane
         if error is None and bid in transfer.batches and lane is not None:
+            if lane.probation and lane.canary is transfer:
+                self.failover.proven(lane)
             lane.last_progress = now = time.monotonic()
             whole = transfer.whole_runs
             if whole is not None and not transfer.failovers and now > transfer.submitted_at:
@@ -692,7 +723,7 @@ class Session:
         for lane in self.lanes.values():
             if lane.connect_queued:
                 try:
-                    lane.runner.call(functools.partial(lane.driver.disconnect, self.id))
+                    lane.runner.call(functools.partial(lane.driver.disconnect, lane.key))
                 except KVTransportError:
                     pass
         self.release_receivers(set(self.lanes))
@@ -726,6 +757,9 @@ class Session:
                     if seconds is not None and then is not None:
                         transfer.timer = timers.call_later(seconds, self._feeder(then))
                 case Publish(transfer):
+                    lane = transfer.lane
+                    if lane is not None and lane.canary is transfer and lane.probation:
+                        lane.canary = None  # ended before its lane finished a batch of it: another probes
                     transfer._publish()
                 case Observe(transfer, driver):
                     try:
@@ -847,7 +881,7 @@ class Session:
 
         for lane in lanes:
             try:
-                lane.runner.call(functools.partial(lane.driver.fence, self.id), functools.partial(answered, lane))
+                lane.runner.call(functools.partial(lane.driver.fence, lane.key), functools.partial(answered, lane))
             except KVTransportError as exc:  # the driver is closing with its endpoint
                 answered(lane, False, exc)
 

@@ -238,7 +238,7 @@ class SessionSetup:
             session.peer_hello = peer_hello
             decision = decide(endpoint.hello, peer_hello, endpoint.classes)
             check_agreement(msg["decision"], decision, session.peer_label)
-            lanes = self._lanes(decision, peer_hello, msg["lanes"])
+            lanes = self._lanes(session.id, decision, peer_hello, msg["lanes"])
         except KVTransportError as exc:
             session.send("bye", reason=f"handshake failed: {exc}")
             endpoint.end_session(session, exc, notify=False)
@@ -294,7 +294,7 @@ class SessionSetup:
         try:
             peer_hello, peer_regions = read_peer(msg["hello"], msg["regions"])
             decision = decide(peer_hello, endpoint.hello, endpoint.classes)
-            lanes = self._lanes(decision, peer_hello, msg["lanes"])
+            lanes = self._lanes(conn_id, decision, peer_hello, msg["lanes"])
         except KVTransportError as exc:
             refuse(f"{type(exc).__name__}: {exc}")
             return
@@ -343,7 +343,9 @@ class SessionSetup:
 
     # -- either side -------------------------------------------------------------------------
 
-    def _lanes(self, decision: Decision, peer_hello: Hello, peer_lanes: Mapping[str, bytes]) -> dict[str, Lane]:
+    def _lanes(
+        self, conn_id: str, decision: Decision, peer_hello: Hello, peer_lanes: Mapping[str, bytes]
+    ) -> dict[str, Lane]:
         """A lane per driver of the decision (the chosen one first): the open driver, its
         runner, and the peer's (checked) connection info for it: the receive side it made
         for this connection (``peer_lanes``), else its endpoint-wide one."""
@@ -354,7 +356,7 @@ class SessionSetup:
             if driver is None or entry is None:
                 raise NegotiationError(f"{name} was chosen but is not open on both sides")
             info = peer_lanes.get(name, entry.conn)
-            self._check_identity(name, entry.conn, info)
+            self.check_identity(name, entry.conn, info)
             lanes[name] = Lane(
                 name,
                 driver,
@@ -363,17 +365,19 @@ class SessionSetup:
                 decision.models_of(name),
                 chosen=name == decision.driver,
                 standby=name in decision.standby,
+                key=conn_id,
             )
         return lanes
 
-    def _check_identity(self, driver: str, endpoint_info: Any, lane_info: Any) -> None:
+    def check_identity(self, driver: str, endpoint_info: Any, lane_info: Any, of: object = None) -> None:
         """The engine identity this side will write to (``lane_info``: the receive side the
         peer made for this connection, or its endpoint-wide info) is the peer's own: not this
         endpoint's (a mirror would make this side write into its own pool: endpoint-wide, or a
         receive side it made for some peer) and not that of a live connection (a replayed hello
         would direct writes into someone else's memory). A peer's endpoint-wide info may be
         that of a live connection when its receive side is a new one: the same endpoint
-        connecting again while its old connection is still being given up."""
+        connecting again while its old connection is still being given up. ``of``: the session
+        whose lane comes back from quarantine (its own lane's info is not another's)."""
         if not isinstance(endpoint_info, bytes) or not isinstance(lane_info, bytes):
             raise ProtocolError("the peer's driver connection info is not bytes")
         mine = {self._own[driver].conn}
@@ -382,7 +386,7 @@ class SessionSetup:
             if driver in other.receive_infos:
                 mine.add(other.receive_infos[driver])
             lane = other.lanes.get(driver)
-            if lane is not None:
+            if lane is not None and other is not of:
                 theirs[lane.peer_info] = other.peer_label
         for info in {endpoint_info, lane_info}:
             if info and info in mine:

@@ -63,7 +63,8 @@ def max_message_bytes() -> int:
 # --- field types ---------------------------------------------------------------------------------
 
 Count = Annotated[int, Meta(ge=0, le=MAX_INT)]
-ConnId = Annotated[str, Meta(max_length=64)]
+#: (never "~": a lane that comes back from quarantine gets a driver key "<conn>~<n>", runtime.failover)
+ConnId = Annotated[str, Meta(max_length=64, pattern="^[^~]{0,64}$")]
 Tag = Annotated[str, Meta(max_length=256)]
 #: Driver name ("": the connection's chosen driver).
 Lane = Annotated[str, Meta(max_length=64)]
@@ -208,11 +209,34 @@ class NoticeMsg(Message, tag="notice", kw_only=True):
 
 
 class LaneDownMsg(Message, tag="lane_down", kw_only=True):
-    """sender -> receiver: the driver ``lane`` names failed for this connection (`reason`); its
-    transfers go again over another lane, whose "done" counts only once the receiver fenced
-    this one (no write of it can land any more); it is not used again on this connection"""
+    """sender -> receiver: the driver ``lane`` names failed for this connection (`reason`) in
+    its generation ``gen`` (0 until it first came back from quarantine); its transfers go again
+    over another lane, whose "done" counts only once the receiver fenced this one (no write of
+    it can land any more); it is not used again until it comes back ("lane_reopen")"""
 
     lane: Lane
+    gen: Count
+    reason: Reason
+
+
+class LaneReopenMsg(Message, tag="lane_reopen", kw_only=True):
+    """either side, after its quarantine back-off: take the failed lane ``lane`` back in a new
+    generation ``gen`` (above every one offered on this connection); ``info``: the receive
+    side this side made for it (empty: its endpoint-wide one). The peer answers "lane_reopened"."""
+
+    lane: Lane
+    gen: Count
+    info: Annotated[bytes, Meta(max_length=MAX_LANE_INFO_BYTES)]
+
+
+class LaneReopenedMsg(Message, tag="lane_reopened", kw_only=True):
+    """the answer to "lane_reopen": ``reason`` empty, the peer took the lane back in generation
+    ``gen`` with its new receive side ``info`` (empty: its endpoint-wide one); else it did not,
+    and why"""
+
+    lane: Lane
+    gen: Count
+    info: Annotated[bytes, Meta(max_length=MAX_LANE_INFO_BYTES)]
     reason: Reason
 
 
@@ -245,6 +269,8 @@ TYPES: dict[str, type[Message]] = {
         DrainedMsg,
         NoticeMsg,
         LaneDownMsg,
+        LaneReopenMsg,
+        LaneReopenedMsg,
         PingMsg,
         ByeMsg,
     )
