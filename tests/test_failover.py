@@ -25,6 +25,7 @@ import pytest
 from kvtransport.negotiation.negotiate import standby_lane
 from kvtransport.negotiation.registry import Policy
 from kvtransport.runtime import failover
+from kvtransport.runtime.config import Limits
 from kvtransport.runtime.endpoint import Endpoint, State, Timeouts
 from kvtransport.runtime.handles import Transfer
 from kvtransport.spi.driver import Capabilities
@@ -63,13 +64,15 @@ class Pair:
         *,
         receiver_options: dict[str, str] | None = None,
         quarantine: float = 1.0,
+        limits: Limits | None = None,
+        driver_options: dict[str, str] | None = None,
     ) -> None:
         timeouts = Timeouts(**FAST, quarantine=quarantine)
         self.fault, self.standby_fault = tmp / "fault", tmp / "standby-fault"
         chosen, standby = SCENARIOS[scenario]
         self.chosen, self.standby = chosen.name, standby.name
         drivers = {chosen.name: faulty(chosen), standby.name: faulty(standby)}
-        common = {"fake.fence": "1", "fake.inbound_delay": "0.01"}
+        common = {"fake.fence": "1", "fake.inbound_delay": "0.01", **(driver_options or {})}
         self.pools = [KVPool(32, 2, 4096, 0) for _ in range(2)]
         self.pools[0].fill(5)
         self.prefill = Endpoint(
@@ -83,6 +86,7 @@ class Pair:
             },
             name="prefill",
             timeouts=timeouts,
+            limits=limits,
             policy=Policy(allow=(chosen.name, standby.name), failover="on"),
         )
         self.decode = Endpoint(
@@ -92,6 +96,7 @@ class Pair:
             driver_options=receiver_options if receiver_options is not None else common,
             name="decode",
             timeouts=timeouts,
+            limits=limits,
             policy=Policy(allow=(chosen.name, standby.name), failover=os.environ.get("KVTRANSPORT_FAILOVER", "on")),
         )
         self.recv = self.decode.connect(self.prefill.address, 10)

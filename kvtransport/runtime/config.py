@@ -121,6 +121,15 @@ class Limits:
     #: (above) before the driver's thread takes over: a small request then completes with no
     #: thread wake-up (mooncake-gdr, 64 KiB: 0.1 ms less). 0 turns it off.
     inline_wait_us: int = 250
+    #: A part of a transfer larger than a slice goes to its lane's driver in slices, at most
+    #: ``slices_in_flight`` of a lane at a time, so that smaller transfers on the connection
+    #: pass between them instead of waiting for its last byte (``runtime.pacing``). A slice is
+    #: what the lane moves in ``slice_ms`` milliseconds at the rate it showed on the
+    #: connection, at least ``slice_bytes`` bytes (twice that before a rate is known), at most
+    #: 32 times it; ``slice_ms`` 0: always ``slice_bytes``. ``slice_bytes`` 0: every part whole.
+    slice_bytes: int = 8 << 20
+    slice_ms: int = 4
+    slices_in_flight: int = 2
 
     ENV: ClassVar[dict[str, str]] = {
         "max_connections": "KVTRANSPORT_MAX_CONNECTIONS",
@@ -137,9 +146,12 @@ class Limits:
         "max_warned_peers": "KVTRANSPORT_MAX_WARNED_PEERS",
         "inline_submit_bytes": "KVTRANSPORT_INLINE_SUBMIT_BYTES",
         "inline_wait_us": "KVTRANSPORT_INLINE_WAIT_US",
+        "slice_bytes": "KVTRANSPORT_SLICE_BYTES",
+        "slice_ms": "KVTRANSPORT_SLICE_MS",
+        "slices_in_flight": "KVTRANSPORT_SLICES_IN_FLIGHT",
     }
     #: Limits that may be 0 (off).
-    MAY_BE_ZERO: ClassVar[frozenset[str]] = frozenset({"inline_wait_us"})
+    MAY_BE_ZERO: ClassVar[frozenset[str]] = frozenset({"inline_wait_us", "slice_bytes", "slice_ms"})
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -146,6 +146,7 @@ class FailoverOwner(Protocol):
     ) -> None: ...
     def fail(self, error: KVTransportError) -> None: ...
     def run(self, actions: list[Action]) -> None: ...
+    def slices_done(self, transfer: Transfer | None = None, bid: int = 0) -> None: ...
 
 
 @dataclass
@@ -234,6 +235,7 @@ class Failover:
         # news would count their bytes, and their failure move the transfer a second time).
         t.moving_to = new
         s.drivers.stop_lane(old, t)
+        s.slices_done(t)  # its slices waiting on the old lane go with the move
         log.info(
             "%s: transfer %r to %s moves from %s to %s (%s)",
             s.endpoint.name,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import statistics
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -58,6 +59,7 @@ from kvtransport.runtime.layer_groups import Grouper, LayerwisePolicy, regions_b
 from kvtransport.runtime.layer_groups import region_layers as region_layers_of
 from kvtransport.runtime.layerwise import LayerStream
 from kvtransport.runtime.ordered import OrderedStream
+from kvtransport.runtime.pacing import Pacer, slice_size
 from kvtransport.runtime.peer_protocol import (
     PeerProtocol,
     Phase,
@@ -228,6 +230,9 @@ class Session:
         self.drivers = SessionDrivers(self)
         #: Its transfers moved off failed lanes, and the peer's failed lanes it fences.
         self.failover = Failover(self)
+        #: Each lane's pacer, made at its first use (``runtime.pacing``).
+        self._pacers: dict[str, Pacer] = {}
+        self._pacers_lock = threading.Lock()
 
     # -- what the machine holds, read by the endpoint and the handles -------------------------
 
@@ -539,8 +544,6 @@ class Session:
         stream (not after a failover: it must follow the "lane_down"); ``again``: a part sent
         before, sent again over another lane (``runtime.failover``). Under the transfer's
         ``plan_lock``."""
-        ep = self.endpoint
-        bid = ep.next_batch_id() if len(runs) else 0
         lane = transfer.lane
         if lane is None:
             # The first part picks the transfer's driver; later parts follow it.
@@ -568,6 +571,77 @@ class Session:
         if not again:
             transfer.sent_parts.append((runs, last))  # what a failover would send again
         transfer.last_part_at = time.monotonic()
+        pacer = self.pacer(lane)
+        if pacer is not None and pacer.takes(transfer, runs.total_bytes):
+            # In slices, between which smaller transfers go (``runtime.pacing``).
+            self.endpoint.check_running()
+            pacer.add(transfer, runs, last)
+            return 0
+        return self._submit_batch(transfer, lane, runs, last, inline=inline, express=express)
+
+    def pacer(self, lane: Lane) -> Pacer | None:
+        """Any thread: ``lane``'s pacer (``None``: large parts go whole, ``KVTRANSPORT_SLICE_BYTES=0``)."""
+        pacer = self._pacers.get(lane.name)
+        if pacer is None:
+            limits = self.endpoint.limits
+            if not limits.slice_bytes:
+                return None
+            with self._pacers_lock:
+                pacer = self._pacers.get(lane.name)
+                if pacer is None:
+                    pacer = self._pacers[lane.name] = Pacer(
+                        functools.partial(self._submit_slice, lane),
+                        functools.partial(self._slice_live, lane),
+                        self.endpoint.next_batch_id,
+                        functools.partial(self._slice_bytes, lane),
+                        limits.slices_in_flight,
+                    )
+        return pacer
+
+    def _slice_bytes(self, lane: Lane) -> int:
+        limits = self.endpoint.limits
+        observed = list(lane.observed_bps)  # (a copy: the I/O thread appends meanwhile)
+        rate = statistics.median(observed) if observed else 0.0
+        return slice_size(limits.slice_bytes, limits.slice_ms / 1e3, rate)
+
+    def _slice_live(self, lane: Lane, transfer: object) -> bool:
+        t = transfer
+        assert isinstance(t, Transfer)
+        return not t.state.final and t.lane is lane and t.moving_to is None and not t.driver_stopped
+
+    def _submit_slice(self, lane: Lane, transfer: object, runs: Runs, last: bool, bid: int) -> bool:
+        assert isinstance(transfer, Transfer)
+        if not self._slice_live(lane, transfer):
+            return False
+        self._submit_batch(transfer, lane, runs, last, inline=False, express=False, bid=bid)
+        return True
+
+    def slices_done(self, transfer: Transfer | None = None, bid: int = 0) -> None:
+        """I/O thread: batch ``bid`` finished or failed, or ``transfer`` ended or moved: the
+        lanes' pacers hand their drivers what waits (``runtime.pacing``)."""
+        for pacer in list(self._pacers.values()):
+            try:
+                if bid:
+                    pacer.finished(bid)
+                if transfer is not None:
+                    pacer.forget(transfer)
+            except KVTransportError as exc:  # the driver's thread is gone: the endpoint is closing
+                log.debug("pacing after batch %d: %s", bid, exc)
+
+    def _submit_batch(
+        self,
+        transfer: Transfer,
+        lane: Lane,
+        runs: Runs,
+        last: bool,
+        *,
+        inline: bool,
+        express: bool,
+        bid: int = 0,
+    ) -> int:
+        """One batch of ``transfer`` to ``lane``'s driver (``bid``: its id, given by a pacer)."""
+        ep = self.endpoint
+        bid = bid or (ep.next_batch_id() if len(runs) else 0)
 
         def noted() -> None:
             if transfer.lane is not lane or (transfer.moving_to is not None and transfer.moving_to is not lane):
@@ -597,6 +671,7 @@ class Session:
         def failed(_: Any, error: KVTransportError | None) -> None:
             if error is not None and bid:
                 self.run(self.protocol.batch_failed(transfer, bid, error))
+                self.slices_done(bid=bid)
 
         if inline and runs.total_bytes <= ep.limits.inline_submit_bytes:
             # On this thread when the driver allows it and its thread is idle: a small request
@@ -688,9 +763,17 @@ class Session:
                 self.failover.proven(lane)
             lane.last_progress = now = time.monotonic()
             whole = transfer.whole_runs
-            if whole is not None and not transfer.failovers and now > transfer.submitted_at:
+            if (
+                whole is not None
+                and not transfer.failovers
+                and now > transfer.submitted_at
+                and transfer.last_sent
+                and not transfer.batches - {bid}
+            ):
                 lane.observed_bps.append(whole.total_bytes / (now - transfer.submitted_at))
         self.run(self.protocol.batch_finished(transfer, bid, error))
+        if self._pacers:
+            self.slices_done(bid=bid)
 
     def abort(
         self,
@@ -760,6 +843,8 @@ class Session:
                     lane = transfer.lane
                     if lane is not None and lane.canary is transfer and lane.probation:
                         lane.canary = None  # ended before its lane finished a batch of it: another probes
+                    if self._pacers:
+                        self.slices_done(transfer)
                     transfer._publish()
                 case Observe(transfer, driver):
                     try:
