@@ -1,12 +1,13 @@
 """Failover that keeps the request (issue 46, item 3): a transfer whose driver fails on its data
 path, while the control channel lives, goes again over another lane of its connection and
-succeeds byte-exact; the failed lane is not used again on that connection and the receiver
-fenced it before the transfer's Success; the decision, the logs and the metrics say so.
+succeeds byte-exact; the failed lane is quarantined (the receiver fenced it before the
+transfer's Success) and comes back after its back-off, with new receive sides on both ends,
+once a transfer probed it; the decision, the logs and the metrics say so.
 
 Here on one host through the fault-injecting wrapper (``kvtransport.testing.faults``): with the
-fakes in one process (the core's logic, every case), and on the real engines between two
-processes (mooncake-gdr failing over to nixl-ucx and back). Across simulated hosts with a rail
-cut: tests/test_cluster.py.
+fakes in one process (the core's logic, every case, and the races of the way back), and on the
+real engines between two processes (mooncake-gdr failing over to nixl-ucx and back). Across
+simulated hosts with a rail cut: tests/test_cluster_failover.py.
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ def pair(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Pair]:
     p.close()
 
 
-def test_a_failed_lane_hands_its_transfer_to_the_standby_and_is_not_used_again(
+def test_a_failed_lane_hands_its_transfer_to_the_standby_and_stays_out_during_its_quarantine(
     pair: Pair, caplog: pytest.LogCaptureFixture
 ) -> None:
     decision = pair.send.decision
@@ -156,7 +157,7 @@ def test_a_failed_lane_hands_its_transfer_to_the_standby_and_is_not_used_again(
         assert pair.round("during", [7, 8, 9, 10], [11, 12, 13, 14]) == pair.standby
     text = caplog.text
     assert f"{pair.chosen} failed for" in text and "fenced" in text, text
-    # The failed lane stays out, also once the fault is gone; the connection goes on.
+    # The failed lane stays out during its quarantine (1 s), also once the fault is gone.
     pair.fault.unlink()
     assert pair.round("after", [15, 16], [17, 18]) == pair.standby
     failovers = pair.prefill.metrics.snapshot()["failovers"]
@@ -468,3 +469,123 @@ def test_real_engines_fail_over_between_processes_byte_exact(tmp_path: Path, fau
     finally:
         prefill.close()
         decode.close()
+
+
+# -- quarantine: the races an independent review found --------------------------------------------
+
+
+def _on_io(conn: object, fn: Callable[[], object]) -> object:
+    """``fn`` on the connection's I/O thread; its result (or its exception, raised here)."""
+    session = conn._session  # type: ignore[attr-defined]
+    done = threading.Event()
+    box: list[object] = []
+
+    def go() -> None:
+        try:
+            box.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+            box.append(exc)
+        finally:
+            done.set()
+
+    session.post(go)
+    assert done.wait(5)
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
+
+
+def _message(kind: str, **fields: Any) -> Any:
+    from kvtransport.runtime.wire import decode, encode
+
+    return decode(encode(kind, None, **fields))
+
+
+def _declare_down(conn: object, name: str) -> None:
+    """What a failing transfer of that side does to the lane ``name`` (``Failover.transfer_failed``)."""
+    session = conn._session  # type: ignore[attr-defined]
+    lane = session.lanes[name]
+
+    def down() -> None:
+        session.failover.failed_lanes.append(name)
+        session.failover._count_failure(lane)
+        lane.fail_over()
+        session.send("lane_down", lane="", gen=lane.gen, reason="this side's own failure")
+        session.failover._quarantine(lane)
+
+    _on_io(conn, down)
+
+
+def test_a_lane_both_sides_saw_fail_comes_back_once_offered_by_the_initiator(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both sides declared the lane down (each sends on the connection): only the initiator
+    offers it back, so no two offers cross; it comes back on both sides, each side's driver
+    knowing the peer by the lane's key alone."""
+    monkeypatch.setattr(failover, "REOPEN_MIN_INTERVAL_S", 0.0)
+    pair = Pair(tmp_path, "one-sided", quarantine=0.3)
+    try:
+        assert pair.recv._session.initiator and not pair.send._session.initiator  # type: ignore[attr-defined]
+        pair.fault.write_text("cut")
+        assert pair.round("cut", [5, 6], [7, 8]) == pair.standby
+        pair.fault.unlink()
+        _declare_down(pair.recv, pair.chosen)
+        sender, receiver = _lane(pair.send, pair.chosen), _lane(pair.recv, pair.chosen)
+        assert not pair.send._session.failover._reopen_timers  # type: ignore[attr-defined]
+        _until(lambda: not sender.broken and not receiver.broken)
+        assert pair.round("back", [1, 2], [3, 4]) == pair.chosen
+        for side, lane in ((pair.prefill, sender), (pair.decode, receiver)):
+            driver = side.drivers[pair.chosen]
+            assert isinstance(driver, FakeDriver) and set(driver.peers) == {lane.key}, (side.name, driver.peers)
+    finally:
+        pair.close()
+
+
+def test_a_second_offer_while_one_is_answered_is_a_violation(tmp_path: Path) -> None:
+    from kvtransport.spi.errors import ProtocolError
+
+    pair = Pair(tmp_path, "one-sided", quarantine=30)  # the initiator's own offer comes much later
+    try:
+        pair.fault.write_text("cut")
+        assert pair.round("cut", [5, 6], [7, 8]) == pair.standby
+        sender = _lane(pair.send, pair.chosen)
+        accepting = pair.send._session.failover  # type: ignore[attr-defined]
+        first, second = (_message("lane_reopen", lane="", gen=g, info=b"") for g in (1, 2))
+        time.sleep(failover.REOPEN_MIN_INTERVAL_S)
+        with pytest.raises(ProtocolError, match="previous offer"):
+            _on_io(pair.send, lambda: (accepting.on_lane_reopen(first), accepting.on_lane_reopen(second)))
+        _until(lambda: not sender.broken)  # the first one answered
+        driver = pair.prefill.drivers[pair.chosen]
+        assert isinstance(driver, FakeDriver) and set(driver.peers) == {sender.key}, driver.peers
+        with pytest.raises(ProtocolError, match="only the connection's initiator"):
+            _on_io(pair.recv, lambda: pair.recv._session.failover.on_lane_reopen(second))  # type: ignore[attr-defined]
+    finally:
+        pair.close()
+
+
+def test_the_peers_lane_down_during_an_offer_is_fenced_with_its_done_held(tmp_path: Path) -> None:
+    """The initiator declared the lane down and its offer's steps are fencing its receive side
+    when the peer's own "lane_down" comes: the offer is void, and the peer's word goes through
+    the fence as ever (its "done"s held until it is done), not dropped."""
+    pair = Pair(tmp_path, "one-sided", quarantine=30)
+    try:
+        _declare_down(pair.recv, pair.chosen)
+        receiver = _lane(pair.recv, pair.chosen)
+        tables = pair.recv._session.failover  # type: ignore[attr-defined]
+        driver = pair.decode.drivers[pair.chosen]
+        assert isinstance(driver, FakeDriver)
+        slow = threading.Event()
+        fence = driver.fence
+
+        def slow_fence(peer: str) -> bool:
+            slow.wait(0.3)
+            return fence(peer)
+
+        driver.fence = slow_fence  # type: ignore[method-assign]
+        _on_io(pair.recv, lambda: tables._reopen(receiver))
+        _on_io(pair.recv, lambda: tables.on_lane_down(_message("lane_down", lane="", gen=0, reason="peer's")))
+        assert pair.chosen in tables.fencing and pair.chosen not in tables.reopening
+        slow.set()
+        _until(lambda: pair.chosen in tables.fenced and not tables.fencing)
+    finally:
+        pair.close()

@@ -1771,11 +1771,11 @@ def test_offers_to_take_a_lane_back_from_a_peer_are_checked_and_answered(rig_fac
     rig.sync(s.attacker, "lane_reopen of a healthy lane")
     answers = [unpack(f) for f in s.attacker.inbox if (well_formed(f) or {}).get("t") == "lane_reopened"]
     assert len(answers) == 1 and answers[0]["gen"] == 1 and answers[0]["reason"], answers
-    assert "not failed and fenced" in answers[0]["reason"] and answers[0]["info"] == b"", answers
+    assert "has not failed here" in answers[0]["reason"] and answers[0]["info"] == b"", answers
     bad = [
         message("lane_reopen", lane="", gen=1, info=b""),  # not above the one offered
         message("lane_reopen", lane="no-such-driver", gen=9, info=b""),
-        message("lane_reopened", lane="", gen=7, info=b"", reason=""),  # no offer of the victim's
+        message("lane_reopened", lane="", gen=7, info=b"", reason=""),  # the acceptor never offers
         message("lane_down", lane="", gen=3, reason="a generation never reached"),
     ]
     rig.send(s.attacker, bad)

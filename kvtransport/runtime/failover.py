@@ -21,10 +21,12 @@ took back (the same bytes would, but decode appends into a request's last page a
 reuses its source pages). A fence that does not come within the drain timeout ends the session
 (its own fence then holds the failed transfers' pages as for any lost peer).
 
-The failed lane is quarantined, not lost: after a back-off (``Timeouts.quarantine``, doubled at
-each failure in a row) the side that declared it down fences its own receive side of the failed
-generation, makes a new one and offers the lane back ("lane_reopen"); the peer makes a new
-receive side too, connects to the offered one and answers with its own ("lane_reopened"). Each
+The failed lane is quarantined, not lost: once it is fenced there, and after a back-off
+(``Timeouts.quarantine``, doubled at each failure in a row), the connection's initiator (alone:
+two offers never cross) fences its own receive side of the failed generation if it has not
+yet, makes a new one and offers the lane back ("lane_reopen"); the acceptor fences its side if
+it has not yet, makes a new receive side too, connects to the offered one and answers with its
+own ("lane_reopened"). Each
 generation's receive sides are new ones, under driver keys of their own
 (:func:`~kvtransport.runtime.lane.generation_key`): a late write of a failed generation lands
 nowhere. The lane is then on probation (``Lane.probation``): one transfer at a time probes it,
@@ -43,7 +45,7 @@ import functools
 import itertools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -76,8 +78,9 @@ RESUBMIT_RETRY_S = 0.001
 #: starts its next quarantine from the first back-off again.
 QUARANTINE_MAX_S = 60.0
 FORGIVE_S = 300.0
-#: A peer's offer to take a lane back sooner than this after it failed here is refused (a
-#: peer cycling a lane down and back would make this side build receive sides without pause).
+#: The acceptor refuses an offer to take a lane back sooner than this after it failed there,
+#: doubled at each failure in a row up to QUARANTINE_MAX_S (a peer cycling a lane down and back
+#: would make it build receive sides, and fence them, without pause).
 REOPEN_MIN_INTERVAL_S = 0.25
 #: A transfer's stall limit is at least this many times the time it should take: at
 #: the rate its lane showed on this connection, else by the lane's measured cost model; and at
@@ -120,6 +123,8 @@ class FailoverOwner(Protocol):
     @property
     def initiator(self) -> bool: ...
     @property
+    def receive_infos(self) -> dict[str, bytes]: ...
+    @property
     def peer_regions(self) -> RegionSet | None: ...
     def peer_endpoint_info(self, driver: str) -> bytes: ...
     def check_lane_identity(self, driver: str, info: bytes) -> None: ...
@@ -157,6 +162,10 @@ class _Offer:
     gen: int
     key: str
     info: bytes | None = None
+    #: The timer that gives up on the peer's answer, then on this side's connect.
+    timer: Timer | None = None
+    #: The peer took it; this side's driver connects to the peer's new receive side.
+    connecting: bool = False
 
 
 class Failover:
@@ -181,6 +190,8 @@ class Failover:
         #: under way (one per lane), and the numbers of the driver keys it made.
         self._reopen_timers: dict[str, Timer] = {}
         self.reopening: dict[str, _Offer] = {}
+        #: Acceptor: the generation of the initiator's offer being answered, by lane.
+        self.accepting: dict[str, int] = {}
         self._keys = itertools.count(1)
 
     # -- sender --------------------------------------------------------------------------------
@@ -190,12 +201,15 @@ class Failover:
         other transfer still on ``old``."""
         s = self._session
         moving = [transfer]
+        if transfer.lane_gen != old.gen:
+            # A batch of an earlier generation of the lane (its key disconnected when the lane
+            # came back): the transfer moves, the lane as it is now did not fail.
+            self._move(transfer, old, new, error)
+            return
         old.fail_over()
         if old.name not in self.failed_lanes:
             self.failed_lanes.append(old.name)
-            if time.monotonic() - old.back_at > FORGIVE_S:
-                old.failures = 0
-            old.failures += 1
+            self._count_failure(old)
             log.warning(
                 "%s: %s failed for %s (%s); its transfers go again over %s, and it is quarantined",
                 s.endpoint.name,
@@ -262,6 +276,7 @@ class Failover:
         failed: KVTransportError | None = None
         try:
             t.lane = new
+            t.lane_gen = new.gen
             t.moving_to = None
             t.driver = new.name
             t.raw_predicted_s = 0.0  # a moved transfer's time says nothing of either lane
@@ -349,12 +364,24 @@ class Failover:
         if lane is None:
             raise ProtocolError(f"lane_down names {msg['lane'][:64]!r}, not a driver of this connection")
         gen = msg["gen"]
-        if gen > lane.gen:
+        offer = self.reopening.get(lane.name)
+        if offer is not None and offer.info is not None and gen == offer.gen:
+            # The peer took this side's offer and the new generation failed there before its
+            # answer came (its "lane_down" may overtake it on the ordered stream): the offer is
+            # void, and the receive side offered (the lane's key) is fenced as below.
+            del self.reopening[lane.name]
+            s.timers.cancel(offer.timer)
+            lane.gen = offer.gen
+        elif gen > lane.gen:
             raise ProtocolError(f"lane_down names generation {gen} of {lane.name}, which is at {lane.gen}")
-        if gen < lane.gen or lane.name in self.fencing or lane.name in self.fenced:
+        elif gen < lane.gen or lane.name in self.fencing or lane.name in self.fenced:
             return  # said twice, or of a generation fenced already
-        if lane.name in self.reopening:
-            return  # this side's offer to take it back is under way: its own receive side goes first
+        elif offer is not None:
+            if offer.info is not None:
+                return  # the offer's steps fenced this generation's receive side already
+            # Its steps are still fencing it: that fence is the one below, with "done" held.
+            del self.reopening[lane.name]
+        self._count_failure(lane)
         lane.fail_over()  # nothing of this side goes over it either
         log.warning(
             "%s: %s says %s failed (%s); fencing it for that peer before its transfers complete",
@@ -432,6 +459,8 @@ class Failover:
         log.info(
             "%s: %s fenced for %s; its transfers go on over the other lanes", s.endpoint.name, lane.name, s.peer_label
         )
+        if s.initiator and lane.name not in self._reopen_timers and lane.name not in self.reopening:
+            self._quarantine(lane)  # the initiator takes every failed lane back, whichever side saw it fail
         if self.fencing:
             return
         done, self._held_done = list(self._held_done.values()), {}
@@ -449,13 +478,25 @@ class Failover:
         except KVTransportError as exc:
             s.fail(exc)  # as the message would have when it came
 
-    # -- quarantine: either side -----------------------------------------------------------
+    # -- quarantine ------------------------------------------------------------------------
+    #
+    # The connection's initiator alone takes failed lanes back (whichever side saw them fail):
+    # one side offers, the other accepts, so two offers never cross. Every driver key whose
+    # receive side the peer learnt of is fenced before it is forgotten; a key the peer never
+    # learnt of goes back to the driver (``_dispose``).
+
+    def _count_failure(self, lane: Lane) -> None:
+        """One more failure of ``lane`` in a row (the back-off, and the acceptor's patience
+        with offers, follow it); a lane proven ``FORGIVE_S`` ago starts again from one."""
+        if lane.back_at and time.monotonic() - lane.back_at > FORGIVE_S:
+            lane.failures = 0
+        lane.failures += 1
 
     def _quarantine(self, lane: Lane) -> None:
-        """``lane`` failed over here: offer the peer to take it back after its back-off."""
+        """Initiator: offer ``lane`` back to the peer after its back-off."""
         s = self._session
         first = s.endpoint.timeouts.quarantine
-        if not first or lane.two_sided or s.closed:
+        if not first or lane.two_sided or s.closed or not s.initiator:
             # (a two-sided lane's notices name no generation: a late one of the failed lane
             # could reach the new one's ring; it stays out for the connection's life)
             return
@@ -463,7 +504,7 @@ class Failover:
         s.timers.cancel(self._reopen_timers.pop(lane.name, None))
         self._reopen_timers[lane.name] = s.timers.call_later(wait, functools.partial(self._reopen, lane))
         log.info(
-            "%s: %s quarantined for %s: tried again in %.3g s (failure %d in a row)",
+            "%s: %s quarantined for %s: offered back in %.3g s (failure %d in a row)",
             s.endpoint.name,
             lane.name,
             s.peer_label,
@@ -472,117 +513,140 @@ class Failover:
         )
 
     def _reopen(self, lane: Lane) -> None:
-        """The back-off passed: fence this side's receive side of the failed generation (the
-        peer's writes through it can land no more), make a new one, and offer the lane to the
-        peer ("lane_reopen"); it answers with its own new receive side ("lane_reopened")."""
+        """Initiator, the back-off passed: fence this side's receive side of the failed
+        generation (the peer's writes through it can land no more), make a new one, and offer
+        the lane to the peer ("lane_reopen"); it answers with its own ("lane_reopened")."""
         s = self._session
         self._reopen_timers.pop(lane.name, None)
         if s.closed or not lane.broken or lane.name in self.reopening:
             return
         if lane.name in self.fencing:
-            self._quarantine(lane)  # the peer's word that it failed its way too: fenced first
-            return
-        lane.gen_offered = gen = max(lane.gen_offered, lane.gen) + 1
+            return  # the peer's word that it failed (again): offered once that fence is done
+        lane.gen_offered = gen = lane.gen_offered + 1
         offer = self.reopening[lane.name] = _Offer(gen, generation_key(s.id, next(self._keys)))
         driver, current, fence_first = lane.driver, lane.key, lane.name not in self.fenced
 
-        def steps() -> bytes | None:
+        def steps() -> tuple[bool, bytes | KVTransportError | None]:
             if fence_first and driver.fence(current) is not True:
-                return None
+                return False, None
             driver.disconnect(current)
-            info: bytes = driver.receive_info(offer.key)
-            return info
+            try:
+                info: bytes = driver.receive_info(offer.key)
+            except KVTransportError as exc:
+                return True, exc
+            return True, info
 
-        def made(info: Any, error: KVTransportError | None) -> None:
+        def made(result: Any, error: KVTransportError | None) -> None:
+            fenced, info = result if isinstance(result, tuple) else (False, error)
+            if fenced and lane.key == current and lane.name not in self.fencing:
+                self.fenced.add(lane.name)  # this side's receive side of ``current``
             if self.reopening.get(lane.name) is not offer or s.closed:
-                self._dispose(lane, offer.key)  # the peer's own offer won meanwhile, or the end came
+                self._dispose(lane, offer.key)  # void (the peer's "lane_down" came), or the end came
                 return
-            if error is not None or not isinstance(info, bytes):
+            if not isinstance(info, bytes):
                 del self.reopening[lane.name]
                 self._dispose(lane, offer.key)
-                self._not_back(lane, f"its receive side for this peer could not be fenced or made again ({error})")
+                why = f"its driver failed: {info}" if info is not None else "its receive side cannot be fenced yet"
+                self._not_back(lane, why)
                 return
             # From here the peer may write through the new receive side: it is the lane's, and
             # the next fence (a refusal, the session's end) is of it.
             lane.key = offer.key
             self.fenced.discard(lane.name)
             offer.info = info
+            if info:
+                s.receive_infos[lane.name] = info  # (the core's mirror check knows it)
             s.send("lane_reopen", lane=s.wire_name(lane.name), gen=gen, info=info)
+            # An honest peer answers within its connect timeout; one that does not is refused.
+            offer.timer = s.timers.call_later(
+                2 * s.endpoint.timeouts.connect, functools.partial(self._no_answer, lane, offer)
+            )
 
         try:
             lane.runner.call(steps, made)
         except KVTransportError:
             del self.reopening[lane.name]  # the driver is closing with its endpoint
 
+    def _no_answer(self, lane: Lane, offer: _Offer) -> None:
+        if self.reopening.get(lane.name) is offer and not offer.connecting:
+            del self.reopening[lane.name]
+            self._not_back(lane, f"{self._session.peer_label} did not answer the offer")
+
     def on_lane_reopen(self, msg: Message) -> None:
-        """The peer offers to take a lane back: make a new receive side for it, connect to the
-        peer's, and answer ("lane_reopened"), or say why not."""
+        """Acceptor: the initiator offers to take a lane back: fence this side's receive side
+        of the failed generation if it is not yet, make a new one, connect to the peer's, and
+        answer ("lane_reopened"), or say why not."""
         s = self._session
         lane = s.lane_named(msg["lane"])
         if lane is None:
             raise ProtocolError(f"lane_reopen names {msg['lane'][:64]!r}, not a driver of this connection")
+        if s.initiator:
+            raise ProtocolError("lane_reopen from the acceptor: only the connection's initiator offers lanes back")
         gen, wire = msg["gen"], s.wire_name(lane.name)
-        mine = self.reopening.get(lane.name)
-        if mine is not None and s.initiator:
-            lane.gen_offered = max(lane.gen_offered, gen)
-            return  # both offered at once: the initiator's offer stands, the peer takes it
-        floor = lane.gen if mine is not None else lane.gen_offered
-        if gen <= floor:
-            raise ProtocolError(f"lane_reopen of {lane.name} in generation {gen}, not above {floor}")
-        if mine is not None:
-            del self.reopening[lane.name]  # ours yields (its receive side goes: the peer never wrote there)
-            if mine.info is not None:
-                self._dispose(lane, mine.key)
-        lane.gen_offered = max(lane.gen_offered, gen)
+        if gen <= lane.gen_offered:
+            raise ProtocolError(f"lane_reopen of {lane.name} in generation {gen}, not above {lane.gen_offered}")
+        if lane.name in self.accepting:
+            raise ProtocolError(f"lane_reopen of {lane.name} while its previous offer is being answered")
+        lane.gen_offered = gen
 
         def refuse(why: str) -> None:
             log.info("%s: not taking %s back for %s: %s", s.endpoint.name, lane.name, s.peer_label, why)
             s.send("lane_reopened", lane=wire, gen=gen, info=b"", reason=why[:500])
 
+        patience = min(REOPEN_MIN_INTERVAL_S * 2 ** max(lane.failures - 1, 0), QUARANTINE_MAX_S)
         if lane.two_sided:
             refuse("a two-sided lane is not taken back (its notices name no generation)")
-            return
-        if not s.endpoint.timeouts.quarantine:
+        elif not s.endpoint.timeouts.quarantine:
             refuse("this side keeps failed lanes out (KVTRANSPORT_QUARANTINE=0)")
-            return
-        if not lane.broken or lane.name not in self.fenced or lane.name in self.fencing:
-            refuse("it is not failed and fenced here")
-            return
-        if time.monotonic() - lane.down_at < REOPEN_MIN_INTERVAL_S:
-            refuse(f"it failed here less than {REOPEN_MIN_INTERVAL_S:g} s ago")
-            return
-        try:
-            s.check_lane_identity(lane.name, msg["info"])
-        except KVTransportError as exc:
-            raise ProtocolError(f"lane_reopen of {lane.name}: {exc}") from exc
-        peer_info = msg["info"] or s.peer_endpoint_info(lane.name)
+        elif not lane.broken or lane.name in self.fencing:
+            refuse("it has not failed here, or its fence is still under way")
+        elif time.monotonic() - lane.down_at < patience:
+            refuse(f"it failed here less than {patience:g} s ago ({lane.failures} failures in a row)")
+        else:
+            try:
+                s.check_lane_identity(lane.name, msg["info"])
+            except KVTransportError as exc:
+                raise ProtocolError(f"lane_reopen of {lane.name}: {exc}") from exc
+            self._accept(lane, gen, msg["info"] or s.peer_endpoint_info(lane.name), refuse)
+
+    def _accept(self, lane: Lane, gen: int, peer_info: bytes, refuse: Callable[[str], None]) -> None:
+        s = self._session
         regions = s.peer_regions
         assert regions is not None  # set at the handshake, before any lane was used
         key, driver, current = generation_key(s.id, next(self._keys)), lane.driver, lane.key
-        answered = [False]
+        fence_first = lane.name not in self.fenced
+        self.accepting[lane.name] = gen
 
-        def steps() -> bytes:
+        def steps() -> tuple[bool, bytes | KVTransportError | None]:
+            if fence_first and driver.fence(current) is not True:
+                return False, None
             driver.disconnect(current)  # (its receive side stays fenced)
-            info: bytes = driver.receive_info(key)
-            driver.connect(key, peer_info, regions)
-            return info
+            try:
+                info: bytes = driver.receive_info(key)
+                driver.connect(key, peer_info, regions)
+            except KVTransportError as exc:
+                return True, exc
+            return True, info
 
-        def done(info: Any, error: KVTransportError | None) -> None:
-            if answered[0] or s.closed:
-                self._dispose(lane, key)  # answered already (too late), or the end came
+        def done(result: Any, error: KVTransportError | None) -> None:
+            fenced, info = result if isinstance(result, tuple) else (False, error)
+            if fenced and lane.key == current:
+                self.fenced.add(lane.name)
+            if self.accepting.get(lane.name) != gen or s.closed:
+                self._dispose(lane, key)  # answered already (too late), or the end came: never offered
                 return
-            answered[0] = True
+            del self.accepting[lane.name]
             s.timers.cancel(timer)
-            if error is not None:
+            if not isinstance(info, bytes):
                 self._dispose(lane, key)
-                refuse(f"its driver could not connect again: {error}")
+                refuse(f"its driver failed: {info}" if info is not None else "its receive side cannot be fenced yet")
                 return
-            self._back(lane, key, gen, peer_info)
-            s.send("lane_reopened", lane=wire, gen=gen, info=info or b"", reason="")
+            self._back(lane, key, gen, peer_info, info)
+            s.send("lane_reopened", lane=s.wire_name(lane.name), gen=gen, info=info, reason="")
 
         def too_late() -> None:
-            if not answered[0]:
-                answered[0] = True
+            if self.accepting.get(lane.name) == gen:
+                del self.accepting[lane.name]
                 refuse(f"its driver took longer than {s.endpoint.timeouts.connect:g} s to connect again")
 
         timer = s.timers.call_later(s.endpoint.timeouts.connect, too_late)
@@ -592,49 +656,66 @@ class Failover:
             done(None, exc)
 
     def on_lane_reopened(self, msg: Message) -> None:
-        """The peer's answer to this side's offer: connect to its new receive side and take
-        the lane back on probation, or quarantine it again."""
+        """Initiator: the peer's answer to this side's offer: connect to its new receive side
+        and take the lane back on probation, or quarantine it again."""
         s = self._session
         lane = s.lane_named(msg["lane"])
-        offer = self.reopening.get(lane.name) if lane is not None else None
-        if lane is None or offer is None or offer.info is None or offer.gen != msg["gen"]:
-            raise ProtocolError(f"lane_reopened of {msg['lane'][:64]!r} answers no offer of this side")
-        del self.reopening[lane.name]
+        if lane is None or not s.initiator:
+            raise ProtocolError(f"lane_reopened of {msg['lane'][:64]!r}: no offer of this side to answer")
+        gen = msg["gen"]
+        offer = self.reopening.get(lane.name)
+        if offer is None or offer.info is None or offer.gen != gen:
+            if gen <= lane.gen_offered:
+                return  # an offer voided meanwhile (the peer's "lane_down" came first), or given up on
+            raise ProtocolError(f"lane_reopened of {lane.name} in generation {gen}, which was never offered")
+        s.timers.cancel(offer.timer)
         if msg["reason"]:
+            del self.reopening[lane.name]
             self._not_back(lane, f"{s.peer_label} did not take it back: {msg['reason'][:200]}")
             return
         try:
             s.check_lane_identity(lane.name, msg["info"])
         except KVTransportError as exc:
+            del self.reopening[lane.name]
             self._not_back(lane, f"{s.peer_label} presented a receive side that is not its own")
             raise ProtocolError(f"lane_reopened of {lane.name}: {exc}") from exc
         lane.gen = offer.gen  # the peer uses this generation from now on (its "lane_down" names it)
+        offer.connecting = True
         peer_info = msg["info"] or s.peer_endpoint_info(lane.name)
         regions, driver, wire = s.peer_regions, lane.driver, s.wire_name(lane.name)
         assert regions is not None  # set at the handshake, before any lane was used
 
         def done(_: Any, error: KVTransportError | None) -> None:
-            if s.closed:
-                return  # the session's end disconnects and fences lane.key, this offer's
-            if lane.name in self.fencing or lane.name in self.fenced:
-                return  # the peer took it down again meanwhile ("lane_down"): quarantined there
+            if s.closed or self.reopening.get(lane.name) is not offer:
+                return  # the end came (it fences lane.key), or the peer's "lane_down" voided it (fenced)
+            del self.reopening[lane.name]
+            s.timers.cancel(offer.timer)
             if error is not None:
+                # The peer took it back: it must take it out again; this side's new receive
+                # side (the lane's key) is fenced by the next offer first.
                 s.send("lane_down", lane=wire, gen=offer.gen, reason=f"could not connect again: {error}"[:500])
                 self._not_back(lane, f"its driver could not connect again: {error}")
                 return
-            self._back(lane, offer.key, offer.gen, peer_info)
+            self._back(lane, offer.key, offer.gen, peer_info, None)
 
+        def too_late() -> None:
+            done(None, DriverError(f"connect took longer than {s.endpoint.timeouts.connect:g} s"))
+
+        offer.timer = s.timers.call_later(s.endpoint.timeouts.connect, too_late)
         try:
             lane.runner.call(functools.partial(driver.connect, offer.key, peer_info, regions), done)
-        except KVTransportError:
-            pass  # the driver is closing with its endpoint
+        except KVTransportError as exc:  # the driver is closing with its endpoint
+            done(None, exc)
 
-    def _back(self, lane: Lane, key: str, gen: int, peer_info: bytes) -> None:
+    def _back(self, lane: Lane, key: str, gen: int, peer_info: bytes, own_info: bytes | None) -> None:
         s = self._session
         lane.back(key, gen, peer_info)
         self.fenced.discard(lane.name)
+        s.timers.cancel(self._reopen_timers.pop(lane.name, None))
         if lane.name in self.failed_lanes:
             self.failed_lanes.remove(lane.name)
+        if own_info:
+            s.receive_infos[lane.name] = own_info  # (the core's mirror check knows it)
         log.info(
             "%s: %s is back for %s (generation %d), on probation: the next transfer on it probes it",
             s.endpoint.name,
@@ -647,6 +728,7 @@ class Failover:
         """A batch of the transfer probing ``lane`` finished: it carries transfers again."""
         s = self._session
         lane.proven()
+        lane.back_at = time.monotonic()  # forgiven FORGIVE_S from now, if it holds
         s.endpoint.metrics.lane_back(lane.name)
         log.info("%s: %s passed its probe for %s and carries transfers again", s.endpoint.name, lane.name, s.peer_label)
 
@@ -657,8 +739,8 @@ class Failover:
         self._quarantine(lane)
 
     def _dispose(self, lane: Lane, key: str) -> None:
-        """Forget the driver key ``key`` (a receive side the peer never learnt of, or never
-        wrote through: it goes back to the driver's spares)."""
+        """Forget the driver key ``key``, whose receive side the peer never learnt of (it goes
+        back to the driver's spares)."""
         try:
             lane.runner.call(functools.partial(lane.driver.disconnect, key))
         except KVTransportError:
@@ -673,10 +755,12 @@ class Failover:
             s.timers.cancel(timer)
         self._reopen_timers.clear()
         for name, offer in self.reopening.items():
+            s.timers.cancel(offer.timer)
             lane = s.lanes.get(name)
             if lane is not None and lane.key != offer.key:
                 self._dispose(lane, offer.key)  # never offered (lane.key's is fenced by the end)
         self.reopening.clear()
+        self.accepting.clear()  # (each answer that comes disposes its key)
         for timer in self.fencing.values():
             s.timers.cancel(timer)
         self.fencing.clear()

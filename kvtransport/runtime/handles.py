@@ -176,6 +176,9 @@ class Transfer:
         #: latest was, how often it moved to another lane, and when it last did
         #: (``runtime.failover``).
         self.sent_parts: list[tuple[Runs, bool]] = []
+        #: The generation of its lane when it took it (``Lane.gen``): a failure of a batch of
+        #: an earlier generation moves it without taking the lane as it is now down.
+        self.lane_gen = 0
         self.last_part_at = 0.0
         self.failovers = 0
         self.failed_over_at = 0.0

@@ -85,6 +85,8 @@ class Lane:
         #: What this side's driver knows the peer by for this lane (``peer`` of its calls): the
         #: connection's id, then a new one each time the lane comes back from quarantine
         #: (``runtime.failover``: the receive side of the failed generation stays fenced).
+        #: Written on the I/O thread only while the lane is out (no transfer takes it), read by
+        #: the driver's and callers' threads.
         self.key = key
         #: The generation of ``key`` (0: the handshake's), and the highest either side offered.
         self.gen = 0

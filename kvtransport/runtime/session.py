@@ -344,7 +344,10 @@ class Session:
         others = [lane for lane in self.lanes.values() if lane is not failed and not lane.broken]
         if not others:
             return None
-        return min(others, key=lambda lane: (lane.standby, lane.predict(REFERENCE_RUNS, REFERENCE_BYTES)))
+        # (a lane on probation last: its probe has not passed yet)
+        return min(
+            others, key=lambda lane: (lane.probation, lane.standby, lane.predict(REFERENCE_RUNS, REFERENCE_BYTES))
+        )
 
     def pick_lane(self, runs: int, nbytes: int, *, whole: bool = False) -> Lane:
         """Any thread: the lane with the lowest predicted time for ``runs`` descriptors of
@@ -557,6 +560,7 @@ class Session:
             transfer.runs = len(runs)
             transfer.submitted_at = time.monotonic()
             transfer.lane = lane
+            transfer.lane_gen = lane.gen
             if len(self.lanes) > 1:
                 log.debug(
                     "transfer %r to %s via %s: %d descriptors, %d bytes, predicted %.3g ms",
