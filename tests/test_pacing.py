@@ -91,7 +91,21 @@ class _Lane:
         self.sent: list[tuple[str, int, bool, int]] = []
         self.dead: set[str] = set()
         self.ids = iter(range(1, 1 << 30))
-        self.pacer = Pacer(self.submit, lambda t: t not in self.dead, lambda: next(self.ids), lambda: limit, in_flight)
+        self.pending: set[tuple[object, int]] = set()  # parts with a slice waiting or in the driver
+        self.pacer = Pacer(
+            self.submit,
+            lambda t: t not in self.dead,
+            lambda: next(self.ids),
+            lambda: limit,
+            in_flight,
+            lambda t, token: self.pending.discard((t, token)),
+        )
+
+    def add(self, t: str, runs: Runs, last: bool) -> int:
+        token = next(self.ids)
+        self.pending.add((t, token))
+        self.pacer.add(t, runs, last, token)
+        return token
 
     def submit(self, t: object, runs: Runs, last: bool, bid: int) -> bool:
         self.sent.append((str(t), runs.total_bytes, last, bid))
@@ -106,11 +120,12 @@ def test_the_pacer_keeps_its_budget_and_each_transfers_order() -> None:
     lane = _Lane(in_flight=2, limit=100)
     p = lane.pacer
     assert p.takes("big", 450) and not p.takes("small", 100)
-    p.add("big", _runs(450), last=False)
+    first = lane.add("big", _runs(450), last=False)
     assert [s[:3] for s in lane.sent] == [("big", 100, False), ("big", 100, False)]
     # a small part of the same transfer queues behind its slices, and alone carries "last"
     assert p.takes("big", 10)
-    p.add("big", _runs(10, 5000), last=True)
+    second = lane.add("big", _runs(10, 5000), last=True)
+    assert lane.pending == {("big", first), ("big", second)}
     assert p.waiting == 4 and p.in_flight == 2
     for _ in range(10):
         if not lane.sent or p.in_flight == 0:
@@ -121,20 +136,21 @@ def test_the_pacer_keeps_its_budget_and_each_transfers_order() -> None:
     p.finished(lane.sent[-1][3])
     p.finished(lane.sent[-2][3])
     assert p.in_flight == 0 and p.waiting == 0 and not p.takes("big", 10)
+    assert not lane.pending, "a part all of whose slices finished is still pending"
 
 
 def test_shortest_remaining_goes_first_and_waiting_makes_a_transfer_shorter(monkeypatch: pytest.MonkeyPatch) -> None:
     now = [1000.0]
     monkeypatch.setattr(pacing.time, "monotonic", lambda: now[0])
     lane = _Lane(in_flight=1, limit=100)
-    lane.pacer.add("long", _runs(1000), last=True)  # its first slice goes at once
-    lane.pacer.add("short", _runs(300, 9000), last=True)
+    lane.add("long", _runs(1000), last=True)  # its first slice goes at once
+    lane.add("short", _runs(300, 9000), last=True)
     lane.pacer.finished(lane.sent[-1][3])
     assert lane.sent[-1][0] == "short"  # 300 left against 900
     aged = _Lane(in_flight=1, limit=100)
-    aged.pacer.add("long", _runs(1000), last=True)
+    aged.add("long", _runs(1000), last=True)
     now[0] += 10.0  # "long" has waited 10 s: it counts as 10 GiB shorter than its 900 bytes
-    aged.pacer.add("short", _runs(300, 9000), last=True)
+    aged.add("short", _runs(300, 9000), last=True)
     aged.pacer.finished(aged.sent[-1][3])
     assert aged.sent[-1][0] == "long", aged.sent
 
@@ -142,14 +158,15 @@ def test_shortest_remaining_goes_first_and_waiting_makes_a_transfer_shorter(monk
 def test_a_forgotten_or_ended_transfer_frees_its_budget() -> None:
     lane = _Lane(in_flight=2, limit=100)
     p = lane.pacer
-    p.add("a", _runs(1000), last=True)
-    p.add("b", _runs(1000, 9000), last=True)
+    lane.add("a", _runs(1000), last=True)
+    lane.add("b", _runs(1000, 9000), last=True)
     assert {s[0] for s in lane.sent} == {"a"} and p.in_flight == 2
     p.forget("a")  # moved, or aborted: its batches will report nothing
     assert [s[0] for s in lane.sent[2:]] == ["b", "b"]
     lane.dead.add("b")  # ended: found at the next feed
-    p.add("c", _runs(250, 30000), last=True)
+    lane.add("c", _runs(250, 30000), last=True)
     assert [s[0] for s in lane.sent[4:]] == ["c", "c"] and p.waiting == 1
+    assert {t for t, _ in lane.pending} == {"c"}  # a's and b's parts are done with
 
 
 # -- end to end under the fakes -------------------------------------------------------------------
@@ -233,3 +250,84 @@ def test_small_requests_do_not_wait_for_a_large_one_on_the_same_connection(drive
     finally:
         prefill.close()
         decode.close()
+
+
+# -- the races an independent review found ----------------------------------------------------------
+
+
+def test_two_threads_feeding_one_lane_keep_a_transfers_slices_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A caller thread taken off the CPU between taking a slice off the queue and handing it
+    over, while another transfer's caller feeds the same lane: the first transfer's slices
+    still reach the driver in order, and both arrive whole."""
+    from kvtransport.runtime.session import Session
+
+    submit = Session._submit_slice
+    order: list[tuple[str, bool]] = []
+
+    def slow(self: Session, lane: Any, transfer: Any, runs: Runs, last: bool, bid: int) -> bool:
+        if threading.current_thread().name == "slow-caller" and not order:
+            time.sleep(0.2)
+        order.append((transfer.tag, last))
+        return submit(self, lane, transfer, runs, last, bid)
+
+    monkeypatch.setattr(Session, "_submit_slice", slow)
+    pair = Pair(tmp_path, "one-sided", limits=SLICED)
+    try:
+        t, r = pair.start("big", None, list(range(4)))
+        u, ru = pair.start("u", None, list(range(8, 20)))
+        caller = threading.Thread(target=lambda: t.send(list(range(4)), last=True), name="slow-caller")
+        caller.start()
+        time.sleep(0.05)
+        u.send(list(range(8, 20)), last=True)
+        caller.join()
+        for handle in (t, r, u, ru):
+            assert handle.wait(10).name == "SUCCESS", (handle, handle.error)
+        big = [last for tag, last in order if tag == "big"]
+        assert big and big[-1] and not any(big[:-1]), order  # "last" on the last slice handed over
+        assert pair.pools[1].page_digests(list(range(4)) + list(range(8, 20))) == pair.pools[0].page_digests(
+            list(range(4)) + list(range(8, 20))
+        )
+    finally:
+        pair.close()
+
+
+def test_a_layerwise_stream_is_settled_only_once_its_sliced_groups_landed(tmp_path: Path) -> None:
+    from kvtransport.testing.conformance import EVERY_LAYER
+
+    pair = Pair(tmp_path, "one-sided", limits=SLICED, driver_options={"fake.delay": "0.2"})
+    try:
+        t, r = pair.start("lw", None, list(range(24)))
+        stream = t.send_layerwise(list(range(24)), policy=EVERY_LAYER)
+        for layer in range(stream.num_layers):
+            stream.layer_ready(layer)
+        assert all(g.batch for g in stream.groups)
+        time.sleep(0.05)
+        assert not stream.settled, "settled while the groups' slices are still in the driver"
+        assert t.wait(10).name == "SUCCESS" and r.wait(10).name == "SUCCESS"
+        assert stream.settled and not t.paced
+        assert pair.pools[1].page_digests(list(range(24))) == pair.pools[0].page_digests(list(range(24)))
+    finally:
+        pair.close()
+
+
+def test_an_empty_last_part_behind_slices_reaches_no_driver(tmp_path: Path) -> None:
+    pair = Pair(tmp_path, "one-sided", limits=SLICED, driver_options={"fake.delay": "0.02"})
+    try:
+        driver = pair.prefill.drivers[pair.chosen]
+        seen: list[int] = []
+        submit = driver.submit
+
+        def recording(peer: str, runs: Runs) -> int:
+            seen.append(len(runs))
+            return submit(peer, runs)
+
+        driver.submit = recording  # type: ignore[method-assign]
+        t, r = pair.start("big", None, list(range(6)))
+        t.send(list(range(6)), last=False)
+        t.send([], last=True)
+        assert t.wait(10).name == "SUCCESS" and r.wait(10).name == "SUCCESS"
+        assert seen and 0 not in seen, seen
+    finally:
+        pair.close()

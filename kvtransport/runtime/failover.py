@@ -190,8 +190,11 @@ class Failover:
         #: under way (one per lane), and the numbers of the driver keys it made.
         self._reopen_timers: dict[str, Timer] = {}
         self.reopening: dict[str, _Offer] = {}
-        #: Acceptor: the generation of the initiator's offer being answered, by lane.
+        #: Acceptor: the generation of the initiator's offer being answered, by lane (negated
+        #: once refused as too late while its steps still hold the driver's thread).
         self.accepting: dict[str, int] = {}
+        #: Initiator: the last offer it gave up waiting for an answer to, by lane.
+        self._given_up: dict[str, int] = {}
         self._keys = itertools.count(1)
 
     # -- sender --------------------------------------------------------------------------------
@@ -570,6 +573,7 @@ class Failover:
     def _no_answer(self, lane: Lane, offer: _Offer) -> None:
         if self.reopening.get(lane.name) is offer and not offer.connecting:
             del self.reopening[lane.name]
+            self._given_up[lane.name] = offer.gen
             self._not_back(lane, f"{self._session.peer_label} did not answer the offer")
 
     def on_lane_reopen(self, msg: Message) -> None:
@@ -585,7 +589,8 @@ class Failover:
         gen, wire = msg["gen"], s.wire_name(lane.name)
         if gen <= lane.gen_offered:
             raise ProtocolError(f"lane_reopen of {lane.name} in generation {gen}, not above {lane.gen_offered}")
-        if lane.name in self.accepting:
+        answering = self.accepting.get(lane.name)
+        if answering is not None and answering > 0:
             raise ProtocolError(f"lane_reopen of {lane.name} while its previous offer is being answered")
         lane.gen_offered = gen
 
@@ -594,7 +599,9 @@ class Failover:
             s.send("lane_reopened", lane=wire, gen=gen, info=b"", reason=why[:500])
 
         patience = min(REOPEN_MIN_INTERVAL_S * 2 ** max(lane.failures - 1, 0), QUARANTINE_MAX_S)
-        if lane.two_sided:
+        if answering is not None:
+            refuse("its previous acceptance is still on the driver's thread")
+        elif lane.two_sided:
             refuse("a two-sided lane is not taken back (its notices name no generation)")
         elif not s.endpoint.timeouts.quarantine:
             refuse("this side keeps failed lanes out (KVTRANSPORT_QUARANTINE=0)")
@@ -632,21 +639,30 @@ class Failover:
             fenced, info = result if isinstance(result, tuple) else (False, error)
             if fenced and lane.key == current:
                 self.fenced.add(lane.name)
+            if self.accepting.get(lane.name) == -gen:
+                del self.accepting[lane.name]  # refused as too late: the next offer may come
             if self.accepting.get(lane.name) != gen or s.closed:
                 self._dispose(lane, key)  # answered already (too late), or the end came: never offered
                 return
             del self.accepting[lane.name]
             s.timers.cancel(timer)
-            if not isinstance(info, bytes):
+            if not isinstance(info, bytes) or lane.name in self.fencing:
                 self._dispose(lane, key)
-                refuse(f"its driver failed: {info}" if info is not None else "its receive side cannot be fenced yet")
+                lane.failures += 1  # (the acceptor's patience grows with each failed acceptance)
+                lane.down_at = time.monotonic()
+                if isinstance(info, bytes):
+                    refuse("the peer said it failed again while this side took it back: its fence comes first")
+                else:
+                    refuse(
+                        f"its driver failed: {info}" if info is not None else "its receive side cannot be fenced yet"
+                    )
                 return
             self._back(lane, key, gen, peer_info, info)
             s.send("lane_reopened", lane=s.wire_name(lane.name), gen=gen, info=info, reason="")
 
         def too_late() -> None:
             if self.accepting.get(lane.name) == gen:
-                del self.accepting[lane.name]
+                self.accepting[lane.name] = -gen  # answered; its steps still hold the driver's thread
                 refuse(f"its driver took longer than {s.endpoint.timeouts.connect:g} s to connect again")
 
         timer = s.timers.call_later(s.endpoint.timeouts.connect, too_late)
@@ -665,9 +681,15 @@ class Failover:
         gen = msg["gen"]
         offer = self.reopening.get(lane.name)
         if offer is None or offer.info is None or offer.gen != gen:
-            if gen <= lane.gen_offered:
-                return  # an offer voided meanwhile (the peer's "lane_down" came first), or given up on
-            raise ProtocolError(f"lane_reopened of {lane.name} in generation {gen}, which was never offered")
+            if gen > lane.gen_offered:
+                raise ProtocolError(f"lane_reopened of {lane.name} in generation {gen}, which was never offered")
+            if not msg["reason"] and self._given_up.get(lane.name) == gen and gen > lane.gen:
+                # Taken by the peer after this side gave up on its answer: the peer must take it
+                # out again (and fence it); this side's receive side of it is the lane's key,
+                # fenced by the next offer first.
+                lane.gen = gen
+                s.send("lane_down", lane=s.wire_name(lane.name), gen=gen, reason="its answer came too late")
+            return  # an offer voided meanwhile (the peer's "lane_down" came first), or given up on
         s.timers.cancel(offer.timer)
         if msg["reason"]:
             del self.reopening[lane.name]

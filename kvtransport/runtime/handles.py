@@ -179,6 +179,9 @@ class Transfer:
         #: The generation of its lane when it took it (``Lane.gen``): a failure of a batch of
         #: an earlier generation moves it without taking the lane as it is now down.
         self.lane_gen = 0
+        #: The tokens of its parts a lane's pacer holds in slices, until no slice of each waits
+        #: or is in the driver (``runtime.pacing``; a layer-wise group's "batch" is its token).
+        self.paced: set[int] = set()
         self.last_part_at = 0.0
         self.failovers = 0
         self.failed_over_at = 0.0

@@ -45,6 +45,7 @@ class StreamTransfer(Protocol):
 
     tag: str
     batches: set[int]
+    paced: set[int]
     aborted_by_caller: str
 
     @property
@@ -119,8 +120,8 @@ class LayerStream:
         transfer failed): nothing of the chunk's source pages is still being read."""
         if not self.complete:
             return False
-        in_flight = self._transfer.batches
-        return not any(g.batch and g.batch in in_flight for g in self.groups)
+        in_flight, paced = self._transfer.batches, self._transfer.paced
+        return not any(g.batch and (g.batch in in_flight or g.batch in paced) for g in self.groups)
 
     def layer_ready(self, layer: int, after: Any = None) -> None:
         """Layer ``layer``'s KV of this chunk is in place: now, or (``after``) once that signal
@@ -172,8 +173,8 @@ class LayerStream:
                 if grouper.whole:
                     group = grouper.mark(layer)  # one batch at the end: nothing to measure
                 else:
-                    in_flight = transfer.batches
-                    backlog = sum(1 for g in self.groups if g.batch and g.batch in in_flight)
+                    in_flight, paced = transfer.batches, transfer.paced
+                    backlog = sum(1 for g in self.groups if g.batch and (g.batch in in_flight or g.batch in paced))
                     share = self._post_s / self._interval if self._interval > 0 else 0.0
                     group = grouper.mark(layer, backlog=backlog, post_share=share)
                 if group is not None:

@@ -236,7 +236,7 @@ class PeerProtocol:
         """A chunk reached its driver (batch ``bid``; 0 for a chunk without runs)."""
         if not t.state.final:
             self._set(t, State.TRANSFERRING)
-            t.last_sent = last
+            t.last_sent = t.last_sent or last  # (a part's "submitted" never takes it back)
             if bid:
                 t.batches.add(bid)
                 t.bytes += nbytes

@@ -107,6 +107,13 @@ log = logging.getLogger(__name__)
 #: A caller thread's claim on a lane on probation while it picks it (then its transfer's).
 _PICKING = object()
 
+
+def _part_done(transfer: object, token: int) -> None:
+    """A paced part of ``transfer`` has no slice waiting or in the driver any more."""
+    assert isinstance(transfer, Transfer)
+    transfer.paced.discard(token)
+
+
 #: A driver that cannot fence a departed peer yet is asked again after this long, doubling up
 #: to the second figure, and given up on (pages stay held) after the third.
 FENCE_RETRY_FIRST_S = 0.5
@@ -579,8 +586,10 @@ class Session:
         if pacer is not None and pacer.takes(transfer, runs.total_bytes):
             # In slices, between which smaller transfers go (``runtime.pacing``).
             self.endpoint.check_running()
-            pacer.add(transfer, runs, last)
-            return 0
+            token = self.endpoint.next_batch_id()
+            transfer.paced.add(token)  # (before any slice of it can finish)
+            pacer.add(transfer, runs, last, token)
+            return token
         return self._submit_batch(transfer, lane, runs, last, inline=inline, express=express)
 
     def pacer(self, lane: Lane) -> Pacer | None:
@@ -599,6 +608,7 @@ class Session:
                         self.endpoint.next_batch_id,
                         functools.partial(self._slice_bytes, lane),
                         limits.slices_in_flight,
+                        _part_done,
                     )
         return pacer
 
