@@ -342,31 +342,6 @@ def test_a_lane_whose_completions_stop_fails_over_after_the_stall_timeout(pair: 
     assert pair.prefill.metrics.snapshot()["failovers"] == failovers
 
 
-@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-def test_a_driver_stuck_inside_submit_is_a_stall_too(
-    tmp_path: Path, scenario: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    """The chosen driver's ``submit`` does not return (an engine call stuck in the failed
-    path): the transfer handed to it moves to the standby after the stall limit and arrives
-    byte-exact; the stuck call, once it returns, changes nothing. (Handed over on the driver's
-    thread: a submit made on the caller's own thread keeps that thread as long as it hangs.)"""
-    pair = Pair(tmp_path, scenario, limits=Limits(inline_submit_bytes=1))
-    try:
-        assert pair.round("before", [1, 2], [3, 4]) == pair.chosen
-        pair.fault.write_text("hang")
-        with caplog.at_level(logging.WARNING, logger="kvtransport"):
-            t, r = pair.start("stuck", [5, 6, 7], [8, 9, 10])
-            assert t.wait(10) is State.SUCCESS and r.wait(10) is State.SUCCESS
-        assert t.driver == pair.standby and t.failovers == 1 and t.failed_over_from == pair.chosen
-        assert "its submit has not returned" in caplog.text, caplog.text
-        pair.fault.unlink()
-        assert pair.pools[1].page_digests([8, 9, 10]) == pair.pools[0].page_digests([5, 6, 7])
-        assert pair.round("after", [11, 12], [13, 14]) == pair.standby  # (quarantined meanwhile)
-    finally:
-        pair.fault.unlink(missing_ok=True)
-        pair.close()
-
-
 def test_a_stall_without_a_lane_to_go_to_waits_as_before(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without a standby the stall check does nothing: the transfer waits (for the transfer
     timeout, as ever), and completes when its completions come back."""

@@ -246,7 +246,6 @@ class Failover:
         # The old lane's batches no longer count (their news is ignored from now on), nor
         # their bytes; the transfer is not done until the new lane's batches are.
         t.batches = set()
-        t.unnoted = set()  # (a submit stuck on the old lane says nothing of the new one)
         t.bytes = 0
         t.last_sent = False
         # Until the move has its plan lock, the old lane's parts count for nothing (else their
@@ -316,7 +315,7 @@ class Failover:
         waiting = [
             t
             for t in s.protocol.transfers.values()
-            if t.role == SEND and t.lane is not None and (t.batches or t.unnoted) and can_move(t)
+            if t.role == SEND and t.lane is not None and t.batches and can_move(t)
         ]
         # What each lane has in flight for this connection: a burst served together finishes
         # its first batch only after most of the burst's bytes moved.
@@ -331,7 +330,7 @@ class Failover:
             )
         for t in waiting:
             lane = t.lane
-            if lane is None or not (t.batches or t.unnoted) or t.state.final or lane.broken:
+            if lane is None or not t.batches or t.state.final or lane.broken:
                 continue  # moved or ended by an earlier one of this pass
             # From the later of its latest part's submission and its lane's latest completion:
             # a layer-wise send waiting for its next layers is not a stalled lane.
@@ -339,21 +338,12 @@ class Failover:
             limit = self._limit(lane, *in_flight[lane.name])
             if now - since <= limit or s.failover_target(lane) is None:
                 continue
-            stuck = not t.batches
             error = DriverError(
-                f"{lane.name}: {'its submit has not returned' if stuck else 'no batch finished'} for "
-                f"{now - since:.2f} s while {t.tag!r} waited (stall limit {limit:.2f} s: KVTRANSPORT_STALL_TIMEOUT, "
-                f"or {STALL_FACTOR:g}x the time of what it had in flight at the lane's rate)"
+                f"{lane.name}: no batch finished for {now - since:.2f} s while {t.tag!r} waited (stall limit "
+                f"{limit:.2f} s: KVTRANSPORT_STALL_TIMEOUT, or {STALL_FACTOR:g}x the time of what it had in flight "
+                "at the lane's rate)"
             )
-            if stuck:
-                # Handed to the driver and never back from ``submit``: it counts as submitted and
-                # failed (its "submitted", if it ever comes, finds the transfer moved).
-                bid = next(iter(t.unnoted))
-                t.unnoted.discard(bid)
-                t.batches.add(bid)
-            else:
-                bid = next(iter(t.batches))
-            s.run(s.protocol.batch_failed(t, bid, error))
+            s.run(s.protocol.batch_failed(t, next(iter(t.batches)), error))
         if waiting and not s.closed:
             self._watch = s.timers.call_later(self._period(), self._check)
 

@@ -658,7 +658,6 @@ class Session:
         bid = bid or (ep.next_batch_id() if len(runs) else 0)
 
         def noted() -> None:
-            transfer.unnoted.discard(bid)
             if transfer.lane is not lane or (transfer.moving_to is not None and transfer.moving_to is not lane):
                 return  # it moved (or is moving) to another lane meanwhile (``runtime.failover``)
             self.submitted(transfer, bid, runs.total_bytes, last)
@@ -688,11 +687,6 @@ class Session:
                 self.run(self.protocol.batch_failed(transfer, bid, error))
                 self.slices_done(bid=bid)
 
-        if bid and len(self.lanes) > 1:
-            # Handed over, not yet in the engine: a driver stuck inside ``submit`` (or a runner
-            # stuck behind one) is a stall too (``Failover._check``), seen from now on.
-            transfer.unnoted.add(bid)
-            ep.post(self.failover.watch)
         if inline and runs.total_bytes <= ep.limits.inline_submit_bytes:
             # On this thread when the driver allows it and its thread is idle: a small request
             # then reaches the engine with no thread hop.
