@@ -331,3 +331,32 @@ def test_an_empty_last_part_behind_slices_reaches_no_driver(tmp_path: Path) -> N
         assert seen and 0 not in seen, seen
     finally:
         pair.close()
+
+
+def test_a_layerwise_stream_is_not_settled_while_a_group_waits_for_its_driver(tmp_path: Path) -> None:
+    """A group handed to a busy driver's thread, not yet submitted (its source pages not yet
+    read): the stream is not settled until the driver took it and it landed."""
+    from kvtransport.testing.conformance import EVERY_LAYER
+
+    pair = Pair(tmp_path, "one-sided", driver_options={"fake.delay": "0.05"})
+    try:
+        driver = pair.prefill.drivers[pair.chosen]
+        submit, busy = driver.submit, threading.Event()
+
+        def slow_first(peer: str, runs: Runs) -> int:
+            if not busy.is_set():
+                busy.set()
+                time.sleep(0.3)  # the driver's thread busy: the next groups wait behind it
+            return submit(peer, runs)
+
+        driver.submit = slow_first  # type: ignore[method-assign]
+        t, r = pair.start("lw", None, list(range(24)))
+        stream = t.send_layerwise(list(range(24)), policy=EVERY_LAYER)
+        for layer in range(stream.num_layers):
+            stream.layer_ready(layer)
+        assert busy.wait(5) and stream.complete
+        assert not stream.settled, "settled while its groups wait for the driver's thread"
+        assert t.wait(10).name == "SUCCESS" and r.wait(10).name == "SUCCESS"
+        assert stream.settled
+    finally:
+        pair.close()

@@ -182,6 +182,9 @@ class Transfer:
         #: The tokens of its parts a lane's pacer holds in slices, until no slice of each waits
         #: or is in the driver (``runtime.pacing``; a layer-wise group's "batch" is its token).
         self.paced: set[int] = set()
+        #: Its batches handed to a lane's runner whose ``submit`` has not been noted yet (their
+        #: source pages are about to be read: a layer-wise stream is not settled meanwhile).
+        self.handed: set[int] = set()
         self.last_part_at = 0.0
         self.failovers = 0
         self.failed_over_at = 0.0

@@ -46,6 +46,8 @@ class StreamTransfer(Protocol):
     tag: str
     batches: set[int]
     paced: set[int]
+    handed: set[int]
+    failovers: int
     aborted_by_caller: str
 
     @property
@@ -116,12 +118,17 @@ class LayerStream:
 
     @property
     def settled(self) -> bool:
-        """Every layer was posted and no group is in the driver any more (each landed, or the
-        transfer failed): nothing of the chunk's source pages is still being read."""
-        if not self.complete:
-            return False
-        in_flight, paced = self._transfer.batches, self._transfer.paced
-        return not any(g.batch and (g.batch in in_flight or g.batch in paced) for g in self.groups)
+        """Every layer was posted and no group is in the driver or on its way there any more
+        (each landed, or the transfer failed), nor sent again after a failover: nothing of the
+        chunk's source pages is still being read."""
+        t = self._transfer
+        with self._lock:  # (a group being posted is appended under it)
+            if not self.complete:
+                return False
+            if t.failovers and not t.state.final:
+                return False  # moved: its parts are sent again, from the same source pages
+            busy = (t.batches, t.paced, t.handed)
+            return not any(g.batch and any(g.batch in b for b in busy) for g in self.groups)
 
     def layer_ready(self, layer: int, after: Any = None) -> None:
         """Layer ``layer``'s KV of this chunk is in place: now, or (``after``) once that signal

@@ -658,6 +658,7 @@ class Session:
         bid = bid or (ep.next_batch_id() if len(runs) else 0)
 
         def noted() -> None:
+            transfer.handed.discard(bid)
             if transfer.lane is not lane or (transfer.moving_to is not None and transfer.moving_to is not lane):
                 return  # it moved (or is moving) to another lane meanwhile (``runtime.failover``)
             self.submitted(transfer, bid, runs.total_bytes, last)
@@ -687,12 +688,18 @@ class Session:
                 self.run(self.protocol.batch_failed(transfer, bid, error))
                 self.slices_done(bid=bid)
 
-        if inline and runs.total_bytes <= ep.limits.inline_submit_bytes:
-            # On this thread when the driver allows it and its thread is idle: a small request
-            # then reaches the engine with no thread hop.
-            lane.runner.call_here(submit, failed)
-        else:
-            lane.runner.call(submit, failed)
+        if bid:
+            transfer.handed.add(bid)
+        try:
+            if inline and runs.total_bytes <= ep.limits.inline_submit_bytes:
+                # On this thread when the driver allows it and its thread is idle: a small
+                # request then reaches the engine with no thread hop.
+                lane.runner.call_here(submit, failed)
+            else:
+                lane.runner.call(submit, failed)
+        except BaseException:
+            transfer.handed.discard(bid)  # never reached the runner
+            raise
         if refused:
             # Run here, and the I/O thread would not take the batch (stopped, or backed up for
             # longer than a caller waits): the driver let go of it; the caller hears so now.
