@@ -582,7 +582,10 @@ class Session:
         if not again:
             transfer.sent_parts.append((runs, last))  # what a failover would send again
         transfer.last_part_at = time.monotonic()
-        pacer = self.pacer(lane)
+        # A part no larger than the smallest slice, of a transfer with no part in slices, goes
+        # whole without asking the pacer (nor making one): a small request's path stays as it was.
+        paceable = transfer.paced or runs.total_bytes > self.endpoint.limits.slice_bytes
+        pacer = self.pacer(lane) if paceable else None
         if pacer is not None and pacer.takes(transfer, runs.total_bytes):
             # In slices, between which smaller transfers go (``runtime.pacing``).
             self.endpoint.check_running()
