@@ -41,6 +41,9 @@ _CONFORMANCE_STAGED_CORE = [f"{name}[mooncake-default-ring]" for name in CONFORM
 FULL: dict[str, list[str]] = {
     # the SGLang scheduler clusters: SGLang's own prefill and decode schedulers in processes
     "test_sglang_scheduler": ["*"],
+    # the short open-loop replay of Mooncake's trace (four passes, about two minutes); the
+    # reader, the arrivals, the prefix cache and the CLI's refusals stay in the fast tier
+    "test_trace": ["test_a_short_replay_of_the_trace_*"],
     # vLLM's own scheduler in prefill and decode processes (each start imports vLLM: seconds);
     # the connector's parts without vLLM (test_vllm_parts) stay in the fast tier
     "test_vllm": ["*"],

@@ -325,10 +325,25 @@ def _add_bench(sub: Any) -> None:
         help="run the decode sides on the host serving --listen (a sweep, or one workload without --sweep)",
     )
     sweep.add_argument("--plot", metavar="FILE.png", help="draw bandwidth and latency per path (needs [plot])")
+    tr = p.add_argument_group("trace", "--trace FILE: open-loop replay of a serving trace (docs/performance.md)")
+    tr.add_argument("--trace", metavar="FILE", help="instead: replay this JSON-lines trace (Mooncake's format)")
+    tr.add_argument("--speedup", type=float, default=1.0, help="the trace's timestamps divided by this (default 1)")
+    tr.add_argument(
+        "--decode-cache-gib",
+        type=float,
+        default=8.0,
+        help="the decode side's prefix cache, by the trace's block hashes, in KV bytes of the layout "
+        "(default 8: at 4 layers, as a 64 GiB pool of the whole Llama-3-8B; 0: none)",
+    )
+    tr.add_argument("--pool-gib", type=float, default=1.0, help="decode pages for requests in flight (default 1)")
     hosts = p.add_argument_group("hosts", "--hosts 2: across simulated hosts on this machine (docs/network.md; root)")
     hosts.add_argument("--hosts", type=int, help="run the prefill and the decode on simulated hosts (2)")
     hosts.add_argument("--rails", type=int, default=1, help="links (switches) between the hosts (default 1)")
-    hosts.add_argument("--rate", help="shape every rail to this rate each way (tc: 10gbit, 800mbit)")
+    hosts.add_argument(
+        "--rate",
+        help="shape every rail to this rate each way (tc: 10gbit, 800mbit); with --trace: Poisson arrivals, "
+        "this many requests a second, instead of the trace's timestamps",
+    )
     hosts.add_argument("--cut-at", type=float, help="cut the prefill host off rail 0 this many seconds in")
     hosts.add_argument("--cut-for", type=float, default=5.0, help="seconds the cut lasts (default 5)")
     hosts.add_argument("--sim-plan", help=argparse.SUPPRESS)  # the child's placement (bench_hosts)
@@ -462,6 +477,8 @@ def bench_cmd(args: argparse.Namespace) -> int:
     if args.listen:
         os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # the peers it starts inherit it
         return _listen(args)
+    if args.trace is not None:
+        return _bench_trace(args, other_mode)
     if args.hosts is not None and not args.sim_plan:
         from kvtransport.tools import bench_hosts
 
@@ -583,6 +600,50 @@ def bench_cmd(args: argparse.Namespace) -> int:
     else:
         print(report.render())
     return 0 if report.integrity_ok else 1
+
+
+#: ``bench --trace`` replays this many requests unless ``--requests`` says otherwise.
+TRACE_REQUESTS = 500
+#: ... over 4 of Llama-3-8B's 32 layers unless ``--layers`` says otherwise (16 KiB a token: the
+#: trace's longest prompt, 126k tokens, is then 2 GiB).
+TRACE_LAYERS = 4
+
+
+def _bench_trace(args: argparse.Namespace, other_mode: Any) -> int:
+    from kvtransport.tools import bench_trace
+
+    given = set(args.argv)
+    if other_mode or args.hosts is not None or args.layerwise or args.consumer or args.compare or args.pin:
+        raise ConfigError("--trace runs alone: one prefill and one decode process on loopback")
+    if (args.prefill_tp, args.decode_tp) != (1, 1) or args.device is not None:
+        raise ConfigError("--trace replays between one prefill and one decode rank on host memory")
+    rate = None
+    if args.rate is not None:
+        try:
+            rate = float(args.rate)
+        except ValueError:
+            raise ConfigError(f"--rate with --trace is requests a second, not {args.rate!r}") from None
+    settings = bench_trace.TraceSettings(
+        path=args.trace,
+        requests=args.requests if "--requests" in given else TRACE_REQUESTS,
+        speedup=args.speedup,
+        rate=rate,
+        decode_cache_gib=args.decode_cache_gib,
+        pool_gib=args.pool_gib,
+        layers=args.layers if "--layers" in given else TRACE_LAYERS,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        page_tokens=args.page_tokens,
+        seed=args.seed,
+        baseline=not args.no_baseline,
+    )
+    if settings.requests is not None and settings.requests < 1:
+        raise ConfigError("--requests must be positive")
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+    with native_stdout_to_stderr():
+        doc = bench_trace.run(settings, driver=args.driver, timeout=args.timeout, progress=sys.stderr)
+    print(json.dumps(doc, indent=2) if args.json else bench_trace.render(doc))
+    return 0 if doc["integrity"]["ok"] else 1
 
 
 def _bench_tp(args: argparse.Namespace, workload: Any) -> int:

@@ -267,6 +267,20 @@ def _run(cmd: dict[str, Any], session: _Session) -> dict[str, Any]:
         return {"stats": ep.stats(), "process": process_resources()}
     if op == "ring_usage":
         return {name: driver.ring_usage() for name, driver in ep.drivers.items() if hasattr(driver, "ring_usage")}
+    if op == "replay":
+        # One step of ``bench --trace`` (an open loop: one call a step, never waiting): the new
+        # requests' pages announced (the bench poisons and checks them in its pauses); of the
+        # ``collect`` ones, those that ended, with when (this side's clock) and how, forgotten.
+        assert conn is not None
+        for tag, pages in cmd.get("expect", {}).items():
+            transfers[tag] = conn.expect(tag, pages)
+        ended = {}
+        for tag in cmd.get("collect", []):
+            t = transfers[tag]
+            if t.state.final:
+                ended[tag] = {"state": _state(t), "finished": t.finished}
+                del transfers[tag]
+        return {"ended": ended}
     if op == "poison":
         pool.poison(cmd["pages"])
         for group, items in enumerate(cmd.get("state", [])):

@@ -120,6 +120,9 @@ class _Receiver:
     lock: threading.Lock = field(default_factory=threading.Lock)
     #: Driven by the warm-up thread until then (the peer's connect waits for its answer).
     warm_until: float = 0.0
+    #: Its peer's connection ended (fenced, or forgotten): never driven again, even by a
+    #: thread that listed it just before (set under ``lock``).
+    retired: bool = False
 
 
 @dataclass
@@ -327,6 +330,7 @@ class NixlDataPath(KVTransport):
         receiver = self._spares.take()
         old = self._receivers.pop(peer, None)
         if old is not None:
+            _retire(old)
             self._spares.release(old)
         self._receivers[peer] = receiver
         self._warm(receiver)
@@ -381,6 +385,7 @@ class NixlDataPath(KVTransport):
             receiver = self._receivers.pop(peer, None)
             if receiver is None:
                 return False  # it wrote into the endpoint-wide agent
+            _retire(receiver)
             fenced = _Fenced(receiver, self._processes.pop(peer, None), time.monotonic())
             self._fenced[peer] = fenced
             self._prune_fenced()
@@ -402,13 +407,24 @@ class NixlDataPath(KVTransport):
             return process_sockets.ended(process)
         return True
 
-    def _drop_receivers(self) -> None:
+    def _stop_warming(self) -> None:
         with self._warm_cv:
             self._closing = True
             self._warm_cv.notify()
             warmer, self._warmer = self._warmer, None
         if warmer is not None:
             warmer.join(timeout=5.0)
+
+    def _quiesce(self) -> None:
+        """At ``close``: no agent is driven from here on (no warm-up, no ``_tidy``, no receive
+        agent): the peers are closing too, as often as not, and what is left of their
+        connections goes with the agents (see ``disconnect``)."""
+        self._stop_warming()
+        for receiver in [*self._receivers.values(), *(f.receiver for f in self._fenced.values() if f.receiver)]:
+            _retire(receiver)
+
+    def _drop_receivers(self) -> None:
+        self._stop_warming()
         held = [*self._receivers.values(), *(f.receiver for f in self._fenced.values() if f.receiver)]
         self._receivers.clear()
         self._fenced.clear()
@@ -613,6 +629,15 @@ class NixlDataPath(KVTransport):
 
     def disconnect(self, peer: str) -> None:
         target = self._peers.pop(peer, None)
+        # Before anything of the peer's is removed: the agent sees the connections peers
+        # closed since (``_tidy``), and the peer's receive agent is no longer driven. Driving
+        # an agent while a peer's engine tears its side down is what UCX cannot always take:
+        # UCX 1.23's TCP transport reconnects an endpoint whose connection the departing peer
+        # reset, is refused, and destroys the failed endpoint from inside the next progress
+        # call with a request still queued on it, an assertion that aborts the process
+        # (``stubs.c:107``, seen at endpoint close in the SGLang scheduler tests).
+        self._tidy()
+        self._forget_receiver(peer, connected=target is not None)
         parts: list[Part] = []
         for handle, batch in list(self._batches.items()):
             if batch.peer == peer:
@@ -627,8 +652,6 @@ class NixlDataPath(KVTransport):
                 self._agent.remove_remote_agent(target.agent)
             except Exception as exc:  # noqa: BLE001 - the peer may be gone already
                 log.debug("%s: removing remote agent %s: %s", self.name, target.agent, exc)
-        self._forget_receiver(peer, connected=target is not None)
-        self._tidy()
 
     def _tidy(self) -> None:
         """Let the endpoint's agent see the connections its peers closed. UCX closes its side
@@ -636,7 +659,7 @@ class NixlDataPath(KVTransport):
         agent: the sockets of every peer receive agent closed since (8 a connection) stayed
         open, half closed, until the next transfer. Driven here at each connect and
         disconnect (runner thread), what is left is the last few connections'."""
-        if self._agent is not None:
+        if self._agent is not None and not self._closing:
             for _ in range(TIDY_PASSES):
                 try:
                     self._agent.get_new_notifs()
@@ -653,6 +676,8 @@ class NixlDataPath(KVTransport):
         carried every earlier one's (8 descriptors a connection on each side, without bound),
         so it is closed instead; one nobody connected serves the next peer."""
         receiver = self._receivers.pop(peer, None)
+        if receiver is not None and connected:
+            _retire(receiver)
         if receiver is not None and self._spares is not None:
             if connected:
                 self._spares.release(receiver)
@@ -663,6 +688,7 @@ class NixlDataPath(KVTransport):
     def close(self) -> None:
         if self._agent is None:
             return
+        self._quiesce()
         for peer in list(self._peers):
             self.disconnect(peer)
         for handle in list(self._batches):
@@ -705,10 +731,16 @@ def _info(agent: str, meta: bytes, kind: MemoryKind, main: str) -> bytes:
     return info
 
 
-def _drive(receiver: _Receiver) -> None:
-    """One progress call of a receive agent (not one fenced or closed meanwhile)."""
+def _retire(receiver: _Receiver) -> None:
+    """``receiver``'s connection ended: no thread drives it again (see ``NixlDataPath.close``)."""
     with receiver.lock:
-        if receiver.agent is not None and receiver.registered is not None:
+        receiver.retired = True
+
+
+def _drive(receiver: _Receiver) -> None:
+    """One progress call of a receive agent (not one retired, fenced or closed meanwhile)."""
+    with receiver.lock:
+        if receiver.agent is not None and receiver.registered is not None and not receiver.retired:
             try:
                 receiver.agent.get_new_notifs()
             except Exception as exc:  # noqa: BLE001 - the peer failed: its transfers say so

@@ -182,7 +182,8 @@ class NixlStaged(StagedTransport, NixlDataPath):
                     self._agent.remove_remote_agent(remote)
                 except Exception:  # noqa: BLE001 - the peer may be gone already
                     pass
-        self._tidy()
+        # (no ``_tidy`` after the removal: the base class's ``disconnect`` drove the agent
+        # before it, see there)
 
     def _tidy(self) -> None:
         with self.agent_lock:  # the wire threads share the agent
@@ -206,6 +207,7 @@ class NixlStaged(StagedTransport, NixlDataPath):
             self._ring_reg = self._ring_map = self._ring_view = None
             return
         # Every stage stopped: nothing touches the ring after this.
+        self._quiesce()
         for peer in list(self._remote):
             self.disconnect(peer)
         with self.agent_lock:
