@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Iterator
 from typing import ClassVar
@@ -673,3 +674,36 @@ def test_a_departed_peers_pages_come_back_only_once_every_lane_fenced_it(fence: 
         else:
             assert not r.drained.wait(2), "given back although the driver cannot fence the peer"
             assert driver.fence_calls[recv_conn.id] >= 2
+
+
+class _ClosingOrder(FakeDriver):
+    """The fake driver, noting when the endpoint's close reaches it, and on which thread."""
+
+    capabilities = FakeDriver.capabilities
+    events: ClassVar[list[tuple[str, str]]] = []
+
+    def closing(self) -> None:
+        self.events.append(("closing", threading.current_thread().name))
+
+    def disconnect(self, peer: str) -> None:
+        self.events.append(("disconnect", threading.current_thread().name))
+        super().disconnect(peer)
+
+    def close(self) -> None:
+        self.events.append(("close", threading.current_thread().name))
+        super().close()
+
+
+def test_an_endpoints_close_says_closing_to_its_drivers_before_any_disconnect() -> None:
+    """``closing()`` comes first, on the closing thread, then the connection's disconnect (on
+    the driver's thread) and ``close``: a driver that must stop driving its engine while the
+    peers tear down (nixl-ucx) learns it before anything of the peers goes."""
+    _ClosingOrder.events = []
+    with endpoints(drivers={"fake": _ClosingOrder}) as (prefill, *_):
+        prefill.close()
+        events = list(_ClosingOrder.events)
+    ours = events[: events.index(("close", threading.current_thread().name)) + 1]
+    assert ours[0] == ("closing", threading.current_thread().name), events
+    kinds = [kind for kind, _ in ours]
+    assert kinds.count("closing") == 1 and "disconnect" in kinds, events
+    assert all(thread != threading.current_thread().name for kind, thread in ours if kind == "disconnect"), events

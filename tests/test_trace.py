@@ -219,6 +219,12 @@ def test_a_short_replay_of_the_trace_is_verified_and_keeps_small_requests_off_la
         (["--trace", str(TRACE), "--hosts", "2"], "--trace runs alone"),
         (["--trace", str(TRACE), "--prefill-tp", "2"], "between one prefill and one decode rank"),
         (["--trace", str(TRACE), "--requests", "0"], "--requests must be positive"),
+        (["--trace", str(TRACE), "--requests=0"], "--requests must be positive"),
+        (["--trace", str(TRACE), "--listen", "127.0.0.1:0"], "--trace runs alone"),
+        (["--trace", str(TRACE), "--prompt-tokens=512"], "--prompt-tokens do not apply to --trace"),
+        (["--trace", str(TRACE), "--speedup", "2", "--rate", "5"], "one or the other"),
+        (["--trace", str(TRACE), "--decode-cache-gib", "-1"], "--decode-cache-gib must be 0 or more"),
+        (["--speedup", "2"], "--speedup need --trace"),
     ],
 )
 def test_bench_trace_refuses_what_it_cannot_replay_with_the_reason(args: list[str], why: str) -> None:

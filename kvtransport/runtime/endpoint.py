@@ -342,6 +342,11 @@ class Endpoint:
             return
         self._closed = True
         self._wake_acceptors()
+        for name, driver in list(self.drivers.items()):
+            try:
+                driver.closing()
+            except Exception:
+                log.exception("driver %s failed to prepare for closing", name)
 
         def final() -> None:
             for session in list(self.sessions.values()):

@@ -380,6 +380,13 @@ class KVTransport(ABC):
     def disconnect(self, peer: str) -> None:  # noqa: B027 - optional hook
         """Forget ``peer``; its in-flight batches fail."""
 
+    def closing(self) -> None:
+        """The endpoint is closing: the peers' disconnects and then :meth:`close` follow on the
+        driver's thread. Called once, on the thread that closes the endpoint, before any of
+        them; it must not block on the driver's thread. An engine that must not be driven
+        while its peers tear down (``nixl-ucx``) stops driving here. Default: nothing."""
+        return None
+
     @abstractmethod
     def close(self) -> None:
         """Release everything the driver registered or started. Idempotent."""

@@ -17,10 +17,18 @@ saw it complete (*wire*: send to decode Success). Passes, all over the same arri
 * ``raw FIFO`` and ``raw FIFO, small alone``: the same arrivals through the driver's engine used
   directly by a plain client that writes one request after another in arrival order.
 
-Every page of every request is checked on the decode side (crc32 against the prefill's pages).
-Verification stays off the clock: kvtransport's decode side checks pages in the same step that
-announces new requests (its CPU for that is taken out of its CPU per GB); the raw client checks
-in batches, and the replay's clock stops for them.
+Every page of every request is checked on the decode side (crc32 against the prefill's pages),
+off the clock: decode pages go round the pool in a fixed scattered order; when they run out, the
+pass waits for its requests in flight, stops its clock, has the decode side check every request
+since the last pause and poison the pool, and goes on where it stopped (:class:`Checker`; each
+side's CPU is counted between pauses only). ``--pool-gib`` sizes the pool; the report counts the
+pauses.
+
+What the figures include besides the transfer: kvtransport's queued time has the harness's
+round trip to the decode process (which announces a request's pages, as a decode scheduler
+would) and up to ``IDLE_S`` of polling; its end is the decode side's Success, the raw client's
+the return of its write (the bytes are at the peer). A p99 over fewer than 100 requests is
+their maximum.
 """
 
 from __future__ import annotations
@@ -318,7 +326,7 @@ def _replay(
         now = time.monotonic()
         if now > deadline:
             raise KVTransportError(
-                f"trace replay ({name}): {len(flights) + len(waiting)} requests still open "
+                f"trace replay ({name}): {len(flights) + len(waiting)} requests still open, none ended for "
                 f"{timeout:g} s after the last arrival"
             )
         while nxt < len(planned) and epoch + planned[nxt].arrival_s <= now:
@@ -342,22 +350,30 @@ def _replay(
         ended_now: dict[str, Any] = {}
         if announce or collect:
             ended_now = peer.call("replay", expect=announce, collect=collect, timeout=timeout)["ended"]
+        if ended_now:
+            # A stall, not a slow backlog, ends the replay: the deadline moves with progress.
+            deadline = max(deadline, time.monotonic() + timeout)
         for tag, ended in ended_now.items():
             f = flights.pop(tag)
             state = ended["state"]
             f.outcome.finished_s = float(ended["finished"]) - epoch
-            f.outcome.ok = state[0] == "SUCCESS"
-            f.outcome.error = "" if f.outcome.ok else f"{state[1]}: {state[2]}"
+            f.outcome.ok = state[0] == "SUCCESS" and not f.outcome.error
+            f.outcome.error = f.outcome.error or ("" if f.outcome.ok else f"{state[1]}: {state[2]}")
             result.outcomes.append(f.outcome)
             checker.note(f.outcome, f.src, f.dst)
             if progress is not None and len(result.outcomes) % 50 == 0:
                 progress.write(f"\r  {name}: {len(result.outcomes)}/{len(planned)} requests")
                 progress.flush()
         for f in flights.values():
-            if not f.sent and f.sender.state is not State.BOOTSTRAPPING:
-                f.outcome.sent_s = time.monotonic() - epoch
-                f.sender.send(f.src, last=True)
-                f.sent = True
+            if f.sent or f.sender.state is State.BOOTSTRAPPING:
+                continue
+            f.outcome.sent_s = time.monotonic() - epoch
+            f.sent = True  # (sent or failed: either way the decode side's end is collected)
+            if f.sender.state is State.WAITING_FOR_INPUT:
+                try:
+                    f.sender.send(f.src, last=True)
+                except KVTransportError as exc:
+                    f.outcome.error = f"{type(exc).__name__}: {exc}"
         if not announce and not ended_now:
             wake = epoch + planned[nxt].arrival_s if nxt < len(planned) else math.inf
             time.sleep(max(0.0, min(IDLE_S, wake - time.monotonic())))
@@ -434,10 +450,10 @@ def run(
     if progress is not None:
         progress.write(f"filling {pool_pages * page_bytes / GiB:.2f} GiB of prefill KV\n")
     pool = KVPool(pool_pages, workload.regions, workload.item_len, 0, shared=False)
-    pool.fill(settings.seed)
     pairs: list[tuple[Endpoint, PeerProcess | None]] = []
     raw: RawEngine | None = None
     try:
+        pool.fill(settings.seed)
         endpoint, peer, conn = _open_pair(pool, workload, driver, timeout, pairs)
         assert conn.decision is not None and conn.peer_regions is not None
         decision = conn.decision

@@ -472,13 +472,16 @@ def bench_cmd(args: argparse.Namespace) -> int:
             print(f"{p.key:<18}{p.name:<17}{p.note}")
         return 0
     other_mode = args.listen or args.sweep or args.connect or args.connects is not None or args.in_flight is not None
-    if args.pin and (other_mode or (args.prefill_tp, args.decode_tp) != (1, 1)):
+    if args.pin and args.trace is None and (other_mode or (args.prefill_tp, args.decode_tp) != (1, 1)):
         raise KVTransportError("--pin pins the one prefill and one decode process of the plain bench only")
+    if args.trace is not None:
+        return _bench_trace(args, other_mode)
     if args.listen:
         os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # the peers it starts inherit it
         return _listen(args)
-    if args.trace is not None:
-        return _bench_trace(args, other_mode)
+    stray = [f for f in _TRACE_ONLY if f in {a.split("=", 1)[0] for a in args.argv}]
+    if stray:
+        raise ConfigError(f"{', '.join(stray)} need --trace")
     if args.hosts is not None and not args.sim_plan:
         from kvtransport.tools import bench_hosts
 
@@ -602,6 +605,21 @@ def bench_cmd(args: argparse.Namespace) -> int:
     return 0 if report.integrity_ok else 1
 
 
+#: Flags of the other modes, refused with ``--trace`` rather than ignored.
+_NOT_WITH_TRACE = {
+    "--prompt-tokens",
+    "--placement",
+    "--pool-factor",
+    "--warmup",
+    "--cut-at",
+    "--cut-for",
+    "--rails",
+    "--plot",
+    "--compute-ms-per-layer",
+    "--compute",
+}
+#: ... and flags of ``--trace`` refused without it.
+_TRACE_ONLY = ("--speedup", "--decode-cache-gib", "--pool-gib")
 #: ``bench --trace`` replays this many requests unless ``--requests`` says otherwise.
 TRACE_REQUESTS = 500
 #: ... over 4 of Llama-3-8B's 32 layers unless ``--layers`` says otherwise (16 KiB a token: the
@@ -612,11 +630,18 @@ TRACE_LAYERS = 4
 def _bench_trace(args: argparse.Namespace, other_mode: Any) -> int:
     from kvtransport.tools import bench_trace
 
-    given = set(args.argv)
+    given = {a.split("=", 1)[0] for a in args.argv if a.startswith("--")}
     if other_mode or args.hosts is not None or args.layerwise or args.consumer or args.compare or args.pin:
         raise ConfigError("--trace runs alone: one prefill and one decode process on loopback")
     if (args.prefill_tp, args.decode_tp) != (1, 1) or args.device is not None:
         raise ConfigError("--trace replays between one prefill and one decode rank on host memory")
+    ignored = sorted(given & _NOT_WITH_TRACE)
+    if ignored:
+        raise ConfigError(f"{', '.join(ignored)} do not apply to --trace (its requests' lengths come from the trace)")
+    if "--speedup" in given and args.rate is not None:
+        raise ConfigError("--speedup scales the trace's timestamps, --rate replaces them: one or the other")
+    if args.decode_cache_gib < 0 or args.pool_gib <= 0:
+        raise ConfigError("--decode-cache-gib must be 0 or more, --pool-gib positive")
     rate = None
     if args.rate is not None:
         try:

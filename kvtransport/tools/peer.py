@@ -277,7 +277,7 @@ def _run(cmd: dict[str, Any], session: _Session) -> dict[str, Any]:
         ended = {}
         for tag in cmd.get("collect", []):
             t = transfers[tag]
-            if t.state.final:
+            if t.state.final and t.finished > 0:  # (the I/O thread sets the state, then the time)
                 ended[tag] = {"state": _state(t), "finished": t.finished}
                 del transfers[tag]
         return {"ended": ended}

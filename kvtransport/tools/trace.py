@@ -59,7 +59,7 @@ def bucket_of(tokens: int) -> str:
 
 
 def load(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
-    """The first ``limit`` requests (all: ``None``) of the trace at ``path``, in arrival order.
+    """The requests of the trace's first ``limit`` lines (all: ``None``), in arrival order.
     A missing file or a malformed line raises :class:`KVTransportError` naming the line."""
     p = Path(path)
     if not p.is_file():

@@ -415,10 +415,15 @@ class NixlDataPath(KVTransport):
         if warmer is not None:
             warmer.join(timeout=5.0)
 
-    def _quiesce(self) -> None:
-        """At ``close``: no agent is driven from here on (no warm-up, no ``_tidy``, no receive
-        agent): the peers are closing too, as often as not, and what is left of their
+    def closing(self) -> None:
+        """The endpoint closes: from here no agent is driven (no warm-up, no ``_tidy``, no
+        ``progress``): the peers are closing too, as often as not, and what is left of their
         connections goes with the agents (see ``disconnect``)."""
+        self._stop_warming()
+
+    def _quiesce(self) -> None:
+        """At ``close`` (also when no endpoint said ``closing``): as ``closing``, and every
+        receive agent retired."""
         self._stop_warming()
         for receiver in [*self._receivers.values(), *(f.receiver for f in self._fenced.values() if f.receiver)]:
             _retire(receiver)
@@ -621,6 +626,8 @@ class NixlDataPath(KVTransport):
 
     def progress(self) -> None:
         agent = self._agent
+        if self._closing:
+            return  # (``closing``)
         if agent is not None:
             self._call("progress", agent.get_new_notifs)
         for receiver in list(self._receivers.values()):
@@ -629,14 +636,14 @@ class NixlDataPath(KVTransport):
 
     def disconnect(self, peer: str) -> None:
         target = self._peers.pop(peer, None)
-        # Before anything of the peer's is removed: the agent sees the connections peers
-        # closed since (``_tidy``), and the peer's receive agent is no longer driven. Driving
+        # Before anything of the peer's is removed: the peer's receive agent is no longer
+        # driven, its batches are aborted, and then the agent sees the connections peers
+        # closed since (``_tidy``; not once the endpoint is closing). Driving
         # an agent while a peer's engine tears its side down is what UCX cannot always take:
         # UCX 1.23's TCP transport reconnects an endpoint whose connection the departing peer
         # reset, is refused, and destroys the failed endpoint from inside the next progress
         # call with a request still queued on it, an assertion that aborts the process
         # (``stubs.c:107``, seen at endpoint close in the SGLang scheduler tests).
-        self._tidy()
         self._forget_receiver(peer, connected=target is not None)
         parts: list[Part] = []
         for handle, batch in list(self._batches.items()):
@@ -647,6 +654,7 @@ class NixlDataPath(KVTransport):
         # agent is not one NIXL documents releasing.
         if parts and not self._stop_parts(parts, timeout=DISCONNECT_GRACE_S):
             log.warning("%s: parts of batches to %s still running at disconnect", self.name, peer)
+        self._tidy()
         if target is not None and self._agent is not None:
             try:
                 self._agent.remove_remote_agent(target.agent)
