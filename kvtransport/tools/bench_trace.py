@@ -76,6 +76,8 @@ class TraceSettings:
     decode_cache_gib: float = 8.0
     #: Decode pages for requests in flight (at least two of the largest request).
     pool_gib: float = 1.0
+    #: 4 of Llama-3-8B's 32 layers: 16 KiB a token, so the trace's longest prompt (126k
+    #: tokens) is 2 GiB.
     layers: int = 4
     kv_heads: int = 8
     head_dim: int = 128
@@ -95,6 +97,11 @@ class TraceSettings:
     def item_len(self) -> int:
         return self.page_tokens * self.kv_heads * self.head_dim * self.dtype_bytes
 
+    @property
+    def page_bytes(self) -> int:
+        """KV bytes of one page, every layer's K and V."""
+        return self.item_len * 2 * self.layers
+
     def describe(self) -> str:
         return (
             f"{self.layers} layers x (K,V), {self.kv_heads} KV heads x {self.head_dim} x {8 * self.dtype_bytes}-bit "
@@ -110,10 +117,6 @@ class Planned:
     arrival_s: float
     cached_tokens: int
     pages: int
-
-    @property
-    def moved_tokens(self) -> int:
-        return self.request.input_tokens - self.cached_tokens
 
 
 @dataclass
@@ -286,7 +289,6 @@ class Checker:
 
 @dataclass
 class _Flight:
-    planned: Planned
     outcome: Outcome
     src: list[int]
     dst: list[int]
@@ -295,7 +297,7 @@ class _Flight:
 
 
 def _outcome(p: Planned, settings: TraceSettings) -> Outcome:
-    return Outcome(p.request.index, p.request.bucket, p.pages * settings.item_len * 2 * settings.layers, p.arrival_s)
+    return Outcome(p.request.index, p.request.bucket, p.pages * settings.page_bytes, p.arrival_s)
 
 
 def _replay(
@@ -342,7 +344,7 @@ def _replay(
             tag = f"{tag_prefix}{p.request.index}"
             dst = ring.take(p.pages)
             src = sorted(rng.choice(pool.num_pages, p.pages, replace=False).tolist())
-            flights[tag] = _Flight(p, _outcome(p, settings), src, dst, conn.sender(tag))
+            flights[tag] = _Flight(_outcome(p, settings), src, dst, conn.sender(tag))
             announce[tag] = dst
         # The decode side is asked about a request once this side's writes ended (its own
         # clock stamps when it saw it complete, so asking later changes no figure).
@@ -433,7 +435,7 @@ def run(
 ) -> dict[str, Any]:
     """Replay the trace; the report as a dict (``render`` prints it)."""
     planned = prepare(settings)
-    page_bytes = settings.item_len * 2 * settings.layers
+    page_bytes = settings.page_bytes
     largest = max(p.pages for p in planned)
     pool_pages = max(math.ceil(settings.pool_gib * GiB / page_bytes), 2 * largest)
     workload = Workload(
@@ -458,13 +460,16 @@ def run(
         assert conn.decision is not None and conn.peer_regions is not None
         decision = conn.decision
         small = [p for p in planned if p.request.bucket == SMALL]
+        # The small requests alone: only when the trace has others beside them.
+        alone = settings.small_alone and 0 < len(small) < len(planned)
         # Warm-up, untimed (first touches, the lanes' first batches): the first requests at once.
         warm = [dataclasses.replace(p, arrival_s=0.0) for p in planned[: min(16, len(planned))]]
         _replay("warm-up", conn, peer, pool, warm, settings, timeout, None, "w")
         passes = [_replay("kvtransport", conn, peer, pool, planned, settings, timeout, progress, "k")]
-        if settings.small_alone and small and len(small) < len(planned):
-            alone = _replay("kvtransport, small alone", conn, peer, pool, small, settings, timeout, progress, "s")
-            passes.append(alone)
+        if alone:
+            passes.append(
+                _replay("kvtransport, small alone", conn, peer, pool, small, settings, timeout, progress, "s")
+            )
         raw_cls = raw_engine_of(endpoint.classes[decision.driver]) if settings.baseline else None
         if raw_cls is not None:
             info = peer.call("raw_open", driver=decision.driver, timeout=timeout)["info"]
@@ -472,7 +477,7 @@ def run(
             raw.connect(base64.b64decode(info))
             args = (peer, pool, conn.peer_regions.kv)
             passes.append(_replay_raw("raw FIFO", raw, *args, planned, settings, endpoint.max_run_bytes, timeout))
-            if settings.small_alone and small and len(small) < len(planned):
+            if alone:
                 passes.append(
                     _replay_raw("raw FIFO, small alone", raw, *args, small, settings, endpoint.max_run_bytes, timeout)
                 )

@@ -479,7 +479,7 @@ def bench_cmd(args: argparse.Namespace) -> int:
     if args.listen:
         os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # the peers it starts inherit it
         return _listen(args)
-    stray = [f for f in _TRACE_ONLY if f in {a.split("=", 1)[0] for a in args.argv}]
+    stray = [f for f in _TRACE_ONLY if f in _flags_given(args)]
     if stray:
         raise ConfigError(f"{', '.join(stray)} need --trace")
     if args.hosts is not None and not args.sim_plan:
@@ -620,17 +620,17 @@ _NOT_WITH_TRACE = {
 }
 #: ... and flags of ``--trace`` refused without it.
 _TRACE_ONLY = ("--speedup", "--decode-cache-gib", "--pool-gib")
-#: ``bench --trace`` replays this many requests unless ``--requests`` says otherwise.
-TRACE_REQUESTS = 500
-#: ... over 4 of Llama-3-8B's 32 layers unless ``--layers`` says otherwise (16 KiB a token: the
-#: trace's longest prompt, 126k tokens, is then 2 GiB).
-TRACE_LAYERS = 4
+
+
+def _flags_given(args: argparse.Namespace) -> set[str]:
+    """The long flags on the command line (``--requests 5`` and ``--requests=5`` alike)."""
+    return {a.split("=", 1)[0] for a in args.argv if a.startswith("--")}
 
 
 def _bench_trace(args: argparse.Namespace, other_mode: Any) -> int:
     from kvtransport.tools import bench_trace
 
-    given = {a.split("=", 1)[0] for a in args.argv if a.startswith("--")}
+    given = _flags_given(args)
     if other_mode or args.hosts is not None or args.layerwise or args.consumer or args.compare or args.pin:
         raise ConfigError("--trace runs alone: one prefill and one decode process on loopback")
     if (args.prefill_tp, args.decode_tp) != (1, 1) or args.device is not None:
@@ -648,19 +648,22 @@ def _bench_trace(args: argparse.Namespace, other_mode: Any) -> int:
             rate = float(args.rate)
         except ValueError:
             raise ConfigError(f"--rate with --trace is requests a second, not {args.rate!r}") from None
+    # --requests and --layers have the plain bench's defaults; the replay's own (TraceSettings)
+    # hold unless they were given.
+    own = {"requests": args.requests} if "--requests" in given else {}
+    own |= {"layers": args.layers} if "--layers" in given else {}
     settings = bench_trace.TraceSettings(
         path=args.trace,
-        requests=args.requests if "--requests" in given else TRACE_REQUESTS,
         speedup=args.speedup,
         rate=rate,
         decode_cache_gib=args.decode_cache_gib,
         pool_gib=args.pool_gib,
-        layers=args.layers if "--layers" in given else TRACE_LAYERS,
         kv_heads=args.kv_heads,
         head_dim=args.head_dim,
         page_tokens=args.page_tokens,
         seed=args.seed,
         baseline=not args.no_baseline,
+        **own,
     )
     if settings.requests is not None and settings.requests < 1:
         raise ConfigError("--requests must be positive")
